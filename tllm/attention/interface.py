@@ -1,0 +1,77 @@
+"""The attention-backend interface: the metadata every backend reads, and a registry."""
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner. Tokens of all requests are flattened into one
+    dimension; request i owns tokens query_start_loc[i]:query_start_loc[i+1], which sit at
+    the last query_lens[i] positions of its seq_lens[i]-token context."""
+
+    positions: torch.Tensor        # [num_tokens] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor     # [num_tokens] int64, block_id * tokens_per_block + offset
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor         # [num_seqs] int32, context length including this step
+    block_tables: torch.Tensor     # [num_seqs, max_blocks_per_seq] int32, padded
+    max_query_len: int
+    max_seq_len: int
+    tokens_per_block: int
+    # Host-side copies, so a backend that loops over sequences need not sync the device.
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, tokens_per_block, kv_heads, head_dim]
+
+
+class AttentionBackend(ABC):
+    """Writes this step's keys and values into the paged cache, then attends."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim]."""
+
+
+# name -> "module:Class", imported only when the backend is chosen.
+_BACKENDS: dict[str, str] = {"torch": "tllm.attention.torch_ref:TorchAttentionBackend"}
+
+
+def register_attention_backend(name: str, target: str) -> None:
+    _BACKENDS[name] = target
+
+
+def get_attention_backend(name: str) -> Callable[..., AttentionBackend]:
+    if name not in _BACKENDS:
+        raise ValueError(f"attn_backend: unknown attention backend {name!r}; "
+                         f"choose one of {sorted(_BACKENDS)}")
+    module_name, class_name = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)

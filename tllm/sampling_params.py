@@ -1,0 +1,96 @@
+"""User-facing sampling parameters, validated once at the edge."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one prompt's continuation (names as in TensorRT-LLM / vLLM).
+
+    temperature 0 means greedy. top_k -1 (or 0) and top_p 1.0 disable those filters.
+    """
+
+    max_tokens: int | None = 32
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_strings = [self.stop]
+        elif self.stop is None:
+            self.stop_strings = []
+        else:
+            self.stop_strings = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def _validate(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        if self.max_tokens is not None:
+            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
+                   self.max_tokens, "must be an integer >= 1")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               self.min_tokens, "must be an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+                   f"must be <= max_tokens ({self.max_tokens})")
+        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
+               self.temperature, "must be >= 0")
+        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p,
+               "must be in (0, 1]")
+        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+               "must be -1 (disabled) or >= 1")
+        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p,
+               "must be in [0, 1]")
+        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "must be > 0")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_num(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and value >= 0), name, value,
+                   "must be None or an integer >= 0")
+        if self.seed is not None:
+            _check(_is_int(self.seed), "seed", self.seed, "must be an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop,
+               "must be a non-empty string or a list of non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               self.stop_token_ids, "must be a list of non-negative integers")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, name: str, value, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")

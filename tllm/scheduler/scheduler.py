@@ -1,0 +1,109 @@
+"""The scheduler: which requests run this step, and how many new tokens each computes.
+
+There are no prefill and decode phases. A request has `num_computed_tokens` and
+`num_tokens`; each step gives it up to the difference, within the token budget
+(`max_num_tokens`) and the batch size. Long prompts are chunked; waiting requests join the
+running batch as soon as budget and KV blocks allow (in-flight batching)."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tllm.executor.request import Request, RequestState
+from tllm.kv_cache.manager import KVCacheManager
+
+
+@dataclass
+class ScheduledBatch:
+    """The requests of one step, each with the number of tokens it computes."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens.append(num_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+
+class Scheduler:
+    """FCFS scheduling under the GUARANTEED_NO_EVICT capacity policy."""
+
+    def __init__(self, kv_cache: KVCacheManager, *, max_batch_size: int, max_num_tokens: int,
+                 enable_chunked_prefill: bool) -> None:
+        self.kv_cache = kv_cache
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.max_num_tokens)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        for request in self.running:
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                continue
+            self.kv_cache.allocate_slots(request, num_new)
+            batch.add(request, num_new)
+            budget -= num_new
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            request = self.waiting[0]
+            if not self._leader_ready(request):
+                skipped.append(self.waiting.popleft())
+                continue
+            if not self.kv_cache.try_admit(request):
+                break
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:  # whole prompt does not fit the budget (no chunking)
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            request.state = RequestState.RUNNING
+            self.running.append(request)
+            self.kv_cache.allocate_slots(request, num_new)
+            batch.add(request, num_new)
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+    def _num_new_tokens(self, request: Request, budget: int) -> int:
+        num_new = request.num_tokens - request.num_computed_tokens
+        if num_new > budget:
+            return budget if self.enable_chunked_prefill else 0
+        return num_new
+
+    @staticmethod
+    def _leader_ready(request: Request) -> bool:
+        leader = request.prefix_leader
+        return leader is None or leader.is_prompt_done or leader.is_finished
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished or aborted request and return its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)

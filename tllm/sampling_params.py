@@ -38,7 +38,11 @@ class SamplingParams:
         elif self.stop is None:
             self.stop_strings = []
         else:
+            _check(isinstance(self.stop, (list, tuple)), "stop", self.stop,
+                   "must be a non-empty string or a list of non-empty strings")
             self.stop_strings = list(self.stop)
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+               "stop_token_ids", self.stop_token_ids, "must be a list of non-negative integers")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
@@ -49,7 +53,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def _validate(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         if self.max_tokens is not None:
             _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens",
                    self.max_tokens, "must be an integer >= 1")

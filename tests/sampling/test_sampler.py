@@ -1,0 +1,396 @@
+"""Sampler.sample and prompt_logprobs: the processing chain against HF transformers, the
+support and frequencies of many draws, greedy, per-request seeds, min_tokens and logprobs."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from tllm.executor.request import Request
+from tllm.sampling.sampler import Sampler, prompt_logprobs
+from tllm.sampling_params import SamplingParams
+
+VOCAB = 257
+EOS = 2
+
+
+def random_logits(seed: int, rows: int = 4, vocab: int = VOCAB, scale: float = 3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, vocab, generator=g) * scale
+
+
+def make_request(params: SamplingParams, prompt: list[int] | None = None,
+                 outputs: list[int] = (), seed: int | None = None,
+                 rid: str = "r") -> Request:
+    generator = None
+    if seed is not None:  # as the LLM API builds a request's generator
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+    request = Request(request_id=rid, prompt_token_ids=list(prompt or [5, 9, 11]),
+                      sampling_params=params, max_new_tokens=16,
+                      eos_token_ids=frozenset({EOS}), generator=generator)
+    for token in outputs:
+        request.append_token(token)
+    return request
+
+
+def hf_chain(row: torch.Tensor, params: SamplingParams, token_ids: list[int],
+             output_ids: list[int], stop_ids: set[int] = frozenset()) -> torch.Tensor:
+    """The logits the Sampler should draw from, built from HF processors on one row:
+    repetition penalty, OpenAI presence/frequency penalty, min_tokens stop masking, then the
+    warpers temperature -> top_k -> top_p -> min_p."""
+    scores = row[None, :].clone()
+    ids = torch.tensor([token_ids])
+    scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, scores)
+    for token, count in Counter(output_ids).items():
+        scores[0, token] -= count * params.frequency_penalty + params.presence_penalty
+    for token in stop_ids:
+        scores[0, token] = float("-inf")
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k > 0:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0.0:
+        warpers.append(MinPLogitsWarper(params.min_p))
+    for warper in warpers:
+        scores = warper(ids, scores)
+    return scores[0]
+
+
+class ProbeSampler(Sampler):
+    """Records the final distribution of the random rows (what the noise is applied to)."""
+
+    def _exponential_noise(self, probs, requests):
+        self.probs = probs.clone()
+        return super()._exponential_noise(probs, requests)
+
+
+def draw(row: torch.Tensor, params: SamplingParams, num_draws: int, seed: int = 0):
+    """num_draws samples of one distribution: identical rows in one batch."""
+    requests = [make_request(params, rid=f"r{i}") for i in range(num_draws)]
+    out = Sampler(seed=seed).sample(row[None, :].repeat(num_draws, 1), requests)
+    return torch.bincount(torch.tensor(out.token_ids), minlength=row.numel())
+
+
+# ---- the chain as the Sampler runs it ---------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_sampler_distribution_matches_hf_chain_per_row(seed):
+    params = [
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=1.6, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=5, repetition_penalty=1.3),
+        SamplingParams(temperature=1.2, min_p=0.1, presence_penalty=0.8,
+                       frequency_penalty=-0.4),
+        SamplingParams(temperature=0.5, top_k=100, top_p=0.95, repetition_penalty=0.8,
+                       presence_penalty=-1.0, frequency_penalty=1.5),
+    ]
+    g = torch.Generator().manual_seed(seed + 100)
+    prompts = [torch.randint(0, 40, (8,), generator=g).tolist() for _ in params]
+    outputs = [torch.randint(0, 40, (6,), generator=g).tolist() for _ in params]
+    requests = [make_request(p, prompt, out) for p, prompt, out in zip(params, prompts, outputs)]
+    logits = random_logits(seed, rows=len(params))
+    sampler = ProbeSampler(seed=seed)
+    result = sampler.sample(logits, requests)
+    for row, request in enumerate(requests):
+        expected = hf_chain(logits[row], request.sampling_params, request.token_ids,
+                            request.output_token_ids)
+        expected_probs = expected.softmax(dim=-1)
+        assert torch.equal(sampler.probs[row] > 0, expected_probs > 0)
+        torch.testing.assert_close(sampler.probs[row], expected_probs, rtol=1e-5, atol=1e-7)
+        assert expected_probs[result.token_ids[row]] > 0
+
+
+# ---- support and frequencies of many draws ----------------------------------------------
+
+NUM_DRAWS = 8000
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_k=8),
+    SamplingParams(top_p=0.8),
+    SamplingParams(min_p=0.1),
+    SamplingParams(temperature=0.8, top_k=30, top_p=0.9, min_p=0.03),
+], ids=["top_k", "top_p", "min_p", "chain"])
+def test_draws_cover_exactly_the_kept_set_with_the_right_frequencies(seed, params):
+    row = random_logits(seed + 7, rows=1, scale=2.0)[0]
+    expected = hf_chain(row, params, [0], []).softmax(dim=-1)
+    kept = expected > 0
+    assert 1 < int(kept.sum()) < VOCAB  # the filter really filtered something
+    # Every kept token is likely enough to show up many times in NUM_DRAWS.
+    assert float(expected[kept].min()) * NUM_DRAWS > 20
+    if params.top_k > 0 and params.top_p == 1.0 and params.min_p == 0.0:
+        assert torch.equal(kept.nonzero().flatten().sort().values,
+                           row.topk(params.top_k).indices.sort().values)
+
+    counts = draw(row, params, NUM_DRAWS, seed=seed)
+    drawn = counts > 0
+    assert torch.equal(drawn, kept)  # only kept tokens, and every one of them
+    empirical = counts.float() / NUM_DRAWS
+    total_variation = 0.5 * float((empirical - expected).abs().sum())
+    assert total_variation < 0.05
+
+
+def test_unfiltered_draws_match_the_softmax():
+    row = random_logits(11, rows=1, vocab=32, scale=1.5)[0]
+    counts = draw(row, SamplingParams(temperature=1.3), NUM_DRAWS)
+    expected = (row / 1.3).softmax(dim=-1)
+    assert bool((counts > 0).all())
+    assert 0.5 * float((counts.float() / NUM_DRAWS - expected).abs().sum()) < 0.05
+
+
+# ---- greedy -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_is_argmax(seed):
+    logits = random_logits(seed, rows=6)
+    requests = [make_request(SamplingParams(temperature=0.0, top_k=3, top_p=0.5))
+                for _ in range(6)]
+    assert Sampler(seed=seed).sample(logits, requests).token_ids == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_are_argmax_in_a_batch_with_random_rows():
+    logits = random_logits(3, rows=6)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
+    out = Sampler(seed=3).sample(logits, [make_request(p) for p in params])
+    argmax = logits.argmax(-1).tolist()
+    assert [out.token_ids[i] for i in (0, 2, 4)] == [argmax[i] for i in (0, 2, 4)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_with_repetition_penalty_is_argmax_of_hf_penalised_logits(seed):
+    logits = random_logits(seed, rows=4)
+    top2 = logits.topk(2, dim=-1).indices
+    penalties = [1.5, 3.0, 0.7, 1.0]
+    g = torch.Generator().manual_seed(seed + 50)
+    requests = []
+    for row, penalty in enumerate(penalties):
+        # The prompt holds the argmax token, so a penalty > 1 can move the choice.
+        prompt = torch.randint(0, VOCAB, (10,), generator=g).tolist() + [int(top2[row, 0])]
+        outputs = torch.randint(0, VOCAB, (4,), generator=g).tolist()
+        requests.append(make_request(SamplingParams(temperature=0.0,
+                                                    repetition_penalty=penalty),
+                                     prompt, outputs))
+    out = Sampler(seed=seed).sample(logits, requests)
+    for row, request in enumerate(requests):
+        hf = RepetitionPenaltyLogitsProcessor(penalties[row])(
+            torch.tensor([request.token_ids]), logits[row][None, :].clone())
+        assert out.token_ids[row] == int(hf.argmax())
+
+
+def test_repetition_penalty_changes_the_greedy_choice():
+    logits = random_logits(8, rows=1)
+    best = int(logits.argmax())
+    request = make_request(SamplingParams(temperature=0.0, repetition_penalty=100.0),
+                           prompt=[best])
+    token = Sampler().sample(logits, [request]).token_ids[0]
+    assert token == int(logits[0].topk(2).indices[1])
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_greedy_with_presence_frequency_penalty_is_argmax_of_openai_formula(seed):
+    logits = random_logits(seed, rows=3, scale=1.0)
+    best = logits.argmax(-1).tolist()
+    params = [SamplingParams(temperature=0.0, presence_penalty=2.0),
+              SamplingParams(temperature=0.0, frequency_penalty=1.0),
+              SamplingParams(temperature=0.0, presence_penalty=-0.5, frequency_penalty=0.9)]
+    # Each row already produced its argmax token (several times) and a few others.
+    outputs = [[best[0], 7, 7], [best[1]] * 3 + [3], [best[2], best[2], 40, 7]]
+    requests = [make_request(p, outputs=o) for p, o in zip(params, outputs)]
+    out = Sampler(seed=seed).sample(logits, requests)
+    for row, request in enumerate(requests):
+        expected = hf_chain(logits[row], SamplingParams(
+            presence_penalty=params[row].presence_penalty,
+            frequency_penalty=params[row].frequency_penalty), [0], request.output_token_ids)
+        assert out.token_ids[row] == int(expected.argmax())
+    assert out.token_ids != best  # the penalties moved at least one choice
+
+
+# ---- seeds ------------------------------------------------------------------------------
+
+
+def run_steps(sampler: Sampler, batches: list[list[Request]], row_logits: list[torch.Tensor],
+              other_seed: int) -> None:
+    """Step every batch len(row_logits) times; seeded rows see row_logits[step], others
+    see fresh random logits; sampled tokens are appended."""
+    g = torch.Generator().manual_seed(other_seed)
+    for step_logits in row_logits:
+        for batch in batches:
+            logits = torch.randn(len(batch), VOCAB, generator=g) * 3
+            for i, request in enumerate(batch):
+                if request.generator is not None:
+                    logits[i] = step_logits
+            for request, token in zip(batch, sampler.sample(logits, batch).token_ids):
+                request.append_token(token)
+
+
+def test_same_seed_same_samples_in_different_batches():
+    params = SamplingParams(temperature=1.0, top_k=100, repetition_penalty=1.1)
+    steps = [random_logits(s, rows=1, scale=1.0)[0] for s in range(20)]
+    a = make_request(params, seed=1234, rid="a")
+    b = make_request(params, seed=1234, rid="b")
+    c = make_request(params, seed=4321, rid="c")
+    batch_1 = [a, make_request(params, rid="x"), c]
+    batch_2 = [make_request(params, rid="y"), make_request(SamplingParams(top_p=0.5), rid="z"),
+               b, make_request(SamplingParams(temperature=0.0), rid="w")]
+    run_steps(Sampler(seed=0), [batch_1], steps, other_seed=1)
+    run_steps(Sampler(seed=99), [batch_2], steps, other_seed=2)
+    assert a.output_token_ids == b.output_token_ids
+    assert a.output_token_ids != c.output_token_ids
+    assert len(set(a.output_token_ids)) > 5  # really random, not a constant
+
+
+def test_different_seeds_differ_and_each_repeats():
+    params = SamplingParams(temperature=1.0)
+    steps = [random_logits(s + 40, rows=1, scale=1.0)[0] for s in range(16)]
+    requests = [make_request(params, seed=seed, rid=str(seed)) for seed in (0, 1, 2, 0)]
+    run_steps(Sampler(seed=5), [requests], steps, other_seed=0)
+    outputs = [tuple(r.output_token_ids) for r in requests]
+    assert outputs[0] == outputs[3]
+    assert len(set(outputs[:3])) == 3
+
+
+def test_unseeded_rows_follow_the_sampler_seed():
+    logits = random_logits(9, rows=8, scale=1.0)
+    params = SamplingParams(temperature=1.0)
+
+    def sample(seed):
+        return Sampler(seed=seed).sample(logits, [make_request(params) for _ in range(8)])
+
+    assert sample(3).token_ids == sample(3).token_ids
+    assert sample(3).token_ids != sample(4).token_ids
+
+
+# ---- min_tokens -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_stop_tokens_are_not_sampled_before_min_tokens(temperature):
+    stop_ids = {EOS, 17, 200}
+    params = SamplingParams(temperature=temperature, min_tokens=4, stop_token_ids=[17, 200])
+    requests = [make_request(params, rid=str(i)) for i in range(200)]
+    sampler = Sampler(seed=0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(6):
+        logits = torch.randn(len(requests), VOCAB, generator=g)
+        logits[:, list(stop_ids)] += 30.0  # the stop tokens hold almost all the mass
+        tokens = sampler.sample(logits, requests).token_ids
+        if step < 4:
+            assert not stop_ids & set(tokens)
+        else:
+            assert set(tokens) <= stop_ids
+        for request, token in zip(requests, tokens):
+            # Keep the count of outputs in step across rows by appending a non-stop token.
+            request.append_token(token if token not in stop_ids else 5)
+
+
+def test_min_tokens_counts_existing_outputs_and_respects_ignore_eos():
+    logits = random_logits(1, rows=3)
+    logits[:, EOS] += 40.0
+    logits[:, 17] += 30.0
+    params = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[17])
+    requests = [
+        make_request(params, outputs=[4]),  # one output so far: still masked
+        make_request(params, outputs=[4, 6]),  # min_tokens reached
+        make_request(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[17],
+                                    ignore_eos=True)),  # EOS is no stop token here
+    ]
+    out = Sampler().sample(logits, requests)
+    masked = logits[0].clone()
+    masked[[EOS, 17]] = float("-inf")
+    assert out.token_ids == [int(masked.argmax()), EOS, EOS]
+
+
+def test_eos_outside_the_vocab_is_ignored():
+    request = Request(request_id="r", prompt_token_ids=[1], max_new_tokens=4,
+                      sampling_params=SamplingParams(temperature=0.0, min_tokens=3),
+                      eos_token_ids=frozenset({VOCAB + 10, EOS}))
+    logits = random_logits(2, rows=1)
+    logits[0, EOS] += 50.0
+    token = Sampler().sample(logits, [request]).token_ids[0]
+    assert token != EOS
+
+
+# ---- logprobs ---------------------------------------------------------------------------
+
+
+def check_position_logprobs(entry, reference: torch.Tensor, token: int, k: int) -> None:
+    """entry holds `token` and the top-k of `reference` (a log_softmax row), with the right
+    values and ranks."""
+    top = reference.topk(k).indices.tolist() if k else []
+    assert set(entry) == {token, *top}
+    for tid, logprob in entry.items():
+        assert abs(logprob.logprob - float(reference[tid])) <= 1e-6
+        assert logprob.rank == int((reference > reference[tid]).sum()) + 1
+    for rank, tid in enumerate(top, start=1):
+        assert entry[tid].rank == rank
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_logprobs_are_of_the_raw_logits_with_ranks(seed):
+    ks = [None, 0, 1, 5, 20, 3]
+    params = [
+        SamplingParams(temperature=1.0, logprobs=ks[0]),
+        SamplingParams(temperature=1.0, logprobs=ks[1], repetition_penalty=1.5),
+        SamplingParams(temperature=0.0, logprobs=ks[2], presence_penalty=1.0),
+        SamplingParams(temperature=0.5, top_k=10, logprobs=ks[3], frequency_penalty=-1.0),
+        SamplingParams(temperature=2.0, top_p=0.7, logprobs=ks[4]),
+        SamplingParams(temperature=1.0, min_p=0.2, min_tokens=3, logprobs=ks[5]),
+    ]
+    g = torch.Generator().manual_seed(seed)
+    requests = [make_request(p, prompt=torch.randint(0, 30, (8,), generator=g).tolist(),
+                             outputs=torch.randint(0, 30, (3,), generator=g).tolist())
+                for p in params]
+    logits = random_logits(seed, rows=len(params))
+    logits[5, EOS] += 20.0  # masked by min_tokens for sampling, still reported raw
+    out = Sampler(seed=seed).sample(logits.clone(), requests)
+    reference = logits.log_softmax(dim=-1)
+    assert out.logprobs[0] is None and out.sampled_logprobs[0] is None
+    for row in range(1, len(params)):
+        token = out.token_ids[row]
+        check_position_logprobs(out.logprobs[row], reference[row], token, ks[row])
+        assert abs(out.sampled_logprobs[row] - float(reference[row, token])) <= 1e-6
+    assert out.logprobs[1].keys() == {out.token_ids[1]}  # logprobs=0: the sampled token only
+    assert out.logprobs[5][EOS].rank == 1
+
+
+def test_no_logprobs_when_none_asked():
+    out = Sampler().sample(random_logits(0), [make_request(SamplingParams())] * 4)
+    assert out.logprobs == [None] * 4 and out.sampled_logprobs == [None] * 4
+
+
+def test_logprobs_from_half_precision_logits():
+    logits = random_logits(4, rows=2).to(torch.bfloat16)
+    requests = [make_request(SamplingParams(temperature=0.0, logprobs=4))] * 2
+    out = Sampler().sample(logits, requests)
+    reference = logits.float().log_softmax(dim=-1)
+    for row in range(2):
+        assert out.token_ids[row] == int(logits[row].float().argmax())
+        check_position_logprobs(out.logprobs[row], reference[row], out.token_ids[row], 4)
+
+
+@pytest.mark.parametrize("k", [0, 1, 6])
+def test_prompt_logprobs(k):
+    logits = random_logits(k, rows=9)
+    g = torch.Generator().manual_seed(k)
+    targets = torch.randint(0, VOCAB, (9,), generator=g).tolist()
+    targets[0] = int(logits[0].argmax())  # one target is the top token (rank 1)
+    result = prompt_logprobs(logits, targets, k)
+    reference = logits.log_softmax(dim=-1)
+    assert len(result) == 9
+    for position, (entry, target) in enumerate(zip(result, targets)):
+        check_position_logprobs(entry, reference[position], target, k)
+    assert result[0][targets[0]].rank == 1

@@ -176,3 +176,16 @@ def test_shutdown_then_generate_raises(tiny_llama):
     llm.shutdown()  # idempotent
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate(PROMPT, GREEDY, use_tqdm=False)
+
+
+def test_process_that_never_shuts_down_exits_cleanly(tiny_llama):
+    import subprocess
+    import sys
+    code = ("from tllm import LLM, SamplingParams, KvCacheConfig\n"
+            f"llm = LLM({str(tiny_llama[0])!r}, kv_cache_config=KvCacheConfig(max_tokens=256))\n"
+            "print(len(llm.generate([1, 2, 3], SamplingParams(max_tokens=4),"
+            " use_tqdm=False).outputs[0].token_ids))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "4"

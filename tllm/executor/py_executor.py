@@ -35,6 +35,7 @@ class PyExecutor:
         self._requests: dict[str, Request] = {}
         self._thread = threading.Thread(target=self._run, name="tllm-executor", daemon=True)
         self._stopped = False
+        self.num_steps = 0
         self._thread.start()
         _live_executors.add(self)
 
@@ -43,6 +44,18 @@ class PyExecutor:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def stats(self) -> dict[str, int]:
+        """A snapshot for monitoring; read from other threads, so only plain counts."""
+        return {"num_running": len(self.scheduler.running),
+                "num_waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+                "kv_blocks_total": self.kv_cache.num_blocks,
+                "kv_blocks_free": self.kv_cache.num_free_blocks,
+                "num_steps": self.num_steps}
 
     def shutdown(self) -> None:
         if not self._stopped:
@@ -59,6 +72,7 @@ class PyExecutor:
             batch = self.scheduler.schedule()
             if not batch.requests:
                 continue
+            self.num_steps += 1
             try:
                 self._step(batch)
             except Exception as exc:  # a failed step fails its requests, not the loop

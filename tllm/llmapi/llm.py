@@ -42,6 +42,15 @@ class LLM:
     def max_seq_len(self) -> int:
         return self._engine.max_seq_len
 
+    @property
+    def is_alive(self) -> bool:
+        """Whether the executor loop thread is running."""
+        return not self._closed and self._engine.executor.is_alive
+
+    def get_stats(self) -> dict[str, int]:
+        """Running/waiting requests, KV blocks total/free, executor steps taken."""
+        return self._engine.executor.stats()
+
     def generate(self, inputs: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:

@@ -124,9 +124,11 @@ def _add_chat(commands) -> None:
 def _run_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     with _load_llm(args, max_batch_size=1) as llm:
+        if llm.tokenizer is None:
+            raise ValueError(f"model {args.model!r} has no tokenizer, so it cannot chat")
         if not _has_chat_template(llm):
             raise ValueError(f"model {args.model!r} has no chat template; "
-                             "use `tllm generate --no-chat-template`")
+                             "try `tllm generate --no-chat-template`")
         _chat_loop(llm, params, args.system)
     return 0
 
@@ -229,7 +231,7 @@ async def _stream(llm: LLM, prompt, params: SamplingParams) -> RequestOutput:
 
 def _has_chat_template(llm: LLM) -> bool:
     tokenizer = llm.tokenizer
-    return tokenizer is not None and bool(getattr(tokenizer.hf, "chat_template", None))
+    return tokenizer is not None and tokenizer.has_chat_template
 
 
 def _positive_int(text: str) -> int:

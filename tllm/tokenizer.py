@@ -28,6 +28,10 @@ class Tokenizer:
         return cls(hf, eos_token_ids)
 
     @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    @property
     def vocab_size(self) -> int:
         return len(self.hf)
 
@@ -39,7 +43,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs) -> str:
-        if not getattr(self.hf, "chat_template", None):
+        if not self.has_chat_template:
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
         return self.hf.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=add_generation_prompt, **kwargs)

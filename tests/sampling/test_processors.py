@@ -157,11 +157,25 @@ def test_top_p_matches_hf(seed, top_ps):
 
 def test_top_p_one_keeps_everything_and_tiny_keeps_the_top_token():
     logits = random_logits(5)
-    out = P.apply_top_p(logits, torch.tensor([1.0, 1.0, 1e-6, 1e-6]))
+    top_ps = [1.0, 1.0, 1e-6, 1e-9]  # 1 - 1e-9 rounds to 1.0: only the keep-one rule saves
+    out = P.apply_top_p(logits, torch.tensor(top_ps))
     assert torch.equal(out[:2], logits[:2])
     for row in (2, 3):
         kept = (~out[row].isinf()).nonzero().flatten().tolist()
         assert kept == [int(logits[row].argmax())]
+        assert_same(out[row], hf_row(TopPLogitsWarper(top_ps[row]), logits[row]))
+
+
+def test_top_p_matches_hf_on_peaked_logits():
+    """Probabilities that underflow to exactly 0 and a top token holding exactly 1.0 hit the
+    boundaries of the rule: the `<=` comparison and the keep-at-least-one guard."""
+    logits = random_logits(6, scale=100.0)
+    top_ps = [1.0, 1e-9, 0.5, 0.999999]
+    assert (logits.softmax(dim=-1) == 0).any(dim=-1).all()
+    out = P.apply_top_p(logits, torch.tensor(top_ps))
+    for row, p in enumerate(top_ps):
+        assert_same(out[row], hf_row(TopPLogitsWarper(p), logits[row]))
+        assert not out[row].isinf().all()
 
 
 # ---- min-p ------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     on_update: Callable[[Request], None] | None = None
+    # Mixed into the prefix-cache hash, so only requests with the same salt share blocks.
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     token_ids: list[int] = field(init=False)

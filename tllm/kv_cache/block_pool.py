@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(eq=False)
@@ -19,7 +20,8 @@ class BlockPool:
     keeps its hash so a later request with the same prefix can take it back; it loses the
     hash only when it is handed out again."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 on_evict: Callable[[int, int], None] | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -27,6 +29,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
+        # Called with (block id, hash) before a cached block is handed out for new contents.
+        self.on_evict = on_evict
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -40,6 +45,9 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                self.num_evictions += 1
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block.block_hash)
                 self._cached.pop(block.block_hash, None)
                 block.block_hash = None
             block.ref_count = 1

@@ -12,7 +12,7 @@ from tllm import loader
 from tllm.attention import get_attention_backend
 from tllm.executor.py_executor import PyExecutor
 from tllm.kv_cache.manager import KVCacheManager
-from tllm.llmapi.llm_args import KvCacheConfig, LlmArgs
+from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.models.llama import head_dim_of
 from tllm.runner.model_runner import ModelRunner
 from tllm.sampling.sampler import Sampler
@@ -73,18 +73,22 @@ def build_engine(args: LlmArgs) -> Engine:
     model = loader.build_model(config, backend_cls, dtype, device, max_seq_len)
     loader.load_weights(model, source, checkpoint, args.seed)
     tokenizer = loader.load_tokenizer(source)
+    no_evict = (args.scheduler_config.capacity_scheduler_policy
+                is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
     kv_cache = build_kv_cache(config, args.kv_cache_config, dtype, device,
-                              max_tokens_useful=args.max_batch_size * max_seq_len)
+                              max_tokens_useful=args.max_batch_size * max_seq_len,
+                              reserve_full_generation=no_evict)
     scheduler = Scheduler(kv_cache, max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens,
-                          enable_chunked_prefill=args.enable_chunked_prefill)
+                          enable_chunked_prefill=args.enable_chunked_prefill,
+                          preemption_mode=args.scheduler_config.preemption_mode)
     executor = PyExecutor(scheduler, kv_cache, ModelRunner(model, kv_cache, device),
                           Sampler(args.seed, device))
     return Engine(config, tokenizer, executor, kv_cache, device, dtype, max_seq_len)
 
 
 def build_kv_cache(config, kv_config: KvCacheConfig, dtype: torch.dtype, device: torch.device,
-                   max_tokens_useful: int) -> KVCacheManager:
+                   max_tokens_useful: int, reserve_full_generation: bool) -> KVCacheManager:
     head_dim = head_dim_of(config)
     bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
                        * torch.empty((), dtype=dtype).element_size())
@@ -93,6 +97,7 @@ def build_kv_cache(config, kv_config: KvCacheConfig, dtype: torch.dtype, device:
         num_tokens = int(kv_cache_budget(kv_config, device) // bytes_per_token)
         num_tokens = min(num_tokens, max_tokens_useful)
     num_blocks = max(1, num_tokens // kv_config.tokens_per_block)
+    block_bytes = kv_config.tokens_per_block * bytes_per_token
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
                 kv_config.tokens_per_block,
                 num_blocks * kv_config.tokens_per_block * bytes_per_token / 2**30)
@@ -100,7 +105,11 @@ def build_kv_cache(config, kv_config: KvCacheConfig, dtype: torch.dtype, device:
                           num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
                           num_blocks=num_blocks, tokens_per_block=kv_config.tokens_per_block,
                           dtype=dtype, device=device,
-                          enable_block_reuse=kv_config.enable_block_reuse)
+                          enable_block_reuse=kv_config.enable_block_reuse,
+                          reserve_full_generation=reserve_full_generation,
+                          host_cache_blocks=kv_config.host_cache_size // block_bytes,
+                          disk_cache_dir=kv_config.disk_cache_dir,
+                          disk_cache_blocks=kv_config.disk_cache_size // block_bytes)
 
 
 def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device) -> float:

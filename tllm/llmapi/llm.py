@@ -17,7 +17,8 @@ from tllm.outputs import RequestOutput
 from tllm.sampling_params import SamplingParams
 from tllm.tokenizer import IncrementalDetokenizer
 
-# A prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}.
+# A prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; a dict may add
+# "cache_salt" so that only prompts with the same salt share cached KV blocks.
 PromptInput = Union[str, Sequence[int], dict]
 Messages = list[dict[str, Any]]
 
@@ -50,6 +51,12 @@ class LLM:
     def get_stats(self) -> dict[str, int]:
         """Running/waiting requests, KV blocks total/free, executor steps taken."""
         return self._engine.executor.stats()
+
+    def get_kv_cache_stats(self) -> dict[str, float]:
+        """Prefix-reuse hit rate, onboards/offloads/swaps, per-tier usage, preemptions."""
+        stats = self._engine.kv_cache.stats_dict()
+        stats["preemptions"] = self._engine.executor.scheduler.num_preemptions
+        return stats
 
     def generate(self, inputs: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -95,6 +102,7 @@ class LLM:
             return
         self._closed = True
         self._engine.executor.shutdown()
+        self._engine.kv_cache.close()
         device = self._engine.device
         self._engine = None  # type: ignore[assignment]
         if device.type == "cuda":
@@ -117,6 +125,9 @@ class LLM:
         text, token_ids = self._tokenize(prompt)
         request_id = str(next(self._ids))
         requests = self._make_requests(request_id, token_ids, params)
+        if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
+            for request in requests:
+                request.cache_salt = str(prompt["cache_salt"])
         result = GenerationResult(request_id, text, token_ids,
                                   params.n, params.logprobs is not None, streaming, sink)
         executor = self._engine.executor

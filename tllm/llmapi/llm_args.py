@@ -2,6 +2,7 @@
 the field)."""
 from __future__ import annotations
 
+from enum import Enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,6 +21,28 @@ class KvCacheConfig(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     free_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     enable_block_reuse: bool = True
+    # Secondary tiers for evicted reusable blocks (and swapped-out requests): bytes of host
+    # memory, then a directory on disk.
+    host_cache_size: int = Field(0, ge=0)
+    disk_cache_dir: str | None = None
+    disk_cache_size: int = Field(0, ge=0)
+
+
+class CapacitySchedulerPolicy(str, Enum):
+    """How the scheduler admits requests against KV-cache capacity (TensorRT-LLM's names)."""
+
+    GUARANTEED_NO_EVICT = "GUARANTEED_NO_EVICT"  # admit only what can run to completion
+    MAX_UTILIZATION = "MAX_UTILIZATION"          # admit greedily; preempt when blocks run out
+
+
+class SchedulerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    capacity_scheduler_policy: CapacitySchedulerPolicy = \
+        CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
+    # What happens to a preempted request's KV blocks under MAX_UTILIZATION: dropped and
+    # recomputed later, or swapped to host memory (needs kv_cache_config.host_cache_size).
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
 
 
 class LlmArgs(BaseModel):
@@ -34,6 +57,7 @@ class LlmArgs(BaseModel):
     max_num_tokens: int = Field(8192, ge=1)
     max_seq_len: int | None = Field(None, ge=2)
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
+    scheduler_config: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig())
     enable_chunked_prefill: bool = True
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0

@@ -67,7 +67,9 @@ class ModelRunner:
                 inputs.sample_rows.append(first_row + num_new - 1)
                 inputs.sample_requests.append(request)
             if request.wants_prompt_logprobs:
-                for p in range(start, min(end, request.num_prompt_tokens - 1)):
+                # after a preemption the prompt is computed again: skip what was recorded
+                recorded = max(0, len(request.prompt_logprobs) - 1)
+                for p in range(max(start, recorded), min(end, request.num_prompt_tokens - 1)):
                     inputs.prompt_rows.append(first_row + p - start)
                     inputs.prompt_targets.append((request, request.token_ids[p + 1]))
         inputs.input_ids = self._to_device(ids, torch.long)

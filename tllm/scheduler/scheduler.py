@@ -33,16 +33,21 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """FCFS scheduling under the GUARANTEED_NO_EVICT capacity policy."""
+    """FCFS scheduling. Capacity is the KV cache manager's business: under
+    GUARANTEED_NO_EVICT it reserves at admission and allocation never fails; under
+    MAX_UTILIZATION, when a running request cannot grow, the newest running requests are
+    preempted (recomputed later, or swapped to host memory) until it can."""
 
     def __init__(self, kv_cache: KVCacheManager, *, max_batch_size: int, max_num_tokens: int,
-                 enable_chunked_prefill: bool) -> None:
+                 enable_chunked_prefill: bool, preemption_mode: str = "recompute") -> None:
         self.kv_cache = kv_cache
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -58,14 +63,39 @@ class Scheduler:
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        for request in self.running:
+        i = 0
+        while i < len(self.running):
+            request = self.running[i]
             num_new = self._num_new_tokens(request, budget)
             if num_new == 0:
+                i += 1
                 continue
+            if not self._make_room(request, num_new):
+                break  # the request preempted itself: it was the newest
             self.kv_cache.allocate_slots(request, num_new)
             batch.add(request, num_new)
             budget -= num_new
+            i += 1
         return budget
+
+    def _make_room(self, request: Request, num_new: int) -> bool:
+        """Preempt the newest running requests until `request` can grow; False if it had to
+        preempt `request` itself."""
+        while not self.kv_cache.can_allocate(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        if not (self.preemption_mode == "swap" and self.kv_cache.swap_out(request)):
+            self.kv_cache.free(request)
+            request.num_computed_tokens = 0  # recompute prompt and outputs when readmitted
+        request.state = RequestState.WAITING
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         skipped: list[Request] = []

@@ -62,7 +62,8 @@ class AttentionBackend(ABC):
 
 
 # name -> "module:Class", imported only when the backend is chosen.
-_BACKENDS: dict[str, str] = {"torch": "tllm.attention.torch_ref:TorchAttentionBackend"}
+_BACKENDS: dict[str, str] = {"torch": "tllm.attention.torch_ref:TorchAttentionBackend",
+                              "triton": "tllm.attention.triton_backend:TritonAttentionBackend"}
 
 
 def register_attention_backend(name: str, target: str) -> None:

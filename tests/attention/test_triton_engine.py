@@ -1,0 +1,35 @@
+"""The engine on a tiny random Llama gives the same greedy tokens with the Triton attention
+backend as with the torch backend (fp32; interpreted on the CPU, compiled on a GPU)."""
+import pytest
+
+pytest.importorskip("triton")
+
+from tllm import LLM, KvCacheConfig, SamplingParams  # noqa: E402
+from tllm.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+
+# a shared 9-token prefix (reused from the cache by the second prompt), then chunked prefill
+PROMPTS = [[5, 17, 33, 2, 90, 41, 7, 11, 64, 3, 8], [5, 17, 33, 2, 90, 41, 7, 11, 64, 99],
+           [42] * 19]
+
+
+def greedy_tokens(path, backend: str, device) -> list[list[int]]:
+    params = SamplingParams(max_tokens=6, temperature=0)
+    with LLM(str(path), attn_backend=backend, dtype="float32", device=str(device),
+             max_num_tokens=16, max_batch_size=4, max_seq_len=64,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=512)) as llm:
+        first = llm.generate(PROMPTS[:1], params, use_tqdm=False)
+        rest = llm.generate(PROMPTS[1:], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in first + rest]
+
+
+def test_greedy_tokens_match_torch_backend(tiny_llama, device, monkeypatch):
+    path, _ = tiny_llama
+    steps = {"decode": 0, "context": 0}
+    forward = TritonAttentionBackend.forward
+
+    def counting_forward(self, q, k, v, kv_cache, metadata):
+        steps["decode" if metadata.is_decode_only else "context"] += 1
+        return forward(self, q, k, v, kv_cache, metadata)
+    monkeypatch.setattr(TritonAttentionBackend, "forward", counting_forward)
+    assert greedy_tokens(path, "triton", device) == greedy_tokens(path, "torch", device)
+    assert steps["decode"] and steps["context"]  # both kernels ran

@@ -1,0 +1,87 @@
+"""Paged context attention kernel vs the float32 torch reference."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tllm.kernels.testing import make_paged_batch, relative_error  # noqa: E402
+from tllm.kernels.triton.context_attention import (paged_attention_ref,  # noqa: E402
+                                                   paged_context_attention)
+from tllm.kernels.triton.kv_cache import write_kv_ref  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+CUDA = torch.cuda.is_available()
+
+
+def check(device, query_lens, prefix_lens, num_heads=8, num_kv_heads=2, head_dim=64,
+          tokens_per_block=16, dtype=torch.bfloat16, sliding_window=None, q=None):
+    batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
+                             tokens_per_block, dtype, device)
+    m = batch.metadata
+    write_kv_ref(batch.k, batch.v, *batch.kv_cache, m.slot_mapping)
+    q = batch.q if q is None else q(batch.q)
+    scale = head_dim ** -0.5
+    args = (*batch.kv_cache, m.block_tables, m.query_start_loc, m.seq_lens)
+    out = torch.full_like(batch.q, float("nan"))
+    paged_context_attention(q, *args, m.max_query_len, scale, sliding_window, out=out)
+    ref = paged_attention_ref(q, *args, scale, sliding_window)
+    err = relative_error(out, ref)
+    assert err < TOL[dtype], err
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_kv_heads", [8, 2, 1])
+def test_dtypes_and_gqa(device, dtype, num_kv_heads):
+    # a decode-like request (query_len 1) rides along with prefills that have prefixes
+    check(device, [23, 1, 40], [0, 17, 9], num_kv_heads=num_kv_heads, dtype=dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("tokens_per_block", [16, 32])
+@pytest.mark.parametrize("prefix_lens", [[0, 0], [33, 100]])
+def test_head_dims_block_sizes_prefixes(device, head_dim, tokens_per_block, prefix_lens):
+    # 70 queries: two 128-row tiles per head would be one; the second tile is partial
+    check(device, [70, 5], prefix_lens, head_dim=head_dim, tokens_per_block=tokens_per_block)
+
+
+@pytest.mark.parametrize("head_dim", [96, 256])
+def test_other_head_dims(device, head_dim):
+    check(device, [20, 9], [5, 40], head_dim=head_dim)
+
+
+def test_short_chunks(device):
+    # max query length <= 16 picks the 16-row tile (chunked prefill, mixed decode)
+    check(device, [16, 3, 1], [50, 0, 130], dtype=torch.float32)
+
+
+def test_many_decodes_around_one_prefill(device):
+    # the flattened grid maps tiles to sequences by binary search over query_start_loc
+    query_lens = [1] * 6 + [90] + [1] * 5 + [2]
+    check(device, query_lens, [(7 * i) % 40 for i in range(len(query_lens))],
+          dtype=torch.float32)
+
+
+@pytest.mark.parametrize("window", [8, 50])
+def test_sliding_window(device, window):
+    check(device, [45, 2], [30, 90], sliding_window=window)
+
+
+def test_strided_query(device):
+    # q as the leading slice of a fused qkv projection output
+    def q_view(q):
+        fused = torch.randn(q.shape[0], q.shape[1] + 4, q.shape[2], dtype=q.dtype,
+                            device=q.device)
+        fused[:, :q.shape[1]] = q
+        return fused[:, :q.shape[1]]
+    check(device, [30, 7], [0, 21], q=q_view)
+
+
+@pytest.mark.skipif(not CUDA, reason="large shapes run on the GPU only")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_large_on_gpu(device, dtype):
+    check(device, [1000, 517, 1, 2048], [0, 3000, 4095, 37], num_heads=32, num_kv_heads=8,
+          head_dim=128, dtype=dtype)
+    check(device, [777, 300], [10, 5000], num_heads=32, num_kv_heads=8, head_dim=128,
+          dtype=dtype, sliding_window=1024)
+    check(device, [1] * 200 + [1500] + [1] * 55, [int(x) for x in torch.randint(0, 3000, (256,))],
+          num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype)

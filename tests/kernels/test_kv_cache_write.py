@@ -1,0 +1,81 @@
+"""KV-cache write (and its RoPE-fused form) vs the torch reference."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tllm.kernels.testing import relative_error  # noqa: E402
+from tllm.kernels.triton.kv_cache import (rope_and_write_kv, rope_and_write_kv_ref,  # noqa: E402
+                                          write_kv, write_kv_ref)
+from tllm.layers.rotary import RotaryEmbedding  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+def caches(num_blocks, tokens_per_block, num_kv_heads, head_dim, dtype, device):
+    shape = (num_blocks, tokens_per_block, num_kv_heads, head_dim)
+    return (torch.full(shape, float("nan"), dtype=dtype, device=device),
+            torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+def random_slots(num_tokens, num_blocks, tokens_per_block, device, num_skipped=0):
+    slots = torch.randperm(num_blocks * tokens_per_block)[:num_tokens]
+    slots[:num_skipped] = -1  # padding tokens write nothing
+    return slots.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,head_dim,tokens_per_block", [(2, 64, 16), (8, 128, 32),
+                                                                    (3, 96, 16)])
+def test_write_kv(device, dtype, num_kv_heads, head_dim, tokens_per_block):
+    num_tokens = 13
+    # k and v as strided slices of one fused projection output, as the model produces them
+    fused = torch.randn(num_tokens, 2 * num_kv_heads + 1, head_dim, dtype=dtype, device=device)
+    k, v = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]
+    slots = random_slots(num_tokens, 4, tokens_per_block, device, num_skipped=2)
+    got = caches(4, tokens_per_block, num_kv_heads, head_dim, dtype, device)
+    want = caches(4, tokens_per_block, num_kv_heads, head_dim, dtype, device)
+    write_kv(k, v, *got, slots)
+    write_kv_ref(k, v, *want, slots)
+    for g, w in zip(got, want):  # a copy is exact, and untouched slots stay NaN
+        assert torch.equal(g.isnan(), w.isnan())
+        assert torch.equal(g.nan_to_num(), w.nan_to_num())
+
+
+def test_write_kv_casts_to_cache_dtype(device):
+    k, v = torch.randn(2, 5, 2, 64, device=device)
+    slots = random_slots(5, 2, 16, device)
+    got, want = caches(2, 16, 2, 64, torch.bfloat16, device), caches(2, 16, 2, 64,
+                                                                     torch.bfloat16, device)
+    write_kv(k, v, *got, slots)
+    write_kv_ref(k, v, *want, slots)
+    assert torch.equal(got[0].isnan(), want[0].isnan())
+    if device.type == "cuda":  # the interpreter truncates fp32 -> bf16 instead of rounding
+        assert torch.equal(got[0].nan_to_num(), want[0].nan_to_num())
+    assert relative_error(got[0].nan_to_num(), want[0].nan_to_num()) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(8, 2, 64), (4, 4, 128),
+                                                             (6, 2, 96)])
+def test_rope_and_write_kv(device, dtype, num_heads, num_kv_heads, head_dim):
+    num_tokens, tokens_per_block, max_pos = 11, 16, 300
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rotary = RotaryEmbedding(inv_freq, 1.0, max_pos).to(device)
+    positions = torch.randint(0, max_pos, (num_tokens,), device=device)
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    slots = random_slots(num_tokens, 2, tokens_per_block, device, num_skipped=1)
+    got = caches(2, tokens_per_block, num_kv_heads, head_dim, dtype, device)
+    want = caches(2, tokens_per_block, num_kv_heads, head_dim, torch.float32, device)
+    q_out = torch.full_like(q, float("nan"))
+    rope_and_write_kv(positions, q, k, v, rotary.cos, rotary.sin, *got, slots, q_out=q_out)
+    q_ref = rope_and_write_kv_ref(positions, q, k, v, rotary.cos, rotary.sin, *want, slots)
+    assert relative_error(q_out, q_ref) < TOL[dtype]
+    for g, w in zip(got, want):
+        assert torch.equal(g.isnan(), w.isnan())
+        assert relative_error(g.nan_to_num(), w.nan_to_num()) < TOL[dtype]
+    # the model's own rotary module agrees too (it rounds cos/sin to the input dtype)
+    q_mod, _ = rotary(positions, q, k)
+    assert relative_error(q_out, q_mod.float()) < TOL[dtype]

@@ -1,0 +1,44 @@
+"""Attention with Triton kernels over the paged cache: the CUDA path. Decode-only steps use the
+GQA-grouped split-K decode kernel; any step with a longer query (prefill, chunked prefill,
+mixed prefill + decode) uses the paged context kernel. torch_ref.py is the reference."""
+from __future__ import annotations
+
+import torch
+
+from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache
+from tllm.kernels.triton.context_attention import paged_context_attention
+from tllm.kernels.triton.decode_attention import paged_decode_attention
+from tllm.kernels.triton.kv_cache import write_kv
+
+_MAX_HEAD_DIM = 256
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        if not 0 < head_dim <= _MAX_HEAD_DIM:
+            raise ValueError(f"triton attention supports head_dim up to {_MAX_HEAD_DIM}, "
+                             f"got {head_dim}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        if metadata.num_tokens == 0:
+            return out
+        common = (q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
+                  metadata.seq_lens)
+        if metadata.is_decode_only:
+            return paged_decode_attention(*common, max_seq_len=metadata.max_seq_len,
+                                          scale=self.scale, sliding_window=self.sliding_window,
+                                          out=out)
+        return paged_context_attention(*common, max_query_len=metadata.max_query_len,
+                                       scale=self.scale, sliding_window=self.sliding_window,
+                                       out=out)

@@ -1,0 +1,30 @@
+"""Torch reference for the paged attention kernels (context and decode), computed in float32
+from the same tensors the kernels take."""
+from __future__ import annotations
+
+import torch
+
+from tllm.attention.torch_ref import causal_mask, gather_kv
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float,
+                        sliding_window: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's queries (the last query_len positions of its
+    seq_len-token context) over its cached keys and values; float32 [T, Hq, D]."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    tokens_per_block = k_cache.shape[1]
+    starts = query_start_loc.tolist()
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        qi = q[starts[i]:starts[i + 1]].float().transpose(0, 1)             # [Hq, q, D]
+        k, v = gather_kv((k_cache, v_cache), block_tables[i], seq_len, tokens_per_block)
+        k = k.float().transpose(0, 1).repeat_interleave(group, dim=0)     # [Hq, s, D]
+        v = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        scores = (qi @ k.transpose(1, 2)) * scale
+        mask = causal_mask(qi.shape[1], seq_len, sliding_window, q.device)
+        probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        out[starts[i]:starts[i + 1]] = (probs @ v).transpose(0, 1)
+    return out

@@ -1,0 +1,156 @@
+"""Paged context (prefill) attention: flash attention over variable-length queries flattened
+across the batch, with keys and values read from the paged cache through block tables.
+
+A request's queries are the last query_len positions of its seq_len-token context, so a cached
+prefix (prefix reuse, chunked prefill) is attended like any other key, and a query_len of 1
+(a decode request in a mixed batch) works too. One program owns BLOCK_M queries of one head;
+the grid is flattened over the query tiles of all sequences (see _find_seq).
+The reference is `paged_attention_ref` in attention_ref.py."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tllm.kernels.triton.attention_common import (attend_tile, check_paged_layout,
+                                                  init_softmax_state)
+from tllm.kernels.triton.attention_ref import paged_attention_ref
+from tllm.kernels.triton.launch import dot_block_d, dot_precision, needs_fp32_dot, next_pow2
+
+__all__ = ["paged_context_attention", "paged_attention_ref"]
+
+
+@triton.jit
+def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M: tl.constexpr):
+    """The sequence owning grid slot `slot`: the last i with q_start[i] // BLOCK_M + i <= slot.
+    Sequence i owns slots from q_start[i] // BLOCK_M + i on, at least one per BLOCK_M of its
+    queries, so a grid of num_tokens // BLOCK_M + num_seqs slots covers every tile however
+    the lengths mix (a B x max_tiles grid would be mostly idle for one long prefill among
+    many single-token requests)."""
+    lo: tl.int32 = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_M + mid <= slot:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _context_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+        seq_lens_ptr, qk_scale, window, num_seqs,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_cb, stride_ct, stride_ch, stride_table,
+        GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    head = tl.program_id(0)
+    # Later causal tiles do more work: launch them first, so short ones fill the tail.
+    slot = tl.num_programs(1) - 1 - tl.program_id(1)
+    seq = _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    tile = slot - q_start // BLOCK_M - seq
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    io_mask = (offs_m < q_len)[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=io_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)  # attend_tile casts k, p and v to q's dtype
+    q_pos = seq_len - q_len + offs_m
+    first_pos = seq_len - q_len + tile * BLOCK_M
+
+    kv_head = head // GROUP
+    k_base = k_cache_ptr + kv_head * stride_ch
+    v_base = v_cache_ptr + kv_head * stride_ch
+    table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
+    acc, l_i, m_i = init_softmax_state(BLOCK_M, BLOCK_D)
+
+    # Keys before `mid` are visible to every row of the tile: no mask needed there.
+    if USE_WINDOW:
+        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+        mid = lo
+    else:
+        lo = 0
+        mid = first_pos // BLOCK_N * BLOCK_N
+    hi = tl.minimum(seq_len, first_pos + BLOCK_M)
+    for start_n in range(lo, mid, BLOCK_N):
+        acc, l_i, m_i = attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, k_base, v_base,
+            table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
+            BLOCK_D, BLOCK_N, False, USE_WINDOW, PRECISION)
+    for start_n in range(mid, hi, BLOCK_N):
+        acc, l_i, m_i = attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, k_base, v_base,
+            table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION)
+
+    # Rows past the query end may see no key (under a window); they are not stored.
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+@dataclass(frozen=True)
+class ContextConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def context_config(max_query_len: int, head_dim: int) -> ContextConfig:
+    """Tiles for H100/H200: 128x64 with 8 warps is the flash-attention sweet spot at head dim
+    128; short query batches (chunks, mixed decode) get a smaller BLOCK_M to waste less."""
+    block_d = next_pow2(head_dim)
+    block_n = 64 if block_d <= 128 else 32
+    if max_query_len <= 16:
+        return ContextConfig(16, block_n, 4, 3)
+    if max_query_len <= 64 or block_d > 128:
+        return ContextConfig(64, block_n, 4, 3 if block_d <= 128 else 2)
+    return ContextConfig(128, block_n, 8, 3)
+
+
+def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                            seq_lens: torch.Tensor, max_query_len: int, scale: float,
+                            sliding_window: int | None = None,
+                            out: torch.Tensor | None = None,
+                            config: ContextConfig | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; caches [num_blocks, tokens_per_block, Hkv, D]; returns [T, Hq, D].
+    The keys and values of this step's tokens must already be in the cache. `config`
+    overrides the tile sizes (for tuning)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    check_paged_layout(q, k_cache, v_cache, out)
+    cfg = config or context_config(max_query_len, head_dim)
+    grid = (num_heads, num_tokens // cfg.block_m + num_seqs)
+    _context_attention_kernel[grid](
+        out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        scale * math.log2(math.e), sliding_window or 0, num_seqs,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, TOKENS_PER_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
+        BLOCK_D=dot_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(q.dtype),
+        DOT_FP32=needs_fp32_dot(_context_attention_kernel, q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+

@@ -189,3 +189,10 @@ def test_process_that_never_shuts_down_exits_cleanly(tiny_llama):
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "4"
+
+
+def test_step_with_only_a_partial_prompt_chunk(llm):
+    # a lone 100-token prompt under a 32-token budget: the first steps sample nothing
+    prompt = [(7 * i) % 300 + 3 for i in range(100)]
+    out = llm.generate(prompt, GREEDY, use_tqdm=False)
+    assert len(tokens(out)) == 8

@@ -43,7 +43,8 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         inputs = self.prepare_inputs(batch)
         hidden = self.model(inputs.input_ids, self.kv_cache.kv_caches, inputs.metadata)
-        rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, device=self.device)
+        rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long,
+                            device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         num_sample = len(inputs.sample_rows)
         return StepOutput(logits[:num_sample], inputs.sample_requests,

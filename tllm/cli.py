@@ -14,7 +14,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from tllm import LLM, KvCacheConfig, RequestOutput, SamplingParams, __version__
+from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.loader import DEFAULT_MODEL
+from tllm.serve.cli_args import add_serve_parser
 
 # Errors caused by what the user typed: printed as one line, no traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
@@ -40,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)
     _add_chat(commands)
+    add_serve_parser(commands)
+    bench = commands.add_parser("bench", help="run benchmarks",
+                                description="Benchmarks; `tllm bench serve` loads a running "
+                                "server.")
+    add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True,
+                                                metavar="BENCHMARK"))
     return parser
 
 

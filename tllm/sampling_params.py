@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -50,7 +51,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below this, dividing logits by the temperature overflows; it is greedy in effect
+        return self.temperature < 1e-5
 
     def _validate(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
@@ -83,6 +85,11 @@ class SamplingParams:
             _check(_is_int(self.seed), "seed", self.seed, "must be an integer")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop,
                "must be a non-empty string or a list of non-empty strings")
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict) and all(
+                _is_int(k) and k >= 0 and _is_num(v) and -100 <= v <= 100
+                for k, v in self.logit_bias.items()), "logit_bias", self.logit_bias,
+                "must map token ids (ints >= 0) to biases in [-100, 100]")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative integers")
 

@@ -196,3 +196,10 @@ def test_step_with_only_a_partial_prompt_chunk(llm):
     prompt = [(7 * i) % 300 + 3 for i in range(100)]
     out = llm.generate(prompt, GREEDY, use_tqdm=False)
     assert len(tokens(out)) == 8
+
+
+def test_logit_bias_steers_greedy_choice(llm):
+    forced = 123
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0,
+                                              logit_bias={forced: 100.0}), use_tqdm=False)
+    assert tokens(out) == [forced] * 4

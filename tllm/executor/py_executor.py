@@ -36,10 +36,14 @@ class PyExecutor:
         self._thread = threading.Thread(target=self._run, name="tllm-executor", daemon=True)
         self._stopped = False
         self.num_steps = 0
+        self._num_pending_adds = 0  # submitted, not yet taken from the inbox
+        self._pending_lock = threading.Lock()
         self._thread.start()
         _live_executors.add(self)
 
     def submit(self, request: Request) -> None:
+        with self._pending_lock:
+            self._num_pending_adds += 1
         self._inbox.put(("add", request))
 
     def abort(self, request_id: str) -> None:
@@ -52,7 +56,8 @@ class PyExecutor:
     def stats(self) -> dict[str, int]:
         """A snapshot for monitoring; read from other threads, so only plain counts."""
         return {"num_running": len(self.scheduler.running),
-                "num_waiting": len(self.scheduler.waiting) + self._inbox.qsize(),
+                "num_waiting": len(self.scheduler.waiting) + self._num_pending_adds,
+                "num_preemptions": self.scheduler.num_preemptions,
                 "kv_blocks_total": self.kv_cache.num_blocks,
                 "kv_blocks_free": self.kv_cache.num_free_blocks,
                 "num_steps": self.num_steps}
@@ -66,19 +71,19 @@ class PyExecutor:
     # ---- the loop (executor thread only) ----
 
     def _run(self) -> None:
-        while True:
-            if not self._fetch_requests(block=not self.scheduler.has_unfinished):
-                break
-            batch = self.scheduler.schedule()
-            if not batch.requests:
-                continue
-            self.num_steps += 1
-            try:
-                self._step(batch)
-            except Exception as exc:  # a failed step fails its requests, not the loop
-                logger.exception("executor step failed")
-                self._fail(batch.requests, exc)
-        self._abort_all()
+        try:
+            while self._fetch_requests(block=not self.scheduler.has_unfinished):
+                batch = self.scheduler.schedule()
+                if not batch.requests:
+                    continue
+                self.num_steps += 1
+                try:
+                    self._step(batch)
+                except Exception as exc:  # a failed step fails its requests, not the loop
+                    logger.exception("executor step failed")
+                    self._fail(batch.requests, exc)
+        finally:  # even if the loop itself dies, every open result gets its end
+            self._abort_all()
 
     def _step(self, batch: ScheduledBatch) -> None:
         step = self.runner.execute(batch)
@@ -100,6 +105,8 @@ class PyExecutor:
                 return False
             action, payload = item
             if action == "add":
+                with self._pending_lock:
+                    self._num_pending_adds -= 1
                 self._requests[payload.request_id] = payload
                 self.scheduler.add_request(payload)
             elif payload in self._requests:

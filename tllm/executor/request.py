@@ -58,6 +58,7 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     error: Exception | None = None
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
 

@@ -156,7 +156,9 @@ class KVCacheManager:
     def _swap_in(self, request: Request) -> bool:
         data = self._swapped[request]
         reserve = self.max_blocks(request) - len(data) if self.reserve_full_generation else 0
-        if self._available() < len(data) + reserve:
+        # without a reservation, room for the tokens it computes next must be there now
+        room = reserve or max(0, cdiv(request.num_tokens, self.tokens_per_block) - len(data))
+        if self._available() < len(data) + room:
             return False
         del self._swapped[request]
         request.block_ids = self.pool.allocate(len(data))

@@ -33,6 +33,7 @@ class _Cursor:
         self.num_tokens = 0
         self.text_len = 0
         self.num_logprobs = 0
+        self.sent_prompt_logprobs = False
 
 
 class GenerationResult:
@@ -81,11 +82,13 @@ class GenerationResult:
         logprobs = request.output_logprobs[cursor.num_logprobs:]
         cursor.num_logprobs = len(request.output_logprobs)
         delta = _Delta(request.sample_index, new_ids, text, logprobs)
+        if request.prompt_logprobs and request.is_prompt_done and not cursor.sent_prompt_logprobs:
+            delta.prompt_logprobs = request.prompt_logprobs
+            cursor.sent_prompt_logprobs = True
         if request.is_finished:
             delta.finish_reason = request.finish_reason.value
             delta.stop_reason = request.stop_reason
             delta.error = request.error
-            delta.prompt_logprobs = request.prompt_logprobs or None
             if request.sampling_params.logprobs is not None:
                 delta.cumulative_logprob = request.cumulative_logprob
             delta.metrics = _metrics(request)
@@ -119,12 +122,13 @@ class GenerationResult:
         out.text_diff = delta.text
         if out.logprobs is not None:
             out.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None and delta.index == 0:
+            self._output.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             out.finish_reason = "abort" if delta.error else delta.finish_reason
             out.stop_reason = delta.stop_reason
             out.cumulative_logprob = delta.cumulative_logprob
             if delta.index == 0:
-                self._output.prompt_logprobs = delta.prompt_logprobs
                 self._output.metrics = delta.metrics
             self._error = self._error or delta.error
             self._num_unfinished -= 1
@@ -170,6 +174,8 @@ class GenerationResult:
 def _metrics(request: Request) -> dict[str, float]:
     metrics = {"num_prompt_tokens": request.num_prompt_tokens,
                "num_output_tokens": request.num_output_tokens}
+    if request.first_scheduled_time is not None:
+        metrics["queue_s"] = request.first_scheduled_time - request.arrival_time
     if request.first_token_time is not None:
         metrics["ttft_s"] = request.first_token_time - request.arrival_time
     if request.finish_time is not None:

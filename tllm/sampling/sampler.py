@@ -27,6 +27,7 @@ class Sampler:
         logits = logits.float()
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
+        logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_stop_tokens_before_min(logits, requests)
         token_ids = logits.argmax(dim=-1)
@@ -39,6 +40,20 @@ class Sampler:
         if raw_logprobs is None:
             return SamplerOutput(token_list, [None] * len(requests), [None] * len(requests))
         return self._gather_logprobs(raw_logprobs, token_ids, requests, want_logprobs)
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        rows, cols, values = [], [], []
+        for i, request in enumerate(requests):
+            for token, bias in (request.sampling_params.logit_bias or {}).items():
+                if token < logits.shape[1]:
+                    rows.append(i)
+                    cols.append(token)
+                    values.append(float(bias))
+        if not rows:
+            return logits
+        return logits.index_put((torch.tensor(rows), torch.tensor(cols)),
+                                torch.tensor(values, device=logits.device), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         params = [r.sampling_params for r in requests]

@@ -6,6 +6,7 @@ There are no prefill and decode phases. A request has `num_computed_tokens` and
 running batch as soon as budget and KV blocks allow (in-flight batching)."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -113,6 +114,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             request.state = RequestState.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             self.kv_cache.allocate_slots(request, num_new)
             batch.add(request, num_new)

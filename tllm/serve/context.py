@@ -1,0 +1,100 @@
+"""The server's configuration and the state its endpoints share."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from pydantic import BaseModel
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from tllm.serve.errors import APIError, internal_error
+from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
+from tllm.serve.logprobs import LogprobFormatter
+from tllm.serve.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server behaves around the engine (the engine's own settings are LLM args)."""
+
+    model: str = "smollm2"
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_queue_size: int | None = 1024
+    max_body_bytes: int = 16 << 20
+    chat_template: str | None = None
+    stuck_timeout_s: float = 120.0
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+@dataclass
+class ServingContext:
+    llm: Any
+    config: ServerConfig
+    metrics: ServerMetrics
+    engine: EngineClient
+    logprobs: LogprobFormatter
+    # Tokenizing off the event loop, one at a time (HF tokenizers are not reentrant).
+    tokenizer_pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tllm-tokenize"))
+
+    @classmethod
+    def create(cls, llm, config: ServerConfig) -> ServingContext:
+        metrics = ServerMetrics(config.model_name, llm.get_stats)
+        engine = EngineClient(llm, metrics, config.max_queue_size, config.stuck_timeout_s)
+        return cls(llm, config, metrics, engine, LogprobFormatter(llm.tokenizer))
+
+    @property
+    def tokenizer(self):
+        if self.llm.tokenizer is None:
+            raise APIError(400, f"model {self.config.model_name!r} has no tokenizer: send "
+                           "prompts as token ids", param="prompt")
+        return self.llm.tokenizer
+
+    async def run_in_tokenizer(self, fn: Callable, *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.config.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.config.model_name!r}", param="model", code="model_not_found")
+
+    def close(self) -> None:
+        self.tokenizer_pool.shutdown(wait=False)
+
+
+def sse(body: BaseModel) -> str:
+    """One Server-Sent Event."""
+    return f"data: {body.model_dump_json()}\n\n"
+
+
+def event_stream(request: Request, generation: Generation,
+                 events: AsyncIterator[str]) -> StreamingResponse:
+    """An SSE response: the events, an error event if the generation fails midway, then
+    [DONE]. The generation is aborted if the client goes away, and closed in any case."""
+    async def body() -> AsyncIterator[str]:
+        async with abort_on_disconnect(request, generation):
+            try:
+                async for event in events:
+                    yield event
+            except APIError as exc:
+                yield sse(exc.body())
+            except Exception as exc:  # the status line is sent: report it in the stream
+                logger.exception("streamed request failed")
+                yield sse(internal_error(exc).body())
+            yield SSE_DONE
+
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                             background=BackgroundTask(generation.close))

@@ -1,0 +1,286 @@
+"""The OpenAI-compatible wire format. Request bodies are validated strictly (no string-to-number
+coercion, no NaN or infinity, unknown fields rejected, as OpenAI does); response bodies are
+plain models serialised as they are."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 128             # OpenAI's own cap on n
+MAX_LOGPROBS = 20       # top logprobs per position (completions `logprobs`, chat `top_logprobs`)
+MAX_STOP = 16           # stop strings per request
+MAX_STOP_TOKEN_IDS = 256
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+TokenIds = list[int]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingRequest(_Body):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[str | list[str]] = None
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    # vLLM's extra sampling fields
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("stop")
+    @classmethod
+    def _few_stops(cls, stop):
+        if isinstance(stop, list) and len(stop) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stop)}")
+        return stop
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    """POST /v1/completions."""
+
+    prompt: str | list[Any]
+    max_tokens: Optional[int] = Field(16, ge=0)
+    echo: bool = False
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    suffix: Optional[str] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_form(cls, prompt):
+        if isinstance(prompt, str) or _is_prompt_list(prompt):
+            return prompt
+        raise ValueError("must be a string, a list of strings, a list of token ids, or a "
+                         "list of lists of token ids")
+
+    def prompts(self) -> list[str | TokenIds]:
+        """The prompt as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or all(_is_token(t) for t in prompt):
+            return [prompt]
+        return list(prompt)
+
+
+class TextPart(_Body):
+    """One part of a message's content; only text parts are understood."""
+
+    type: Literal["text"]
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, part):
+        if isinstance(part, dict) and part.get("type") != "text":
+            raise ValueError(f"only text content parts are supported, got type "
+                             f"{part.get('type')!r}")
+        return part
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Literal["none", "auto"]] = None
+    parallel_tool_calls: Optional[bool] = None
+    metadata: Optional[dict[str, str]] = None
+    store: Optional[bool] = None
+    service_tier: Optional[str] = None
+    add_generation_prompt: bool = True
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools):
+        if tools:
+            raise ValueError("tool calling is not supported by this server")
+        return tools
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+def _is_token(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_prompt_list(prompt) -> bool:
+    if not isinstance(prompt, list) or not prompt:
+        return False
+    return (all(_is_token(t) for t in prompt) or all(isinstance(p, str) for p in prompt)
+            or all(isinstance(p, list) and all(_is_token(t) for t in p) for p in prompt))
+
+
+# ---- responses ----
+
+class _Response(BaseModel):
+    model_config = ConfigDict(protected_namespaces=())
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @model_validator(mode="after")
+    def _total(self):
+        self.total_tokens = self.prompt_tokens + self.completion_tokens
+        return self
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Response):
+    content: Optional[list[ChatLogprob]] = None
+
+
+class AssistantMessage(_Response):
+    role: str = "assistant"
+    content: str
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(_Response):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatStreamChoice(_Response):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Optional[Usage] = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tllm"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(_Response):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(_Response):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorInfo

@@ -1,0 +1,141 @@
+"""Test support: run an app on a loopback port in a background thread, and an engine double
+(FakeLLM) for tests of the server and the serving benchmark that need no model."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import uvicorn
+
+from tllm.outputs import CompletionOutput, Logprob, RequestOutput
+from tllm.sampling_params import SamplingParams
+
+
+class ServerThread:
+    """uvicorn serving `app` on 127.0.0.1 at a free port, in a daemon thread."""
+
+    def __init__(self, app, log_level: str = "warning") -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="off",
+                                                    timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self.server.run,
+                                        kwargs={"sockets": [self._socket]}, daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+        self._socket.close()
+        ctx = getattr(self.app.state, "ctx", None)
+        if ctx is not None:
+            ctx.close()
+
+
+class FakeTokenizer:
+    """Bytes as tokens (vocabulary 256); chat messages as 'role: content' lines."""
+
+    eos_token_ids = frozenset()
+    vocab_size = 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(token_ids).decode(errors="replace")
+
+    def encode_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> list[int]:
+        lines = [f"{m['role']}: {m['content']}" for m in messages]
+        return self.encode("\n".join(lines) + ("\nassistant: " if add_generation_prompt else ""))
+
+
+class FakeLLM:
+    """Generates 'abc...' one token per `token_delay_s` for every sample, until max_tokens or
+    an abort. Set `is_alive = False`, `fail_with = exc` (raised on submission) or
+    `fail_midway = exc` (raised after the first token) to see the server's answers."""
+
+    def __init__(self, max_seq_len: int = 512, token_delay_s: float = 0.0) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.max_seq_len = max_seq_len
+        self.token_delay_s = token_delay_s
+        self.is_alive = True
+        self.fail_with: Exception | None = None
+        self.fail_midway: Exception | None = None
+        self.num_steps = 0
+        self.active: set[FakeResult] = set()
+
+    def get_stats(self) -> dict[str, int]:
+        return {"num_running": len(self.active), "num_waiting": 0, "kv_blocks_total": 1000,
+                "kv_blocks_free": 1000 - len(self.active), "num_steps": self.num_steps}
+
+    def generate_async(self, inputs: dict, params: SamplingParams,
+                       streaming: bool = False) -> FakeResult:
+        if self.fail_with is not None:
+            raise self.fail_with
+        token_ids = inputs["prompt_token_ids"]
+        if not token_ids or max(token_ids) >= 256 or min(token_ids) < 0:
+            raise ValueError("inputs: prompt token ids must be in [0, 256)")
+        return FakeResult(self, token_ids, params)
+
+
+class FakeResult:
+    def __init__(self, llm: FakeLLM, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        self._llm = llm
+        self._params = params
+        self._is_aborted = False
+        self.finished = False
+        outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
+                   for i in range(params.n)]
+        self.output = RequestOutput("fake", None, list(prompt_token_ids), outputs)
+        if params.prompt_logprobs is not None:
+            self.output.prompt_logprobs = [None] + [{t: Logprob(-1.0, 1)}
+                                                    for t in prompt_token_ids[1:]]
+        llm.active.add(self)
+
+    def abort(self) -> None:
+        self._is_aborted = True
+
+    async def __aiter__(self):
+        try:
+            for step in range(self._params.max_tokens):
+                await asyncio.sleep(self._llm.token_delay_s)
+                while not self._llm.is_alive:  # a dead engine sends nothing more
+                    await asyncio.sleep(0.01)
+                self._llm.num_steps += 1
+                is_last = self._is_aborted or step == self._params.max_tokens - 1
+                for sample in self.output.outputs:
+                    self._append(sample, ord("a") + step % 26, is_last)
+                    yield self.output
+                if is_last:
+                    break
+                if self._llm.fail_midway is not None:
+                    raise self._llm.fail_midway
+        finally:
+            self.finished = True
+            self._llm.active.discard(self)
+
+    def _append(self, sample: CompletionOutput, token: int, is_last: bool) -> None:
+        sample.token_ids = sample.token_ids + [token]
+        sample.text += chr(token)
+        if sample.logprobs is not None:
+            sample.logprobs.append({token: Logprob(-0.5, 1)})
+        if is_last:
+            sample.finish_reason = "abort" if self._is_aborted else "length"
+        self.output.finished = is_last and sample.index == len(self.output.outputs) - 1

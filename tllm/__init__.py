@@ -1,12 +1,12 @@
 """tllm: LLM inference with an executor loop over a paged KV cache."""
 from tllm.llmapi.llm import LLM
-from tllm.llmapi.llm_args import (CapacitySchedulerPolicy, KvCacheConfig, LlmArgs,
-                                  SchedulerConfig)
+from tllm.llmapi.llm_args import (CapacitySchedulerPolicy, CudaGraphConfig, KvCacheConfig,
+                                  LlmArgs, SchedulerConfig)
 from tllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tllm.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LlmArgs", "KvCacheConfig", "SchedulerConfig", "CapacitySchedulerPolicy",
-           "SamplingParams", "RequestOutput",
+           "CudaGraphConfig", "SamplingParams", "RequestOutput",
            "CompletionOutput", "Logprob", "__version__"]

@@ -14,6 +14,7 @@ from tllm.executor.py_executor import PyExecutor
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.models.llama import head_dim_of
+from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from tllm.runner.model_runner import ModelRunner
 from tllm.sampling.sampler import Sampler
 from tllm.scheduler.scheduler import Scheduler
@@ -69,32 +70,48 @@ def build_engine(args: LlmArgs) -> Engine:
     config, checkpoint = loader.load_config(source)
     dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
     max_seq_len = args.max_seq_len or config.max_position_embeddings
-    backend_cls = get_attention_backend(pick_backend(args.attn_backend, device))
+    backend = pick_backend(args.attn_backend, device)
+    backend_cls = get_attention_backend(backend)
     model = loader.build_model(config, backend_cls, dtype, device, max_seq_len)
     loader.load_weights(model, source, checkpoint, args.seed)
     tokenizer = loader.load_tokenizer(source)
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
-    kv_cache = build_kv_cache(config, args.kv_cache_config, dtype, device,
-                              max_tokens_useful=args.max_batch_size * max_seq_len,
+    kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
                               reserve_full_generation=no_evict)
     scheduler = Scheduler(kv_cache, max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens,
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           preemption_mode=args.scheduler_config.preemption_mode)
-    executor = PyExecutor(scheduler, kv_cache, ModelRunner(model, kv_cache, device),
+    graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
+    executor = PyExecutor(scheduler, kv_cache, ModelRunner(model, kv_cache, device, graphs),
                           Sampler(args.seed, device))
     return Engine(config, tokenizer, executor, kv_cache, device, dtype, max_seq_len)
 
 
-def build_kv_cache(config, kv_config: KvCacheConfig, dtype: torch.dtype, device: torch.device,
-                   max_tokens_useful: int, reserve_full_generation: bool) -> KVCacheManager:
+def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: torch.device,
+                      backend: str, max_seq_len: int) -> CudaGraphRunner | None:
+    config = args.cuda_graph_config
+    if config is None or device.type != "cuda" or backend != "triton":
+        return None
+    limit = min(config.max_batch_size, args.max_batch_size)
+    sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s <= limit] or [limit]
+    graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device)
+    graphs.capture()
+    return graphs
+
+
+def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.device,
+                   max_seq_len: int, reserve_full_generation: bool) -> KVCacheManager:
+    kv_config = args.kv_cache_config
+    max_tokens_useful = args.max_batch_size * max_seq_len
     head_dim = head_dim_of(config)
     bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
                        * torch.empty((), dtype=dtype).element_size())
     num_tokens = kv_config.max_tokens
     if num_tokens is None:
-        num_tokens = int(kv_cache_budget(kv_config, device) // bytes_per_token)
+        budget = kv_cache_budget(kv_config, device, activation_bytes(config, args, dtype))
+        num_tokens = int(budget // bytes_per_token)
         num_tokens = min(num_tokens, max_tokens_useful)
     num_blocks = max(1, num_tokens // kv_config.tokens_per_block)
     block_bytes = kv_config.tokens_per_block * bytes_per_token
@@ -112,9 +129,19 @@ def build_kv_cache(config, kv_config: KvCacheConfig, dtype: torch.dtype, device:
                           disk_cache_blocks=kv_config.disk_cache_size // block_bytes)
 
 
-def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device) -> float:
+def activation_bytes(config, args: LlmArgs, dtype: torch.dtype) -> int:
+    """A bound on the activations of the largest step (max_num_tokens tokens), kept out of
+    the KV budget: the merged gate/up output dominates, then the float32 logits."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per_token = (2 * config.intermediate_size + 6 * config.hidden_size) * size
+    logits = args.max_batch_size * config.vocab_size * 4 * 3
+    return args.max_num_tokens * per_token * 2 + logits
+
+
+def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device,
+                    reserved_bytes: int) -> float:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return free * kv_config.free_memory_fraction
+        return max(0, free - reserved_bytes) * kv_config.free_memory_fraction
     available = min(psutil.virtual_memory().available, _CPU_KV_CAP_BYTES)
     return available * kv_config.free_memory_fraction

@@ -45,6 +45,16 @@ class SchedulerConfig(BaseModel):
     preemption_mode: Literal["recompute", "swap"] = "recompute"
 
 
+class CudaGraphConfig(BaseModel):
+    """Decode steps replayed as CUDA graphs (CUDA with the Triton backend only). Batches are
+    padded up to the next captured size; larger batches run eagerly."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_sizes: list[int] | None = None  # default: 1, 2, 4, 8, 16, 24, 32, 48, ... 256
+    max_batch_size: int = Field(256, ge=1)
+
+
 class LlmArgs(BaseModel):
     """Arguments of LLM(...), in TensorRT-LLM's style."""
 
@@ -58,6 +68,8 @@ class LlmArgs(BaseModel):
     max_seq_len: int | None = Field(None, ge=2)
     kv_cache_config: KvCacheConfig = Field(default_factory=KvCacheConfig)
     scheduler_config: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig())
+    # None turns CUDA graphs off.
+    cuda_graph_config: CudaGraphConfig | None = Field(default_factory=lambda: CudaGraphConfig())
     enable_chunked_prefill: bool = True
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0

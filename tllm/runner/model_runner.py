@@ -10,6 +10,7 @@ from torch import nn
 from tllm.attention.interface import AttentionMetadata
 from tllm.executor.request import Request
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.runner.cuda_graph import CudaGraphRunner
 from tllm.scheduler.scheduler import ScheduledBatch
 
 
@@ -33,15 +34,23 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: nn.Module, kv_cache: KVCacheManager,
-                 device: torch.device) -> None:
+    def __init__(self, model: nn.Module, kv_cache: KVCacheManager, device: torch.device,
+                 cuda_graphs: CudaGraphRunner | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
+        self.cuda_graphs = cuda_graphs
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         inputs = self.prepare_inputs(batch)
+        md = inputs.metadata
+        graphs = self.cuda_graphs
+        # A graph replay computes logits for every row: use it when every row samples.
+        if (graphs is not None and graphs.can_run(md.num_tokens, md.is_decode_only)
+                and len(inputs.sample_rows) == md.num_tokens and not inputs.prompt_rows):
+            logits = graphs.run(inputs.input_ids, md)
+            return StepOutput(logits, inputs.sample_requests, None, [])
         hidden = self.model(inputs.input_ids, self.kv_cache.kv_caches, inputs.metadata)
         rows = torch.tensor(inputs.sample_rows + inputs.prompt_rows, dtype=torch.long,
                             device=self.device)

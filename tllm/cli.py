@@ -17,6 +17,7 @@ from tllm import LLM, KvCacheConfig, RequestOutput, SamplingParams, __version__
 from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.cli_args import add_serve_parser
+from tllm.cli_types import positive_int
 
 # Errors caused by what the user typed: printed as one line, no traceback.
 USER_ERRORS = (ValueError, FileNotFoundError)
@@ -60,7 +61,7 @@ def _add_generate(commands) -> None:
                     "timing goes to stderr.")
     parser.add_argument("--prompt", "-p", action="append", required=True,
                         help="a prompt; repeat the option for a batch")
-    parser.add_argument("--n", type=_positive_int, default=1, help="answers per prompt")
+    parser.add_argument("--n", type=positive_int, default=1, help="answers per prompt")
     parser.add_argument("--system", help="a system message (needs the chat template)")
     parser.add_argument("--no-chat-template", dest="use_chat_template", action="store_false",
                         help="send the prompt text as is, not as a chat user message")
@@ -189,15 +190,15 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dtype", default="auto",
                        choices=["auto", "float32", "float16", "bfloat16"])
     group.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
-    group.add_argument("--max-seq-len", type=_positive_int,
+    group.add_argument("--max-seq-len", type=positive_int,
                        help="prompt + answer length limit (default: the model's)")
-    group.add_argument("--kv-cache-tokens", type=_positive_int,
+    group.add_argument("--kv-cache-tokens", type=positive_int,
                        help="KV cache capacity in tokens (default: sized to memory)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=_positive_int, default=max_tokens,
+    group.add_argument("--max-tokens", type=positive_int, default=max_tokens,
                        help=f"most tokens per answer (default: {max_tokens})")
     group.add_argument("--temperature", "-t", type=float, default=0.0,
                        help="0 (default) is greedy, so answers are reproducible")
@@ -242,14 +243,6 @@ def _has_chat_template(llm: LLM) -> bool:
     return tokenizer is not None and tokenizer.has_chat_template
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _one_line(exc: Exception) -> str:

@@ -10,6 +10,7 @@ import sys
 
 from tllm.bench.serve import BenchConfig, BenchRun, run_benchmark
 from tllm.bench.serve_metrics import SLO_METRICS, format_summary, summarize
+from tllm.cli_types import positive_int
 
 
 def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -23,19 +24,19 @@ def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--model", help="model name to send (default: the server's first)")
     parser.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     parser.add_argument("--dataset", choices=["random"], default="random")
-    parser.add_argument("--isl", "--random-input-len", dest="isl", type=_positive_int,
+    parser.add_argument("--isl", "--random-input-len", dest="isl", type=positive_int,
                         default=1024, help="prompt tokens per request (default 1024)")
-    parser.add_argument("--osl", "--random-output-len", dest="osl", type=_positive_int,
+    parser.add_argument("--osl", "--random-output-len", dest="osl", type=positive_int,
                         default=128, help="output tokens per request (default 128)")
     parser.add_argument("--random-range-ratio", type=float, default=0.0,
                         help="lengths vary uniformly by this fraction (default 0: exact)")
-    parser.add_argument("--random-vocab-size", type=_positive_int, default=10000,
+    parser.add_argument("--random-vocab-size", type=positive_int, default=10000,
                         help="prompt token ids are drawn from [0, this) (default 10000)")
-    parser.add_argument("--num-prompts", type=_positive_int, default=100)
+    parser.add_argument("--num-prompts", type=positive_int, default=100)
     parser.add_argument("--request-rate", type=_rate, default=float("inf"),
                         help="requests per second, Poisson arrivals; inf (default) sends "
                              "all at once")
-    parser.add_argument("--max-concurrency", type=_positive_int,
+    parser.add_argument("--max-concurrency", type=positive_int,
                         help="most requests in flight (default: no limit)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--percentiles", default="50,90,99",
@@ -140,11 +141,3 @@ def _rate(text: str) -> float:
     return rate
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value

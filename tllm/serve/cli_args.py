@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tllm.loader import DEFAULT_MODEL
+from tllm.cli_types import positive_int
 
 # Engine flags of the command line, by the LLM argument each one sets.
 _ENGINE_FLAGS = ("max_batch_size", "max_num_tokens", "max_seq_len", "dtype", "device")
@@ -41,7 +42,7 @@ def _add_server_args(group) -> None:
     group.add_argument("--max-queue-size", type=_non_negative_int, default=1024,
                        help="answer 429 while this many requests wait (default 1024; 0 "
                             "means no limit)")
-    group.add_argument("--max-body-bytes", type=_positive_int, default=16 << 20,
+    group.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
                        help="answer 413 to larger request bodies (default 16 MiB)")
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
@@ -53,13 +54,13 @@ def _add_server_args(group) -> None:
 def _add_engine_args(group) -> None:
     group.add_argument("--config", help="YAML file of LLM arguments (kv_cache_config, "
                        "scheduler_config, ...)")
-    group.add_argument("--max-batch-size", type=_positive_int)
-    group.add_argument("--max-num-tokens", type=_positive_int)
-    group.add_argument("--max-seq-len", type=_positive_int)
-    group.add_argument("--tp-size", type=_positive_int, help="tensor-parallel GPUs")
+    group.add_argument("--max-batch-size", type=positive_int)
+    group.add_argument("--max-num-tokens", type=positive_int)
+    group.add_argument("--max-seq-len", type=positive_int)
+    group.add_argument("--tp-size", type=positive_int, help="tensor-parallel GPUs")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     group.add_argument("--device", help="e.g. cpu, cuda, cuda:1")
-    group.add_argument("--kv-cache-tokens", type=_positive_int,
+    group.add_argument("--kv-cache-tokens", type=positive_int,
                        help="KV cache capacity in tokens (sets kv_cache_config.max_tokens)")
 
 
@@ -144,11 +145,6 @@ def _checked_tp_size(tp_size: int) -> int:
     return tp_size
 
 
-def _positive_int(text: str) -> int:
-    value = _non_negative_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _non_negative_int(text: str) -> int:

@@ -38,6 +38,16 @@ def causal_mask(query_len: int, seq_len: int, sliding_window: int | None,
     return mask
 
 
+# torch >= 2.5 broadcasts kv heads itself; older versions need them repeated.
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[seq, kv_heads, dim] -> [heads or kv_heads, seq, dim] for SDPA."""
+    x = x.transpose(0, 1)
+    return x if _SDPA_GQA or group == 1 else x.repeat_interleave(group, dim=0)
+
+
 def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                         scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of every query token over its sequence's cached context."""
@@ -48,13 +58,15 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionM
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
         k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, metadata.tokens_per_block)
         qi = q[start:start + query_len].transpose(0, 1)          # [heads, q, d]
-        ki = k.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-        vi = v.to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-        if query_len == seq_len and sliding_window is None:
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        ki, vi = _expand_kv(k.to(q.dtype), group), _expand_kv(v.to(q.dtype), group)
+        gqa = {"enable_gqa": True} if _SDPA_GQA and group > 1 else {}
+        window_matters = sliding_window is not None and sliding_window < seq_len
+        if not window_matters and query_len in (1, seq_len):  # no mask, or a plain causal one
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=query_len > 1,
+                                               scale=scale, **gqa)
         else:
             mask = causal_mask(query_len, seq_len, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, **gqa)
         out[start:start + query_len] = o.transpose(0, 1)
         start += query_len
     return out

@@ -77,7 +77,7 @@ class ProbeSampler(Sampler):
 def draw(row: torch.Tensor, params: SamplingParams, num_draws: int, seed: int = 0):
     """num_draws samples of one distribution: identical rows in one batch."""
     requests = [make_request(params, rid=f"r{i}") for i in range(num_draws)]
-    out = Sampler(seed=seed).sample(row[None, :].repeat(num_draws, 1), requests)
+    out = Sampler(seed=seed).sample(row[None, :].repeat(num_draws, 1), requests).host()
     return torch.bincount(torch.tensor(out.token_ids), minlength=row.numel())
 
 
@@ -102,7 +102,7 @@ def test_sampler_distribution_matches_hf_chain_per_row(seed):
     requests = [make_request(p, prompt, out) for p, prompt, out in zip(params, prompts, outputs)]
     logits = random_logits(seed, rows=len(params))
     sampler = ProbeSampler(seed=seed)
-    result = sampler.sample(logits, requests)
+    result = sampler.sample(logits, requests).host()
     for row, request in enumerate(requests):
         expected = hf_chain(logits[row], request.sampling_params, request.token_ids,
                             request.output_token_ids)
@@ -159,13 +159,13 @@ def test_greedy_is_argmax(seed):
     logits = random_logits(seed, rows=6)
     requests = [make_request(SamplingParams(temperature=0.0, top_k=3, top_p=0.5))
                 for _ in range(6)]
-    assert Sampler(seed=seed).sample(logits, requests).token_ids == logits.argmax(-1).tolist()
+    assert Sampler(seed=seed).sample(logits, requests).host().token_ids == logits.argmax(-1).tolist()
 
 
 def test_greedy_rows_are_argmax_in_a_batch_with_random_rows():
     logits = random_logits(3, rows=6)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 3
-    out = Sampler(seed=3).sample(logits, [make_request(p) for p in params])
+    out = Sampler(seed=3).sample(logits, [make_request(p) for p in params]).host()
     argmax = logits.argmax(-1).tolist()
     assert [out.token_ids[i] for i in (0, 2, 4)] == [argmax[i] for i in (0, 2, 4)]
 
@@ -184,7 +184,7 @@ def test_greedy_with_repetition_penalty_is_argmax_of_hf_penalised_logits(seed):
         requests.append(make_request(SamplingParams(temperature=0.0,
                                                     repetition_penalty=penalty),
                                      prompt, outputs))
-    out = Sampler(seed=seed).sample(logits, requests)
+    out = Sampler(seed=seed).sample(logits, requests).host()
     for row, request in enumerate(requests):
         hf = RepetitionPenaltyLogitsProcessor(penalties[row])(
             torch.tensor([request.token_ids]), logits[row][None, :].clone())
@@ -196,7 +196,7 @@ def test_repetition_penalty_changes_the_greedy_choice():
     best = int(logits.argmax())
     request = make_request(SamplingParams(temperature=0.0, repetition_penalty=100.0),
                            prompt=[best])
-    token = Sampler().sample(logits, [request]).token_ids[0]
+    token = Sampler().sample(logits, [request]).host().token_ids[0]
     assert token == int(logits[0].topk(2).indices[1])
 
 
@@ -210,7 +210,7 @@ def test_greedy_with_presence_frequency_penalty_is_argmax_of_openai_formula(seed
     # Each row already produced its argmax token (several times) and a few others.
     outputs = [[best[0], 7, 7], [best[1]] * 3 + [3], [best[2], best[2], 40, 7]]
     requests = [make_request(p, outputs=o) for p, o in zip(params, outputs)]
-    out = Sampler(seed=seed).sample(logits, requests)
+    out = Sampler(seed=seed).sample(logits, requests).host()
     for row, request in enumerate(requests):
         expected = hf_chain(logits[row], SamplingParams(
             presence_penalty=params[row].presence_penalty,
@@ -233,7 +233,7 @@ def run_steps(sampler: Sampler, batches: list[list[Request]], row_logits: list[t
             for i, request in enumerate(batch):
                 if request.generator is not None:
                     logits[i] = step_logits
-            for request, token in zip(batch, sampler.sample(logits, batch).token_ids):
+            for request, token in zip(batch, sampler.sample(logits, batch).host().token_ids):
                 request.append_token(token)
 
 
@@ -268,7 +268,7 @@ def test_unseeded_rows_follow_the_sampler_seed():
     params = SamplingParams(temperature=1.0)
 
     def sample(seed):
-        return Sampler(seed=seed).sample(logits, [make_request(params) for _ in range(8)])
+        return Sampler(seed=seed).sample(logits, [make_request(params) for _ in range(8)]).host()
 
     assert sample(3).token_ids == sample(3).token_ids
     assert sample(3).token_ids != sample(4).token_ids
@@ -287,7 +287,7 @@ def test_stop_tokens_are_not_sampled_before_min_tokens(temperature):
     for step in range(6):
         logits = torch.randn(len(requests), VOCAB, generator=g)
         logits[:, list(stop_ids)] += 30.0  # the stop tokens hold almost all the mass
-        tokens = sampler.sample(logits, requests).token_ids
+        tokens = sampler.sample(logits, requests).host().token_ids
         if step < 4:
             assert not stop_ids & set(tokens)
         else:
@@ -308,7 +308,7 @@ def test_min_tokens_counts_existing_outputs_and_respects_ignore_eos():
         make_request(SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[17],
                                     ignore_eos=True)),  # EOS is no stop token here
     ]
-    out = Sampler().sample(logits, requests)
+    out = Sampler().sample(logits, requests).host()
     masked = logits[0].clone()
     masked[[EOS, 17]] = float("-inf")
     assert out.token_ids == [int(masked.argmax()), EOS, EOS]
@@ -320,7 +320,7 @@ def test_eos_outside_the_vocab_is_ignored():
                       eos_token_ids=frozenset({VOCAB + 10, EOS}))
     logits = random_logits(2, rows=1)
     logits[0, EOS] += 50.0
-    token = Sampler().sample(logits, [request]).token_ids[0]
+    token = Sampler().sample(logits, [request]).host().token_ids[0]
     assert token != EOS
 
 
@@ -356,7 +356,7 @@ def test_logprobs_are_of_the_raw_logits_with_ranks(seed):
                 for p in params]
     logits = random_logits(seed, rows=len(params))
     logits[5, EOS] += 20.0  # masked by min_tokens for sampling, still reported raw
-    out = Sampler(seed=seed).sample(logits.clone(), requests)
+    out = Sampler(seed=seed).sample(logits.clone(), requests).host()
     reference = logits.log_softmax(dim=-1)
     assert out.logprobs[0] is None and out.sampled_logprobs[0] is None
     for row in range(1, len(params)):
@@ -368,14 +368,14 @@ def test_logprobs_are_of_the_raw_logits_with_ranks(seed):
 
 
 def test_no_logprobs_when_none_asked():
-    out = Sampler().sample(random_logits(0), [make_request(SamplingParams())] * 4)
+    out = Sampler().sample(random_logits(0), [make_request(SamplingParams())] * 4).host()
     assert out.logprobs == [None] * 4 and out.sampled_logprobs == [None] * 4
 
 
 def test_logprobs_from_half_precision_logits():
     logits = random_logits(4, rows=2).to(torch.bfloat16)
     requests = [make_request(SamplingParams(temperature=0.0, logprobs=4))] * 2
-    out = Sampler().sample(logits, requests)
+    out = Sampler().sample(logits, requests).host()
     reference = logits.float().log_softmax(dim=-1)
     for row in range(2):
         assert out.token_ids[row] == int(logits[row].float().argmax())

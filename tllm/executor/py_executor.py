@@ -10,10 +10,10 @@ import weakref
 
 import torch
 
-from tllm.executor.request import FinishReason, Request, RequestState
+from tllm.executor.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.runner.model_runner import ModelRunner, StepOutput
-from tllm.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from tllm.sampling.sampler import SampledBatch, Sampler, SamplerOutput, prompt_logprobs
 from tllm.scheduler.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -26,13 +26,18 @@ class PyExecutor:
     Other threads talk to it through `submit`, `abort` and `shutdown`."""
 
     def __init__(self, scheduler: Scheduler, kv_cache: KVCacheManager, runner: ModelRunner,
-                 sampler: Sampler) -> None:
+                 sampler: Sampler, overlap: bool = True) -> None:
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.runner = runner
         self.sampler = sampler
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[str, Request] = {}
+        # Overlap scheduler: step N's sampled tokens stay on the device and feed step N+1,
+        # which is launched before the host looks at them; stop checks lag one step.
+        self.overlap = overlap
+        self._in_flight: SampledBatch | None = None
+        self._in_flight_batch: list[Request] = []
         self._thread = threading.Thread(target=self._run, name="tllm-executor", daemon=True)
         self._stopped = False
         self.num_steps = 0
@@ -72,27 +77,55 @@ class PyExecutor:
 
     def _run(self) -> None:
         try:
-            while self._fetch_requests(block=not self.scheduler.has_unfinished):
+            while self._fetch_requests(block=self._is_idle()):
                 batch = self.scheduler.schedule()
                 if not batch.requests:
+                    self._complete_in_flight()
                     continue
                 self.num_steps += 1
                 try:
                     self._step(batch)
                 except Exception as exc:  # a failed step fails its requests, not the loop
                     logger.exception("executor step failed")
-                    self._fail(batch.requests, exc)
+                    in_flight = self._in_flight.requests if self._in_flight else []
+                    self._in_flight = None
+                    self._fail(batch.requests + in_flight, exc)
         finally:  # even if the loop itself dies, every open result gets its end
             self._abort_all()
 
+    def _is_idle(self) -> bool:
+        return not self.scheduler.has_unfinished and self._in_flight is None
+
     def _step(self, batch: ScheduledBatch) -> None:
-        step = self.runner.execute(batch)
+        """Launch step N+1; with overlap, finish step N on the CPU while the GPU runs it."""
+        step = self.runner.execute(batch, self._in_flight)
         for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
             request.num_computed_tokens += num_new
-            self.kv_cache.cache_computed_blocks(request)
+        if self.overlap:
+            self._complete_in_flight()
         self._record_prompt_logprobs(step)
-        sampled = self.sampler.sample(step.sample_logits, step.sample_requests)
-        self._process_samples(step.sample_requests, sampled)
+        # rows of requests that finished at step N were computed in vain: drop them
+        live = [i for i, r in enumerate(step.sample_requests) if not r.is_finished]
+        requests = [step.sample_requests[i] for i in live]
+        logits = (step.sample_logits if len(live) == len(step.sample_requests)
+                  else step.sample_logits[live])
+        self._in_flight = self.sampler.sample(logits, requests)
+        self._in_flight_batch = batch.requests
+        for request in requests:
+            request.append_token(PLACEHOLDER)
+        if not self.overlap:
+            self._complete_in_flight()
+
+    def _complete_in_flight(self) -> None:
+        """Bring the last step's tokens to the host: fill placeholders, stream, stop."""
+        if self._in_flight is None:
+            return
+        sampled, computed = self._in_flight, self._in_flight_batch
+        self._in_flight, self._in_flight_batch = None, []
+        self._process_samples(sampled.requests, sampled.host())
+        for request in computed:  # preempted ones are skipped: their blocks are gone
+            if request.state is RequestState.RUNNING:
+                self.kv_cache.cache_computed_blocks(request)
 
     def _fetch_requests(self, block: bool) -> bool:
         """Drain the inbox; False once shutdown was asked for."""
@@ -131,8 +164,10 @@ class PyExecutor:
 
     def _process_samples(self, requests: list[Request], sampled: SamplerOutput) -> None:
         for i, request in enumerate(requests):
+            if request.is_finished:  # aborted while its token was in flight
+                continue
             token = sampled.token_ids[i]
-            request.append_token(token)
+            request.fill_placeholder(token)
             if sampled.logprobs[i] is not None:
                 request.output_logprobs.append(sampled.logprobs[i])
                 request.cumulative_logprob += sampled.sampled_logprobs[i]

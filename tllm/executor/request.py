@@ -15,6 +15,11 @@ if TYPE_CHECKING:
     from tllm.tokenizer import IncrementalDetokenizer
 
 
+# Stands in token_ids for a token sampled on the device but not yet copied to the host (the
+# overlap scheduler computes the next step before it knows the last step's tokens).
+PLACEHOLDER = -1
+
+
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -94,11 +99,19 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     def append_token(self, token_id: int) -> None:
-        if self.first_token_time is None:
+        if self.first_token_time is None and token_id != PLACEHOLDER:
             self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
 
+    def fill_placeholder(self, token_id: int) -> None:
+        """The host now knows the token sampled last step."""
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        self.token_ids[-1] = token_id
+
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
+        if self.token_ids and self.token_ids[-1] == PLACEHOLDER:  # sampled, never delivered
+            self.token_ids.pop()
         self.state = RequestState.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

@@ -85,7 +85,8 @@ def build_engine(args: LlmArgs) -> Engine:
                           preemption_mode=args.scheduler_config.preemption_mode)
     graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
     executor = PyExecutor(scheduler, kv_cache, ModelRunner(model, kv_cache, device, graphs),
-                          Sampler(args.seed, device))
+                          Sampler(args.seed, device),
+                          overlap=not args.disable_overlap_scheduler)
     return Engine(config, tokenizer, executor, kv_cache, device, dtype, max_seq_len)
 
 

@@ -71,5 +71,8 @@ class LlmArgs(BaseModel):
     # None turns CUDA graphs off.
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=lambda: CudaGraphConfig())
     enable_chunked_prefill: bool = True
+    # The overlap scheduler prepares step N+1 while step N runs; off, each step ends on the
+    # host before the next is scheduled. Outputs are the same either way.
+    disable_overlap_scheduler: bool = False
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0

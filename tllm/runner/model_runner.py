@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from tllm.attention.interface import AttentionMetadata
-from tllm.executor.request import Request
+from tllm.executor.request import PLACEHOLDER, Request
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.runner.cuda_graph import CudaGraphRunner
+from tllm.sampling.sampler import SampledBatch
 from tllm.scheduler.scheduler import ScheduledBatch
 
 
@@ -23,6 +24,9 @@ class StepInputs:
     sample_requests: list[Request] = field(default_factory=list)
     prompt_rows: list[int] = field(default_factory=list)      # prompt positions (logprobs)
     prompt_targets: list[tuple[Request, int]] = field(default_factory=list)  # (req, next id)
+    # rows whose token was sampled last step and is still only on the device
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_requests: list[Request] = field(default_factory=list)
 
 
 @dataclass
@@ -42,8 +46,12 @@ class ModelRunner:
         self.cuda_graphs = cuda_graphs
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch, in_flight: SampledBatch | None = None) -> StepOutput:
+        """Launch the step. `in_flight` holds last step's sampled tokens, still on the device,
+        which feed this step's inputs where the host has only placeholders."""
         inputs = self.prepare_inputs(batch)
+        if inputs.placeholder_rows:
+            self._fill_placeholders(inputs, in_flight)
         md = inputs.metadata
         graphs = self.cuda_graphs
         # A graph replay computes logits for every row: use it when every row samples.
@@ -59,6 +67,15 @@ class ModelRunner:
         return StepOutput(logits[:num_sample], inputs.sample_requests,
                           logits[num_sample:] if inputs.prompt_rows else None,
                           inputs.prompt_targets)
+
+    def _fill_placeholders(self, inputs: StepInputs, in_flight: SampledBatch | None) -> None:
+        if in_flight is None:
+            raise RuntimeError("placeholder tokens without a step in flight")
+        row_of = {id(r): i for i, r in enumerate(in_flight.requests)}
+        src = torch.tensor([row_of[id(r)] for r in inputs.placeholder_requests],
+                           device=self.device)
+        dst = torch.tensor(inputs.placeholder_rows, device=self.device)
+        inputs.input_ids[dst] = in_flight.token_ids[src]
 
     def prepare_inputs(self, batch: ScheduledBatch) -> StepInputs:
         bs = self.kv_cache.tokens_per_block
@@ -76,6 +93,10 @@ class ModelRunner:
             if end == request.num_tokens:
                 inputs.sample_rows.append(first_row + num_new - 1)
                 inputs.sample_requests.append(request)
+                if request.token_ids[-1] == PLACEHOLDER:
+                    ids[-1] = 0
+                    inputs.placeholder_rows.append(first_row + num_new - 1)
+                    inputs.placeholder_requests.append(request)
             if request.wants_prompt_logprobs:
                 # after a preemption the prompt is computed again: skip what was recorded
                 recorded = max(0, len(request.prompt_logprobs) - 1)

@@ -18,12 +18,43 @@ class SamplerOutput:
     sampled_logprobs: list[float | None]
 
 
+class SampledBatch:
+    """Sampled tokens (and logprob tensors) still on the device. On CUDA they are copied to
+    pinned host memory without blocking; `host()` waits for that copy alone, not for
+    whatever the GPU was given after it (the overlap scheduler relies on this)."""
+
+    def __init__(self, requests: list[Request], token_ids: torch.Tensor,
+                 logprob_tensors: tuple[torch.Tensor, ...] | None) -> None:
+        self.requests = requests
+        self.token_ids = token_ids  # stays on the device: the next step's inputs read it
+        tensors = (token_ids,) + (logprob_tensors or ())
+        self._event = None
+        if token_ids.is_cuda:
+            self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                               for t in tensors)
+            for host, dev in zip(self._host, tensors):
+                host.copy_(dev, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tensors
+        self._has_logprobs = logprob_tensors is not None
+
+    def host(self) -> SamplerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids = self._host[0].tolist()
+        if not self._has_logprobs:
+            return SamplerOutput(token_ids, [None] * len(token_ids), [None] * len(token_ids))
+        return _logprobs_output(token_ids, *self._host[1:], self.requests)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
         logits = logits.float()
         want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
@@ -36,10 +67,10 @@ class Sampler:
             rows = torch.tensor(random_rows, device=logits.device)
             sampled = self._sample_random(logits[rows], [requests[i] for i in random_rows])
             token_ids[rows] = sampled
-        token_list = token_ids.tolist()
         if raw_logprobs is None:
-            return SamplerOutput(token_list, [None] * len(requests), [None] * len(requests))
-        return self._gather_logprobs(raw_logprobs, token_ids, requests, want_logprobs)
+            return SampledBatch(requests, token_ids, None)
+        return SampledBatch(requests, token_ids, _logprob_tensors(raw_logprobs, token_ids,
+                                                                  requests))
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -113,28 +144,34 @@ class Sampler:
                 noise[i].exponential_(generator=request.generator)
         return noise
 
-    @staticmethod
-    def _gather_logprobs(raw_logprobs, token_ids, requests, want) -> SamplerOutput:
-        chosen = raw_logprobs.gather(1, token_ids[:, None])
-        ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
-        max_k = max(r.sampling_params.logprobs or 0 for r in requests)
-        top_vals, top_ids = raw_logprobs.topk(max_k, dim=-1) if max_k else (None, None)
-        results, sampled = [], []
-        for i, request in enumerate(requests):
-            if not want[i]:
-                results.append(None)
-                sampled.append(None)
-                continue
-            k = request.sampling_params.logprobs
-            token = int(token_ids[i])
-            entry = {token: Logprob(float(chosen[i]), int(ranks[i]))}
-            if k:
-                for rank, (tid, val) in enumerate(zip(top_ids[i, :k].tolist(),
-                                                      top_vals[i, :k].tolist()), start=1):
-                    entry.setdefault(tid, Logprob(val, rank))
-            results.append(entry)
-            sampled.append(float(chosen[i]))
-        return SamplerOutput(token_ids.tolist(), results, sampled)
+
+def _logprob_tensors(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     requests: list[Request]) -> tuple[torch.Tensor, ...]:
+    """(chosen logprob, rank, top-k values, top-k ids), still on the device."""
+    chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
+    ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
+    max_k = max(r.sampling_params.logprobs or 0 for r in requests)
+    top_vals, top_ids = raw_logprobs.topk(max(max_k, 1), dim=-1)
+    return chosen, ranks, top_vals, top_ids
+
+
+def _logprobs_output(token_ids: list[int], chosen, ranks, top_vals, top_ids,
+                     requests: list[Request]) -> SamplerOutput:
+    chosen, ranks = chosen.tolist(), ranks.tolist()
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    results, sampled = [], []
+    for i, request in enumerate(requests):
+        k = request.sampling_params.logprobs
+        if k is None:
+            results.append(None)
+            sampled.append(None)
+            continue
+        entry = {token_ids[i]: Logprob(chosen[i], ranks[i])}
+        for rank, (tid, val) in enumerate(zip(top_ids[i][:k], top_vals[i][:k]), start=1):
+            entry.setdefault(tid, Logprob(val, rank))
+        results.append(entry)
+        sampled.append(chosen[i])
+    return SamplerOutput(token_ids, results, sampled)
 
 
 def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[PositionLogprobs]:

@@ -123,6 +123,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
+        if request.num_output_tokens >= request.max_new_tokens:
+            return 0  # its last token is in flight: it finishes once that reaches the host
         num_new = request.num_tokens - request.num_computed_tokens
         if num_new > budget:
             return budget if self.enable_chunked_prefill else 0

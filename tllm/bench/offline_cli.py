@@ -1,0 +1,303 @@
+"""`tllm bench throughput` and `tllm bench latency`: their command lines, the engine they
+build, the table they print and the JSON they write."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+from tllm import LLM, KvCacheConfig
+from tllm.bench.offline import (PERCENTILES, LatencyConfig, ThroughputConfig, run_latency,
+                                run_throughput)
+from tllm.cli_types import positive_int
+from tllm.loader import DEFAULT_MODEL
+
+_WIDTH = 64
+
+
+def add_bench_offline_parsers(subparsers) -> None:
+    """Add `throughput` and `latency` to the subparsers of `tllm bench`."""
+    parser = subparsers.add_parser(
+        "throughput", help="offline throughput: many requests through the LLM API",
+        description="Run NUM_REQUESTS synthetic requests (exactly ISL random prompt tokens, "
+                    "exactly OSL output tokens) through an in-process engine, all at once or "
+                    "CONCURRENCY at a time, after a warm-up; report tokens/s and TTFT, TPOT, "
+                    "ITL percentiles.")
+    _add_common_args(parser)
+    parser.add_argument("--num-requests", type=positive_int, default=100,
+                        help="timed requests (default 100)")
+    parser.add_argument("--concurrency", type=positive_int,
+                        help="most requests in flight (default: all submitted at once)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=2,
+                        help="untimed warm-up requests first (default 2)")
+    parser.add_argument("--time-limit", type=_positive_float, metavar="SECONDS",
+                        help="abort requests still running after this long and report what "
+                             "was done (marked as truncated)")
+    parser.set_defaults(run=run_bench_throughput)
+
+    parser = subparsers.add_parser(
+        "latency", help="offline latency: one batch of requests at a time",
+        description="Run BATCH_SIZE synthetic requests together (exactly ISL random prompt "
+                    "tokens, exactly OSL output tokens), ITERATIONS times after a warm-up; "
+                    "report medians of latency, output tokens/s, TTFT and TPOT.")
+    _add_common_args(parser)
+    parser.add_argument("--batch-size", type=positive_int, default=1,
+                        help="requests run together (default 1)")
+    parser.add_argument("--iterations", type=positive_int, default=3,
+                        help="timed batches (default 3)")
+    parser.add_argument("--warmup", type=_non_negative_int, default=1,
+                        help="untimed batches first (default 1)")
+    parser.add_argument("--time-limit", type=_positive_float, metavar="SECONDS",
+                        help="start no new iteration after this long (one always runs)")
+    parser.set_defaults(run=run_bench_latency)
+
+
+def _add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", "-m", default=DEFAULT_MODEL,
+                        help=f"HF model directory, .gguf file, '{DEFAULT_MODEL}' (default) or "
+                             "'dummy:<preset>' (random weights, e.g. dummy:llama-3.1-8b)")
+    parser.add_argument("--isl", type=positive_int, default=128,
+                        help="prompt tokens per request (default 128)")
+    parser.add_argument("--osl", type=positive_int, default=128,
+                        help="output tokens per request (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default) samples greedily")
+    parser.add_argument("--seed", type=int, default=0, help="prompts, sampling, dummy weights")
+    parser.add_argument("--json", metavar="PATH", help="write every figure here as JSON")
+    group = parser.add_argument_group(
+        "engine", "LLM arguments; these flags win over --extra-llm-api-options")
+    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    group.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
+    group.add_argument("--max-batch-size", type=positive_int)
+    group.add_argument("--max-num-tokens", type=positive_int)
+    group.add_argument("--max-seq-len", type=positive_int,
+                       help="default: ISL + OSL, rounded up to whole KV blocks")
+    group.add_argument("--kv-cache-free-memory-fraction", type=_fraction)
+    group.add_argument("--kv-cache-tokens", type=positive_int,
+                       help="KV cache capacity in tokens (default: sized to memory)")
+    group.add_argument("--extra-llm-api-options", metavar="YAML",
+                       help="a YAML mapping of further LLM(...) arguments, e.g. "
+                            "'cuda_graph_config: {batch_sizes: [1, 8]}'")
+
+
+# ---- running ----
+
+def run_bench_throughput(args: argparse.Namespace) -> int:
+    config = ThroughputConfig(
+        isl=args.isl, osl=args.osl, num_requests=args.num_requests,
+        concurrency=args.concurrency, warmup=args.warmup, temperature=args.temperature,
+        seed=args.seed, time_limit_s=args.time_limit)
+    with _load_llm(args.model, llm_kwargs(args)) as llm:
+        result = run_throughput(llm, config)
+    return _report(result, args.json)
+
+
+def run_bench_latency(args: argparse.Namespace) -> int:
+    config = LatencyConfig(
+        isl=args.isl, osl=args.osl, batch_size=args.batch_size, iterations=args.iterations,
+        warmup=args.warmup, temperature=args.temperature, seed=args.seed,
+        time_limit_s=args.time_limit)
+    with _load_llm(args.model, llm_kwargs(args, max_batch_size=args.batch_size)) as llm:
+        result = run_latency(llm, config)
+    return _report(result, args.json)
+
+
+def llm_kwargs(args: argparse.Namespace, **defaults) -> dict:
+    """LLM(...) keyword arguments: the YAML options, then the explicit flags over them, then
+    the benchmark's defaults (max_seq_len about ISL + OSL) where neither says."""
+    kwargs = load_extra_options(args.extra_llm_api_options)
+    for name in ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
+    kv_cache = kwargs.get("kv_cache_config") or {}
+    if not isinstance(kv_cache, dict):
+        raise ValueError("--extra-llm-api-options: kv_cache_config must be a mapping")
+    kv_cache = dict(kv_cache)
+    if args.kv_cache_free_memory_fraction is not None:
+        kv_cache["free_memory_fraction"] = args.kv_cache_free_memory_fraction
+    if args.kv_cache_tokens is not None:
+        kv_cache["max_tokens"] = args.kv_cache_tokens
+    if kv_cache:
+        kwargs["kv_cache_config"] = kv_cache
+    # Rounded up to whole KV blocks: the engine sizes its cache as max_batch_size *
+    # max_seq_len tokens, and a sequence holds whole blocks, so a batch of ISL + OSL
+    # sequences could otherwise not all fit at once.
+    block = kv_cache.get("tokens_per_block", KvCacheConfig().tokens_per_block)
+    kwargs.setdefault("max_seq_len", -(-(args.isl + args.osl) // block) * block)
+    kwargs.setdefault("seed", args.seed)
+    for name, value in defaults.items():
+        kwargs.setdefault(name, value)
+    return kwargs
+
+
+def load_extra_options(path: str | None) -> dict:
+    """The mapping of LLM arguments in a YAML file (empty without one)."""
+    if path is None:
+        return {}
+    import yaml
+    try:
+        options = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"--extra-llm-api-options: {path} is not valid YAML: {exc}") from exc
+    options = {} if options is None else options
+    if not isinstance(options, dict):
+        raise ValueError(f"--extra-llm-api-options: {path} must hold a mapping of LLM "
+                         f"arguments, not a {type(options).__name__}")
+    if "model" in options:
+        raise ValueError("--extra-llm-api-options: give the model with --model, not in YAML")
+    return dict(options)
+
+
+def _load_llm(model: str, kwargs: dict) -> LLM:
+    start = time.perf_counter()
+    llm = LLM(model, **kwargs)
+    print(f"loaded {model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return llm
+
+
+def _report(result: dict, json_path: str | None) -> int:
+    print(format_report(result), flush=True)
+    if json_path:
+        write_json(result, json_path)
+        print(f"wrote {json_path}", file=sys.stderr)
+    if result["num_wrong_length"]:
+        print(f"error: {result['num_wrong_length']} requests did not produce exactly "
+              f"{result['workload']['osl']} tokens", file=sys.stderr)
+        return 1
+    return 0
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(no_nan(result), indent=1))
+
+
+def no_nan(value):
+    """JSON has no NaN or infinity: null instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: no_nan(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [no_nan(v) for v in value]
+    return value
+
+
+# ---- the table ----
+
+def format_report(result: dict) -> str:
+    """The compact table printed at the end of `tllm bench throughput | latency`."""
+    work = result["workload"]
+    lines = [f" tllm bench {result['benchmark']} ".center(_WIDTH, "=")]
+    lines += _rows([("Model", result["model"])])
+    lines += _engine_lines(result["engine"])
+    rows = [("ISL / OSL", f"{work['isl']} / {work['osl']}")]
+    if result["benchmark"] == "throughput":
+        rows += _throughput_rows(result)
+    else:
+        rows += _latency_rows(result)
+    if result["peak_gpu_memory_gib"] is not None:
+        rows.append(("Peak GPU memory (GiB)", f"{result['peak_gpu_memory_gib']:.2f}"))
+    lines += _rows(rows)
+    if result["benchmark"] == "throughput":
+        lines += _percentile_block(result, ("ttft", "tpot", "itl", "e2e"))
+    else:
+        lines += _percentile_block(result, ("itl",))
+    lines.append("=" * _WIDTH)
+    return "\n".join(lines)
+
+
+def _throughput_rows(result: dict) -> list[tuple[str, str]]:
+    work = result["workload"]
+    load = f"concurrency {work['concurrency']}" if work["concurrency"] else "max load"
+    done = f"{result['num_completed']} of {result['num_requests']}"
+    if result["is_truncated"]:
+        done += f" (time limit {work['time_limit_s']:g} s hit)"
+    return [("Requests", f"{result['num_requests']} (+{work['warmup']} warm-up), {load}"),
+            ("Completed", done),
+            ("Duration (s)", f"{result['duration_s']:.2f}"),
+            ("Output tokens", f"{result['total_output_tokens']}"),
+            ("Output tokens/s", f"{result['output_tokens_per_s']:.1f}"),
+            ("Total tokens/s", f"{result['total_tokens_per_s']:.1f}"),
+            ("Requests/s", f"{result['requests_per_s']:.2f}"),
+            ("Most in flight / engine steps",
+             f"{result['max_in_flight']} / {result['engine_steps']}")]
+
+
+def _latency_rows(result: dict) -> list[tuple[str, str]]:
+    work = result["workload"]
+    return [("Batch size", f"{work['batch_size']}"),
+            ("Iterations", f"{result['num_iterations']} (+{work['warmup']} warm-up)"),
+            ("Latency (s), median", f"{result['latency_s']:.3f}"),
+            ("Output tokens/s, median", f"{result['output_tokens_per_s']:.1f}"),
+            ("TTFT (ms), median", f"{result['ttft_ms']:.2f}"),
+            ("TPOT (ms), median", f"{result['tpot_ms']:.3f}")]
+
+
+def _engine_lines(engine: dict) -> list[str]:
+    resolved = engine["resolved"]
+    device = resolved["device"]
+    if resolved["device_name"] != "cpu":
+        device += f" ({resolved['device_name']})"
+    first = f"{resolved['dtype']} on {device}, {resolved['attn_backend']} attention"
+    second = (f"max_batch_size {engine['max_batch_size']}, max_num_tokens "
+              f"{engine['max_num_tokens']}, max_seq_len {resolved['max_seq_len']}, "
+              f"KV {resolved['kv_cache_tokens']} tokens")
+    lines = [f"{'Engine':<14}{first}", f"{'':<14}{second}"]
+    # shown when this engine version has them
+    flags = []
+    if "cuda_graph_config" in engine and resolved["device"].startswith("cuda"):
+        flags.append(f"CUDA graphs {'off' if engine['cuda_graph_config'] is None else 'on'}")
+    if "disable_overlap_scheduler" in engine:
+        flags.append(f"overlap scheduler {'off' if engine['disable_overlap_scheduler'] else 'on'}")
+    if flags:
+        lines.append(f"{'':<14}{', '.join(flags)}")
+    return lines
+
+
+def _percentile_block(result: dict, names: tuple[str, ...]) -> list[str]:
+    columns = ["mean"] + [f"p{q}" for q in PERCENTILES]
+    lines = [" latency (ms) ".center(_WIDTH, "-"),
+             f"{'':<24}" + "".join(f"{c:>10}" for c in columns)]
+    for name in names:
+        stats = result[f"{name}_ms"]
+        lines.append(f"{name.upper():<24}" + "".join(f"{stats[c]:>10.2f}" for c in columns))
+    return lines
+
+
+def _rows(rows: list[tuple[str, str]]) -> list[str]:
+    return [f"{name:<32}{value:>{_WIDTH - 32}}" for name, value in rows]
+
+
+# ---- argument types ----
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return value

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tllm import LLM, KvCacheConfig, RequestOutput, SamplingParams, __version__
+from tllm.bench.offline_cli import add_bench_offline_parsers
 from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.cli_args import add_serve_parser
@@ -47,8 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="run benchmarks",
                                 description="Benchmarks; `tllm bench serve` loads a running "
                                 "server.")
-    add_bench_serve_parser(bench.add_subparsers(dest="bench_command", required=True,
-                                                metavar="BENCHMARK"))
+    bench_commands = bench.add_subparsers(dest="bench_command", required=True,
+                                          metavar="BENCHMARK")
+    add_bench_serve_parser(bench_commands)
+    add_bench_offline_parsers(bench_commands)
     return parser
 
 

@@ -25,11 +25,11 @@ def greedy_tokens(path, backend: str, device) -> list[list[int]]:
 def test_greedy_tokens_match_torch_backend(tiny_llama, device, monkeypatch):
     path, _ = tiny_llama
     steps = {"decode": 0, "context": 0}
-    forward = TritonAttentionBackend.forward
+    attend = TritonAttentionBackend._attend
 
-    def counting_forward(self, q, k, v, kv_cache, metadata):
+    def counting_attend(self, q, kv_cache, metadata):
         steps["decode" if metadata.is_decode_only else "context"] += 1
-        return forward(self, q, k, v, kv_cache, metadata)
-    monkeypatch.setattr(TritonAttentionBackend, "forward", counting_forward)
+        return attend(self, q, kv_cache, metadata)
+    monkeypatch.setattr(TritonAttentionBackend, "_attend", counting_attend)
     assert greedy_tokens(path, "triton", device) == greedy_tokens(path, "torch", device)
     assert steps["decode"] and steps["context"]  # both kernels ran

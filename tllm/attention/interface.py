@@ -60,6 +60,14 @@ class AttentionBackend(ABC):
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
         Returns [num_tokens, num_heads, head_dim]."""
 
+    def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          kv_cache: KVCache, metadata: AttentionMetadata,
+                          rotary) -> torch.Tensor:
+        """Rotary embedding, then forward; a backend may fuse the rotation into its cache
+        write (the rotary module holds cos/sin tables [max_position, head_dim])."""
+        q, k = rotary(metadata.positions, q, k)
+        return self.forward(q, k, v, kv_cache, metadata)
+
 
 # name -> "module:Class", imported only when the backend is chosen.
 _BACKENDS: dict[str, str] = {"torch": "tllm.attention.torch_ref:TorchAttentionBackend",

@@ -8,7 +8,7 @@ import torch
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache
 from tllm.kernels.triton.context_attention import paged_context_attention
 from tllm.kernels.triton.decode_attention import paged_decode_attention
-from tllm.kernels.triton.kv_cache import write_kv
+from tllm.kernels.triton.kv_cache import rope_and_write_kv, write_kv
 
 _MAX_HEAD_DIM = 256
 
@@ -28,8 +28,20 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
+        write_kv(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
+        return self._attend(q, kv_cache, metadata)
+
+    def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          kv_cache: KVCache, metadata: AttentionMetadata,
+                          rotary) -> torch.Tensor:
+        """One kernel rotates q and k and writes k and v into the cache."""
+        q = rope_and_write_kv(metadata.positions, q, k, v, rotary.cos, rotary.sin,
+                              kv_cache[0], kv_cache[1], metadata.slot_mapping)
+        return self._attend(q, kv_cache, metadata)
+
+    def _attend(self, q: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         if metadata.num_tokens == 0:
             return out

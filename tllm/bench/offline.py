@@ -76,7 +76,6 @@ class RunRecord:
     requests: list[RequestRecord]
     duration_s: float
     max_in_flight: int
-    num_not_submitted: int = 0
     is_truncated: bool = False       # a time limit aborted part of it
 
     @property
@@ -109,6 +108,8 @@ def run_requests(llm: LLM, prompts: list[dict], params: SamplingParams,
                  concurrency: int | None = None,
                  time_limit_s: float | None = None) -> RunRecord:
     """Stream every prompt through the engine, at most `concurrency` at a time."""
+    if not prompts:
+        return RunRecord([], 0.0, 0)
     return asyncio.run(_run_requests(llm, prompts, params, concurrency, time_limit_s))
 
 
@@ -149,7 +150,6 @@ async def _run_requests(llm, prompts, params, concurrency, time_limit_s) -> RunR
     if errors:
         raise errors[0]
     return RunRecord([records[i] for i in sorted(records)], duration, peak,
-                     num_not_submitted=len(prompts) - len(records),
                      is_truncated=bool(pending))
 
 
@@ -171,6 +171,7 @@ async def _consume(result) -> RequestRecord:
 
 def run_throughput(llm: LLM, config: ThroughputConfig) -> dict:
     """Warm up, then run `num_requests` requests (max load or `concurrency` in flight)."""
+    _check_fits(llm, config.isl, config.osl)
     generator = torch.Generator().manual_seed(config.seed)
     vocab = model_vocab_size(llm)
     params = exact_length_params(config.osl, config.temperature)
@@ -211,6 +212,11 @@ def run_throughput(llm: LLM, config: ThroughputConfig) -> dict:
 def run_latency(llm: LLM, config: LatencyConfig) -> dict:
     """`batch_size` requests run together, `iterations` times (fresh prompts each time, so
     no prefix-cache hits); medians over the iterations."""
+    _check_fits(llm, config.isl, config.osl)
+    if config.batch_size > llm.args.max_batch_size:
+        raise ValueError(f"batch size {config.batch_size} is more than the engine's "
+                         f"max_batch_size ({llm.args.max_batch_size}): the batch would not "
+                         "run together")
     generator = torch.Generator().manual_seed(config.seed)
     vocab = model_vocab_size(llm)
     params = exact_length_params(config.osl, config.temperature)
@@ -248,6 +254,12 @@ def _iteration_figures(run: RunRecord, config: LatencyConfig) -> dict:
             "ttft_ms": 1000 * statistics.fmean(r.ttft_s or 0.0 for r in records),
             "tpot_ms": 1000 * statistics.fmean(tpots) if tpots else float("nan"),
             "num_wrong_length": sum(r.num_output_tokens != config.osl for r in records)}
+
+
+def _check_fits(llm: LLM, isl: int, osl: int) -> None:
+    if isl + osl > llm.max_seq_len:
+        raise ValueError(f"ISL {isl} + OSL {osl} is more than the engine's max_seq_len "
+                         f"({llm.max_seq_len})")
 
 
 # ---- figures ----

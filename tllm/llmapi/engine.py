@@ -105,7 +105,8 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
 def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.device,
                    max_seq_len: int, reserve_full_generation: bool) -> KVCacheManager:
     kv_config = args.kv_cache_config
-    max_tokens_useful = args.max_batch_size * max_seq_len
+    block = kv_config.tokens_per_block
+    max_tokens_useful = args.max_batch_size * -(-max_seq_len // block) * block
     head_dim = head_dim_of(config)
     bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
                        * torch.empty((), dtype=dtype).element_size())

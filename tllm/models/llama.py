@@ -50,8 +50,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(metadata.positions, q, k)
-        out = self.attn.forward(q, k, v, kv_cache, metadata)
+        out = self.attn.forward_with_rope(q, k, v, kv_cache, metadata, self.rotary)
         return self.o_proj(out.flatten(1))
 
 

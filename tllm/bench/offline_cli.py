@@ -12,7 +12,7 @@ from pathlib import Path
 from tllm import LLM, KvCacheConfig
 from tllm.bench.offline import (PERCENTILES, LatencyConfig, ThroughputConfig, run_latency,
                                 run_throughput)
-from tllm.cli_types import positive_int
+from tllm.cli_types import fraction, non_negative_int, positive_float, positive_int
 from tllm.loader import DEFAULT_MODEL
 
 _WIDTH = 64
@@ -31,9 +31,9 @@ def add_bench_offline_parsers(subparsers) -> None:
                         help="timed requests (default 100)")
     parser.add_argument("--concurrency", type=positive_int,
                         help="most requests in flight (default: all submitted at once)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=2,
+    parser.add_argument("--warmup", type=non_negative_int, default=2,
                         help="untimed warm-up requests first (default 2)")
-    parser.add_argument("--time-limit", type=_positive_float, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=positive_float, metavar="SECONDS",
                         help="abort requests still running after this long and report what "
                              "was done (marked as truncated)")
     parser.set_defaults(run=run_bench_throughput)
@@ -48,9 +48,9 @@ def add_bench_offline_parsers(subparsers) -> None:
                         help="requests run together (default 1)")
     parser.add_argument("--iterations", type=positive_int, default=3,
                         help="timed batches (default 3)")
-    parser.add_argument("--warmup", type=_non_negative_int, default=1,
+    parser.add_argument("--warmup", type=non_negative_int, default=1,
                         help="untimed batches first (default 1)")
-    parser.add_argument("--time-limit", type=_positive_float, metavar="SECONDS",
+    parser.add_argument("--time-limit", type=positive_float, metavar="SECONDS",
                         help="start no new iteration after this long (one always runs)")
     parser.set_defaults(run=run_bench_latency)
 
@@ -75,7 +75,7 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-tokens", type=positive_int)
     group.add_argument("--max-seq-len", type=positive_int,
                        help="default: ISL + OSL, rounded up to whole KV blocks")
-    group.add_argument("--kv-cache-free-memory-fraction", type=_fraction)
+    group.add_argument("--kv-cache-free-memory-fraction", type=fraction)
     group.add_argument("--kv-cache-tokens", type=positive_int,
                        help="KV cache capacity in tokens (default: sized to memory)")
     group.add_argument("--extra-llm-api-options", metavar="YAML",
@@ -271,33 +271,8 @@ def _rows(rows: list[tuple[str, str]]) -> list[str]:
     return [f"{name:<32}{value:>{_WIDTH - 32}}" for name, value in rows]
 
 
-# ---- argument types ----
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = 0.0
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
+

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tllm.loader import DEFAULT_MODEL
-from tllm.cli_types import positive_int
+from tllm.cli_types import non_negative_int, positive_int
 
 # Engine flags of the command line, by the LLM argument each one sets.
 _ENGINE_FLAGS = ("max_batch_size", "max_num_tokens", "max_seq_len", "dtype", "device")
@@ -39,7 +39,7 @@ def _add_server_args(group) -> None:
                        "MODEL as given)")
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
                        "itself) instead of the model's")
-    group.add_argument("--max-queue-size", type=_non_negative_int, default=1024,
+    group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
                        help="answer 429 while this many requests wait (default 1024; 0 "
                             "means no limit)")
     group.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
@@ -147,11 +147,3 @@ def _checked_tp_size(tp_size: int) -> int:
 
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {text!r}")
-    return value

@@ -72,3 +72,17 @@ def test_counters_move_as_requests_complete(http, smollm2):
     http_key = ("tllm:http_requests_total", (("endpoint", "/v1/completions"), ("status", "200")))
     assert after[http_key] - before.get(http_key, 0.0) == 2
     assert value(after, "tllm:num_requests_running") == 0
+
+
+def test_prefix_cache_metrics_move_on_a_repeated_prompt(http, smollm2):
+    wait_until_idle(smollm2)
+    prompt = "Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 8
+    before = scrape(http)
+    for _ in range(2):
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                      "max_tokens": 2})
+        assert response.status_code == 200
+    after = scrape(http)
+    reused = "tllm:prefix_cache_blocks_reused_total"
+    assert value(after, reused) > value(before, reused)
+    assert 0.0 < value(after, "tllm:prefix_cache_hit_rate") <= 1.0

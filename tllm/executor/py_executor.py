@@ -65,7 +65,9 @@ class PyExecutor:
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_blocks_total": self.kv_cache.num_blocks,
                 "kv_blocks_free": self.kv_cache.num_free_blocks,
-                "num_steps": self.num_steps}
+                "num_steps": self.num_steps,
+                **{f"kv_{k}": v for k, v in self.kv_cache.stats_dict().items()
+                   if k not in ("blocks_free", "blocks_total")}}
 
     def shutdown(self) -> None:
         if not self._stopped:

@@ -140,10 +140,23 @@ class _EngineCollector:
         yield self._gauge("tllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use "
                           "(1 means full).", used)
         yield self._gauge("tllm:kv_cache_blocks_total", "KV cache blocks.", total)
-        preemptions = CounterMetricFamily("tllm:num_preemptions", "Preempted sequences.",
-                                          labels=["model_name"])
-        preemptions.add_metric(self._model, stats.get("num_preemptions", 0))
-        yield preemptions
+        yield self._gauge("tllm:prefix_cache_hit_rate", "Prefix blocks found in the cache / "
+                          "prefix blocks looked up.", stats.get("kv_hit_rate", 0.0))
+        yield self._gauge("tllm:kv_cache_host_blocks", "Evicted blocks kept in host memory.",
+                          stats.get("kv_host_blocks", 0))
+        yield self._gauge("tllm:kv_cache_disk_blocks", "Evicted blocks kept on disk.",
+                          stats.get("kv_disk_blocks", 0))
+        for name, key, doc in (
+                ("tllm:num_preemptions", "num_preemptions", "Preempted sequences."),
+                ("tllm:prefix_cache_blocks_reused", "kv_blocks_reused",
+                 "Prefix blocks reused instead of recomputed."),
+                ("tllm:kv_cache_blocks_offloaded", "kv_blocks_offloaded",
+                 "Blocks moved from the device to the host tier."),
+                ("tllm:kv_cache_blocks_onboarded", "kv_blocks_onboarded",
+                 "Blocks brought back from the host or disk tier.")):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric(self._model, stats.get(key, 0))
+            yield counter
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(name, doc, labels=["model_name"])

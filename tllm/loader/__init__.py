@@ -95,8 +95,9 @@ def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int) -
         return
     if source.kind == "gguf":
         weights = checkpoint.weights(model.config)
-    else:
-        weights = hf.iter_safetensors(hf.safetensors_files(source.path))
+    else:  # read straight onto the model's device: no second copy through host memory
+        device = next(model.parameters()).device
+        weights = hf.iter_safetensors(hf.safetensors_files(source.path), str(device))
     loaded = model.load_weights(weights)
     missing = model.expected_weights() - loaded
     if missing:

@@ -8,7 +8,6 @@ import queue
 import threading
 import weakref
 
-import torch
 
 from tllm.executor.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.kv_cache.manager import KVCacheManager
@@ -221,8 +220,3 @@ def _shutdown_live_executors() -> None:
     """A process that never called LLM.shutdown() still stops its loop thread cleanly."""
     for executor in list(_live_executors):
         executor.shutdown()
-
-
-def free_device_memory(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()

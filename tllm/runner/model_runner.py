@@ -2,6 +2,7 @@
 runs the model, and returns the logits the sampler needs."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -108,14 +109,11 @@ class ModelRunner:
         return inputs
 
     def _build_metadata(self, batch, positions, slots, query_lens, seq_lens) -> AttentionMetadata:
+        # one tensor from padded lists: a tensor per request costs ~5 us each at batch 256
         max_blocks = max(len(r.block_ids) for r in batch.requests)
-        tables = torch.zeros(len(batch), max_blocks, dtype=torch.int32)
-        for i, request in enumerate(batch.requests):
-            tables[i, :len(request.block_ids)] = torch.tensor(request.block_ids,
-                                                              dtype=torch.int32)
-        query_start = [0]
-        for n in query_lens:
-            query_start.append(query_start[-1] + n)
+        tables = torch.tensor([r.block_ids + [0] * (max_blocks - len(r.block_ids))
+                               for r in batch.requests], dtype=torch.int32)
+        query_start = [0, *itertools.accumulate(query_lens)]
         return AttentionMetadata(
             positions=self._to_device(positions, torch.long),
             slot_mapping=self._to_device(slots, torch.long),

@@ -7,7 +7,7 @@ import logging
 import queue
 import threading
 import weakref
-
+from typing import Callable
 
 from tllm.executor.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.kv_cache.manager import KVCacheManager
@@ -42,10 +42,16 @@ class PyExecutor:
         self.num_steps = 0
         self._num_pending_adds = 0  # submitted, not yet taken from the inbox
         self._pending_lock = threading.Lock()
+        # With worker ranks: set from the watcher thread when one dies; the loop stops and
+        # every open request fails with it.
+        self.fatal_error: Exception | None = None
+        self.health_check: Callable[[], Exception | None] = lambda: None
         self._thread.start()
         _live_executors.add(self)
 
     def submit(self, request: Request) -> None:
+        if self.fatal_error is not None:
+            raise RuntimeError(f"the engine has stopped: {self.fatal_error}")
         with self._pending_lock:
             self._num_pending_adds += 1
         self._inbox.put(("add", request))
@@ -68,31 +74,59 @@ class PyExecutor:
                 **{f"kv_{k}": v for k, v in self.kv_cache.stats_dict().items()
                    if k not in ("blocks_free", "blocks_total")}}
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the loop; `timeout` bounds the wait for a loop stuck on a dead rank."""
         if not self._stopped:
             self._stopped = True
             self._inbox.put(_SHUTDOWN)
-            self._thread.join()
+            self._thread.join(timeout)
+
+    def fail_fatal(self, error: Exception) -> None:
+        """From another thread: the engine cannot go on (a worker rank died). Every open
+        request ends with `error` now, without waiting for the loop, which may be stuck in a
+        collective with the dead rank."""
+        self.fatal_error = error
+        with self._pending_lock:
+            pending = []
+            while True:
+                try:
+                    pending.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+        for item in pending:
+            if item is not _SHUTDOWN and item[0] == "add":
+                self._requests[item[1].request_id] = item[1]
+            elif item is _SHUTDOWN:
+                self._inbox.put(item)
+        for request in list(self._requests.values()):
+            if request.state is not RequestState.FINISHED:
+                request.error = error
+                request.finish(FinishReason.ABORT)
+                if request.on_update is not None:
+                    request.on_update(request)
 
     # ---- the loop (executor thread only) ----
 
     def _run(self) -> None:
         try:
-            while self._fetch_requests(block=self._is_idle()):
-                batch = self.scheduler.schedule()
-                if not batch.requests:
-                    self._complete_in_flight()
-                    continue
-                self.num_steps += 1
-                try:
-                    self._step(batch)
-                except Exception as exc:  # a failed step fails its requests, not the loop
-                    logger.exception("executor step failed")
-                    in_flight = self._in_flight.requests if self._in_flight else []
-                    self._in_flight = None
-                    self._fail(batch.requests + in_flight, exc)
+            while self._fetch_requests(block=self._is_idle()) and self.fatal_error is None:
+                self._iteration()
         finally:  # even if the loop itself dies, every open result gets its end
             self._abort_all()
+
+    def _iteration(self) -> None:
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            self._complete_in_flight()
+            return
+        self.num_steps += 1
+        try:
+            self._step(batch)
+        except Exception as exc:  # a failed step fails its requests, not the loop
+            logger.exception("executor step failed")
+            in_flight = self._in_flight.requests if self._in_flight else []
+            self._in_flight = None
+            self._fail(batch.requests + in_flight, self.health_check() or exc)
 
     def _is_idle(self) -> bool:
         return not self.scheduler.has_unfinished and self._in_flight is None

@@ -66,6 +66,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
+    in_pipeline: bool = False  # a micro-batch holding it is still in the pipeline stages
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -1,5 +1,6 @@
 """Builds the executor stack from LlmArgs: model and tokenizer, KV cache sized to memory,
-scheduler, model runner, sampler, and the loop thread."""
+scheduler, model runner, sampler, and the loop thread; with tensor/pipeline parallelism, the
+worker processes of the other ranks too (each builds its part with `build_rank`)."""
 from __future__ import annotations
 
 import logging
@@ -10,6 +11,10 @@ import torch
 
 from tllm import loader
 from tllm.attention import get_attention_backend
+from tllm.distributed import comm
+from tllm.distributed.launch import WorkerGroup, launch_workers
+from tllm.distributed.mapping import Mapping
+from tllm.executor.pipelined import PipelinedExecutor
 from tllm.executor.py_executor import PyExecutor
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
@@ -34,6 +39,27 @@ class Engine:
     device: torch.device
     dtype: torch.dtype
     max_seq_len: int
+    workers: WorkerGroup | None = None  # the other ranks, with several
+
+    def close(self) -> None:
+        fatal = self.executor.fatal_error is not None
+        self.executor.shutdown(timeout=5.0 if fatal else None)
+        if self.workers is not None:
+            self.workers.shutdown(clean=not fatal)
+        self.kv_cache.close()
+
+
+@dataclass
+class RankParts:
+    """What every rank builds: its model shard, its KV cache shard, its CUDA graphs."""
+    config: object
+    model: torch.nn.Module
+    kv_cache: KVCacheManager
+    graphs: CudaGraphRunner | None
+    device: torch.device
+    dtype: torch.dtype
+    max_seq_len: int
+    source: loader.ModelSource
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -65,29 +91,62 @@ def _has_triton_backend() -> bool:
 
 
 def build_engine(args: LlmArgs) -> Engine:
+    workers = None
     device = pick_device(args.device)
+    if args.world_size > 1:  # start the other ranks; this process becomes rank 0
+        mapping = Mapping(args.world_size, args.tensor_parallel_size,
+                          args.pipeline_parallel_size, 0)
+        workers = launch_workers(args, mapping, device)
+        device = workers.device
+    try:
+        parts = build_rank(args, device)
+        tokenizer = loader.load_tokenizer(parts.source)
+        executor = build_executor(args, parts)
+    except BaseException:
+        if workers is not None:
+            workers.shutdown(clean=False)
+        raise
+    if workers is not None:
+        workers.watch(executor.fail_fatal)
+        executor.health_check = lambda: workers.dead_worker_error(grace_s=2.0)
+    return Engine(parts.config, tokenizer, executor, parts.kv_cache, parts.device, parts.dtype,
+                  parts.max_seq_len, workers)
+
+
+def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
+    """Model, weights, KV cache and graphs of this process's rank (all of them, alone)."""
+    mapping = comm.mapping()
     source = loader.resolve_model(args.model)
     config, checkpoint = loader.load_config(source)
     dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
     max_seq_len = args.max_seq_len or config.max_position_embeddings
     backend = pick_backend(args.attn_backend, device)
-    backend_cls = get_attention_backend(backend)
-    model = loader.build_model(config, backend_cls, dtype, device, max_seq_len)
-    loader.load_weights(model, source, checkpoint, args.seed)
-    tokenizer = loader.load_tokenizer(source)
+    model = loader.build_model(config, get_attention_backend(backend), dtype, device,
+                               max_seq_len)
+    loader.load_weights(model, source, checkpoint, args.seed + mapping.rank)
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
     kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
-                              reserve_full_generation=no_evict)
-    scheduler = Scheduler(kv_cache, max_batch_size=args.max_batch_size,
+                              reserve_full_generation=no_evict, model=model)
+    graphs = (build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
+              if mapping.pp_size == 1 else None)
+    return RankParts(config, model, kv_cache, graphs, device, dtype, max_seq_len, source)
+
+
+def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
+    pp_size = args.pipeline_parallel_size
+    scheduler = Scheduler(parts.kv_cache, max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens,
                           enable_chunked_prefill=args.enable_chunked_prefill,
-                          preemption_mode=args.scheduler_config.preemption_mode)
-    graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
-    executor = PyExecutor(scheduler, kv_cache, ModelRunner(model, kv_cache, device, graphs),
-                          Sampler(args.seed, device),
-                          overlap=not args.disable_overlap_scheduler)
-    return Engine(config, tokenizer, executor, kv_cache, device, dtype, max_seq_len)
+                          preemption_mode=args.scheduler_config.preemption_mode,
+                          num_micro_batches=pp_size)
+    runner = ModelRunner(parts.model, parts.kv_cache, parts.device, parts.graphs)
+    sampler = Sampler(args.seed, parts.device)
+    if pp_size > 1:
+        return PipelinedExecutor(scheduler, parts.kv_cache, runner, sampler,
+                                 num_micro_batches=pp_size)
+    return PyExecutor(scheduler, parts.kv_cache, runner, sampler,
+                      overlap=not args.disable_overlap_scheduler)
 
 
 def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: torch.device,
@@ -103,12 +162,16 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
 
 
 def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.device,
-                   max_seq_len: int, reserve_full_generation: bool) -> KVCacheManager:
+                   max_seq_len: int, reserve_full_generation: bool, model) -> KVCacheManager:
+    """This rank's KV cache: its stage's layers, its kv heads. Every rank holds the same
+    number of blocks (the smallest any rank can fit), since rank 0 allocates for all."""
     kv_config = args.kv_cache_config
     block = kv_config.tokens_per_block
     max_tokens_useful = args.max_batch_size * -(-max_seq_len // block) * block
     head_dim = head_dim_of(config)
-    bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * head_dim
+    num_layers = model.num_local_layers
+    num_kv_heads = model.layers[model.stage_layers.start].self_attn.num_kv_heads
+    bytes_per_token = (2 * num_layers * num_kv_heads * head_dim
                        * torch.empty((), dtype=dtype).element_size())
     num_tokens = kv_config.max_tokens
     if num_tokens is None:
@@ -116,12 +179,13 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
         num_tokens = int(budget // bytes_per_token)
         num_tokens = min(num_tokens, max_tokens_useful)
     num_blocks = max(1, num_tokens // kv_config.tokens_per_block)
+    if comm.state() is not None:
+        num_blocks = comm.all_reduce_min(num_blocks)
     block_bytes = kv_config.tokens_per_block * bytes_per_token
     logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
                 kv_config.tokens_per_block,
                 num_blocks * kv_config.tokens_per_block * bytes_per_token / 2**30)
-    return KVCacheManager(num_layers=config.num_hidden_layers,
-                          num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
+    return KVCacheManager(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           num_blocks=num_blocks, tokens_per_block=kv_config.tokens_per_block,
                           dtype=dtype, device=device,
                           enable_block_reuse=kv_config.enable_block_reuse,

@@ -101,8 +101,7 @@ class LLM:
         if self._closed:
             return
         self._closed = True
-        self._engine.executor.shutdown()
-        self._engine.kv_cache.close()
+        self._engine.close()
         device = self._engine.device
         self._engine = None  # type: ignore[assignment]
         if device.type == "cuda":

@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class KvCacheConfig(BaseModel):
@@ -76,3 +76,24 @@ class LlmArgs(BaseModel):
     disable_overlap_scheduler: bool = False
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
     seed: int = 0
+    # One process per rank: tensor parallelism splits every layer across tp ranks, pipeline
+    # parallelism splits the layers into pp stages (see tllm.distributed.Mapping).
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @model_validator(mode="after")
+    def _check_parallel_features(self) -> LlmArgs:
+        if self.world_size == 1:
+            return self
+        kv = self.kv_cache_config
+        if kv.host_cache_size or kv.disk_cache_dir:
+            raise ValueError("kv_cache_config: host and disk KV tiers are not supported with "
+                             "tensor/pipeline parallelism yet")
+        if self.scheduler_config.preemption_mode == "swap":
+            raise ValueError("scheduler_config.preemption_mode='swap' is not supported with "
+                             "tensor/pipeline parallelism yet; use 'recompute'")
+        return self

@@ -1,7 +1,11 @@
 """Llama-family decoder (Llama, Mistral, SmolLM2), the base for Qwen2 and Qwen3.
 
 Works on flattened tokens: [num_tokens] ids in, [num_tokens, hidden] states out; the paged
-KV cache and the per-step AttentionMetadata are passed down explicitly."""
+KV cache and the per-step AttentionMetadata are passed down explicitly.
+
+Under tensor parallelism each rank builds its shard (heads and MLP columns split, vocab
+split); under pipeline parallelism each rank builds only its stage's layers, plus the
+embedding on the first stage and the final norm and LM head on the last."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -12,7 +16,8 @@ from torch import nn
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache
 from tllm.layers.activation import SiluAndMul
 from tllm.layers.embedding import Embedding, LMHead
-from tllm.layers.linear import Linear, MergedLinear
+from tllm.distributed import comm
+from tllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, _copy_checked
 from tllm.layers.norm import RMSNorm
 from tllm.layers.rotary import RotaryEmbedding, inverse_frequencies
 from tllm.models.registry import register_model
@@ -28,14 +33,15 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=bias)
-        self.o_proj = Linear(q_size, config.hidden_size,
-                             bias=getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                  config.num_key_value_heads, bias=bias)
+        self.num_heads = self.qkv_proj.num_heads        # this rank's heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
+                                        config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -60,7 +66,7 @@ class LlamaMLP(nn.Module):
         inter = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,6 +94,11 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class MissingLayer(nn.Module):
+    """A layer that lives on another pipeline stage: keeps the layer indices of the
+    checkpoint, holds no weights."""
+
+
 @register_model("LlamaForCausalLM", "MistralForCausalLM")
 class LlamaForCausalLM(nn.Module):
     layer_cls = LlamaDecoderLayer
@@ -99,27 +110,49 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config, backend_cls: type[AttentionBackend], max_position: int) -> None:
         super().__init__()
         self.config = config
+        mapping = comm.mapping()
+        self.is_first_stage, self.is_last_stage = mapping.is_first_stage, mapping.is_last_stage
+        self.stage_layers = mapping.stage_layers(config.num_hidden_layers)
         head_dim = head_dim_of(config)
         inv_freq, scaling = inverse_frequencies(config, head_dim)
         rotary = RotaryEmbedding(inv_freq.to(torch.get_default_device()), scaling, max_position)
         window = getattr(config, "sliding_window", None)
         if not getattr(config, "use_sliding_window", True):
             window = None
-        backend = backend_cls(config.num_attention_heads, config.num_key_value_heads, head_dim,
-                              head_dim ** -0.5, window)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(self.layer_cls(config, rotary, backend)
-                                    for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.embed_tokens.weight
+        self.layers = nn.ModuleList(MissingLayer() for _ in range(config.num_hidden_layers))
+        for i in self.stage_layers:
+            self.layers[i] = self.layer_cls(config, rotary, None)
+        backend = backend_cls(self.layers[self.stage_layers.start].self_attn.num_heads,
+                              self.layers[self.stage_layers.start].self_attn.num_kv_heads,
+                              head_dim, head_dim ** -0.5, window)
+        for i in self.stage_layers:  # one backend object, shared by every layer
+            self.layers[i].self_attn.attn = backend
+        self.tied = getattr(config, "tie_word_embeddings", False)
+        self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size)
+                             if self.is_first_stage else MissingLayer())
+        if self.is_last_stage:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+            if self.tied and self.is_first_stage:
+                self.lm_head.weight = self.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, kv_caches: list[KVCache],
-                metadata: AttentionMetadata) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(hidden, residual, kv_cache, metadata)
+    @property
+    def num_local_layers(self) -> int:
+        return len(self.stage_layers)
+
+    def forward(self, input_ids: torch.Tensor | None, kv_caches: list[KVCache],
+                metadata: AttentionMetadata,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """Hidden states after the last layer (last stage), or (hidden, residual) to hand
+        to the next stage. Stages after the first start from `intermediate`."""
+        if self.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = intermediate
+        for i, kv_cache in zip(self.stage_layers, kv_caches):
+            hidden, residual = self.layers[i](hidden, residual, kv_cache, metadata)
+        if not self.is_last_stage:
+            return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -127,24 +160,40 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (HF names) into the parameters; returns what was loaded."""
+        """Copy checkpoint tensors (HF names, unsplit) into this rank's parameters, each
+        layer keeping its shard; tensors of other stages are skipped. Returns what was
+        loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
+            if (name == "embed_tokens.weight" and self.tied and self.is_last_stage
+                    and not self.is_first_stage):
+                self.lm_head.load_weight("weight", tensor)  # the tied head on the last stage
+                loaded.add("lm_head.weight#None")
             target, shard = self._map_name(name)
             if target not in params:
+                if self._on_other_stage(target):
+                    continue
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{type(self).__name__}")
-            if shard is None:
-                _copy_checked(params[target], tensor, name)
+            module_name, param_name = target.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if shard is not None:
+                module.load_shard(param_name, shard, tensor)
+            elif hasattr(module, "load_weight"):
+                module.load_weight(param_name, tensor)
             else:
-                module_name, param_name = target.rsplit(".", 1)
-                self.get_submodule(module_name).load_shard(param_name, shard, tensor)
+                _copy_checked(params[target], tensor, name)
             loaded.add(f"{target}#{shard}")
         return loaded
+
+    def _on_other_stage(self, target: str) -> bool:
+        if target.startswith("layers."):
+            return int(target.split(".")[1]) not in self.stage_layers
+        return target.split(".")[0] in ("embed_tokens", "norm", "lm_head")
 
     def _map_name(self, name: str) -> tuple[str, int | None]:
         for ckpt_name, (merged, shard) in self.stacked_params.items():
@@ -160,13 +209,6 @@ class LlamaForCausalLM(nn.Module):
                 full = f"{module_name}.{param_name}"
                 shards = len(module.output_sizes) if isinstance(module, MergedLinear) else 0
                 expected.update({f"{full}#{i}" for i in range(shards)} or {f"{full}#None"})
-        if getattr(self.config, "tie_word_embeddings", False):
+        if self.tied and self.is_first_stage:
             expected.discard("lm_head.weight#None")
         return expected
-
-
-def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the model "
-                         f"expects {tuple(param.shape)}")
-    param.data.copy_(tensor)

@@ -40,12 +40,16 @@ class Scheduler:
     preempted (recomputed later, or swapped to host memory) until it can."""
 
     def __init__(self, kv_cache: KVCacheManager, *, max_batch_size: int, max_num_tokens: int,
-                 enable_chunked_prefill: bool, preemption_mode: str = "recompute") -> None:
+                 enable_chunked_prefill: bool, preemption_mode: str = "recompute",
+                 num_micro_batches: int = 1) -> None:
         self.kv_cache = kv_cache
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
+        # Pipeline parallelism keeps several micro-batches in flight: each step takes a
+        # share of the requests and skips those still in the pipeline.
+        self.num_micro_batches = num_micro_batches
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -59,15 +63,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._step_limit = self._micro_batch_limit()
         budget = self._schedule_running(batch, self.max_num_tokens)
         self._admit_waiting(batch, budget)
         return batch
 
+    def _micro_batch_limit(self) -> int:
+        if self.num_micro_batches == 1:
+            return self.max_batch_size
+        total = min(len(self.running) + len(self.waiting), self.max_batch_size)
+        return max(1, -(-total // self.num_micro_batches))
+
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
-        while i < len(self.running):
+        while i < len(self.running) and len(batch) < self._step_limit:
             request = self.running[i]
-            num_new = self._num_new_tokens(request, budget)
+            num_new = 0 if request.in_pipeline else self._num_new_tokens(request, budget)
             if num_new == 0:
                 i += 1
                 continue
@@ -83,7 +94,8 @@ class Scheduler:
         """Preempt the newest running requests until `request` can grow; False if it had to
         preempt `request` itself."""
         while not self.kv_cache.can_allocate(request, num_new):
-            victim = self.running[-1]
+            victims = [r for r in self.running if not r.in_pipeline or r is request]
+            victim = victims[-1]
             self._preempt(victim)
             if victim is request:
                 return False
@@ -100,7 +112,8 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+        while (self.waiting and budget > 0 and len(self.running) < self.max_batch_size
+               and len(batch) < self._step_limit):
             request = self.waiting[0]
             if not self._leader_ready(request):
                 skipped.append(self.waiting.popleft())

@@ -1,0 +1,80 @@
+"""A worker rank (every rank but 0): builds its model shard and KV cache shard, then runs
+each step rank 0 plans until rank 0 sends STOP. It holds no requests and no scheduler;
+everything it needs for a step is in the StepPlan."""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import traceback
+
+import torch
+
+from tllm.distributed import comm
+from tllm.distributed.mapping import Mapping
+from tllm.runner.step import STOP, plan_tensors, run_plan
+
+logger = logging.getLogger(__name__)
+
+
+def worker_main(spec: dict) -> None:
+    """Entry point of a spawned worker process (`python -m tllm.executor.worker SPEC`)."""
+    from tllm.llmapi.llm_args import LlmArgs
+    _exit_with_parent(spec["parent_pid"])
+    try:
+        args = LlmArgs.model_validate(spec["args"])
+        mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"])
+        device = torch.device(spec["device"])
+        comm.init_distributed(mapping, device, spec["init_method"])
+        run_worker(args, device)
+        comm.destroy_distributed()
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+def run_worker(args, device: torch.device) -> None:
+    from tllm.llmapi.engine import build_rank
+    parts = build_rank(args, device)
+    serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device)
+
+
+@torch.inference_mode()
+def serve_steps(model, kv_cache, graphs, device: torch.device) -> None:
+    mapping = comm.mapping()
+    sends_logits = mapping.pp_size > 1 and mapping.is_last_stage and mapping.tp_rank == 0
+    pending = None  # the previous logits send, kept alive until it completes
+    while True:
+        plan = comm.broadcast_object()
+        if plan == STOP:
+            break
+        input_ids, metadata = plan_tensors(plan, device, kv_cache.tokens_per_block)
+        if plan.ids_from_driver and mapping.is_first_stage:
+            comm.tp_broadcast_from_driver(input_ids)
+        logits = run_plan(model, kv_cache.kv_caches, graphs, plan, input_ids, metadata)
+        if sends_logits:
+            if pending is not None:
+                pending[1].wait()
+            pending = (logits, comm.send_to_driver(logits))
+    if pending is not None:
+        pending[1].wait()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A worker must not outlive rank 0's process, even if that one was killed."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tllm-parent-watch", daemon=True).start()
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    worker_main(json.loads(sys.argv[1]))

@@ -1,0 +1,82 @@
+"""One step as every rank sees it: a host-only `StepPlan` (what rank 0 decided), the device
+tensors built from it, and the forward pass of this rank's part of the model.
+
+Rank 0 builds the plan from its ScheduledBatch and, with several ranks, sends it to the
+others; every rank then runs `run_plan` on its own shard and KV cache. Keeping the plan
+free of Request objects is what lets it cross process boundaries."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tllm.attention.interface import AttentionMetadata
+from tllm.distributed import comm
+
+
+@dataclass
+class StepPlan:
+    input_ids: list[int]          # placeholders (tokens still on rank 0's device) are 0 here
+    positions: list[int]
+    slots: list[int]
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_tables: list[list[int]]  # padded to one width
+    logit_rows: list[int] = field(default_factory=list)  # rows whose logits are needed
+    use_graph: bool = False       # decode step replayed from a captured CUDA graph
+    ids_from_driver: bool = False  # rank 0 broadcasts its (placeholder-filled) input ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return max(self.query_lens) == 1
+
+
+STOP = "stop"  # the plan rank 0 sends when it shuts down
+
+
+def plan_tensors(plan: StepPlan, device: torch.device,
+                 tokens_per_block: int) -> tuple[torch.Tensor, AttentionMetadata]:
+    def to_device(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    query_start = [0, *itertools.accumulate(plan.query_lens)]
+    metadata = AttentionMetadata(
+        positions=to_device(plan.positions, torch.long),
+        slot_mapping=to_device(plan.slots, torch.long),
+        query_start_loc=to_device(query_start, torch.int32),
+        seq_lens=to_device(plan.seq_lens, torch.int32),
+        block_tables=to_device(plan.block_tables, torch.int32),
+        max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
+        tokens_per_block=tokens_per_block,
+        query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
+    return to_device(plan.input_ids, torch.long), metadata
+
+
+def run_plan(model: nn.Module, kv_caches, graphs, plan: StepPlan, input_ids: torch.Tensor,
+             metadata: AttentionMetadata) -> torch.Tensor | None:
+    """This rank's part of the step: the logits of `plan.logit_rows` on the last pipeline
+    stage (all rows when replaying a graph), None on the others, which hand their hidden
+    states to the next stage instead."""
+    if plan.use_graph:
+        return graphs.run(input_ids, metadata)
+    intermediate = None
+    if not model.is_first_stage:
+        shape = (plan.num_tokens, model.config.hidden_size)
+        intermediate = tuple(comm.recv_from_prev_stage([shape, shape], _dtype_of(model)))
+    out = model(input_ids, kv_caches, metadata, intermediate)
+    if not model.is_last_stage:
+        for work in comm.send_to_next_stage(list(out)):
+            work.wait()  # on CUDA this orders the streams; the host does not block
+        return None
+    rows = torch.tensor(plan.logit_rows, dtype=torch.long).to(out.device, non_blocking=True)
+    return model.compute_logits(out[rows])
+
+
+def _dtype_of(model: nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype

@@ -135,3 +135,16 @@ def test_torchrun_launch(models, tmp_path):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("TOKENS")]
     assert len(lines) == 1  # only rank 0 returns from LLM()
     assert json.loads(lines[0].removeprefix("TOKENS ")) == expected
+
+
+def test_bench_throughput_cli_with_tp(models, tmp_path, capsys):
+    from tllm.cli import main
+    path, _ = models["Llama", 2]
+    out = tmp_path / "bench.json"
+    assert main(["bench", "throughput", "--model", path, "--tp-size", "2", "--isl", "16",
+                 "--osl", "8", "--num-requests", "4", "--warmup", "0",
+                 "--kv-cache-tokens", "2048", "--json", str(out)]) == 0
+    import json
+    result = json.loads(out.read_text())
+    assert result["engine"]["tensor_parallel_size"] == 2
+    assert result["num_requests"] == 4 and "TP 2 x PP 1" in capsys.readouterr().out

@@ -80,11 +80,10 @@ def test_server_options(tmp_path):
         server_config(parse("--chat-template", str(tmp_path / "missing.jinja")), "smollm2")
 
 
-def test_tp_size_is_refused_until_the_engine_has_it():
-    if "tensor_parallel_size" in LlmArgs.model_fields:
-        pytest.skip("the engine has tensor parallelism")
-    with pytest.raises(ValueError, match="tp-size"):
-        llm_arguments(parse("--tp-size", "2"))
+def test_parallel_flags_become_llm_arguments():
+    _, kwargs = llm_arguments(parse("--tp-size", "2", "--pp-size", "4"))
+    assert kwargs["tensor_parallel_size"] == 2 and kwargs["pipeline_parallel_size"] == 4
+    LlmArgs(model="x", **kwargs)  # and they validate
 
 
 def free_port() -> int:

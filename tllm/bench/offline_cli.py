@@ -75,6 +75,10 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-num-tokens", type=positive_int)
     group.add_argument("--max-seq-len", type=positive_int,
                        help="default: ISL + OSL, rounded up to whole KV blocks")
+    group.add_argument("--tp-size", type=positive_int, dest="tensor_parallel_size",
+                       help="tensor-parallel ranks (one GPU each)")
+    group.add_argument("--pp-size", type=positive_int, dest="pipeline_parallel_size",
+                       help="pipeline-parallel stages")
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction)
     group.add_argument("--kv-cache-tokens", type=positive_int,
                        help="KV cache capacity in tokens (default: sized to memory)")
@@ -109,7 +113,8 @@ def llm_kwargs(args: argparse.Namespace, **defaults) -> dict:
     """LLM(...) keyword arguments: the YAML options, then the explicit flags over them, then
     the benchmark's defaults (max_seq_len about ISL + OSL) where neither says."""
     kwargs = load_extra_options(args.extra_llm_api_options)
-    for name in ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len"):
+    for name in ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
+                 "tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, name) is not None:
             kwargs[name] = getattr(args, name)
     kv_cache = kwargs.get("kv_cache_config") or {}
@@ -250,6 +255,9 @@ def _engine_lines(engine: dict) -> list[str]:
     flags = []
     if "cuda_graph_config" in engine and resolved["device"].startswith("cuda"):
         flags.append(f"CUDA graphs {'off' if engine['cuda_graph_config'] is None else 'on'}")
+    if engine.get("tensor_parallel_size", 1) * engine.get("pipeline_parallel_size", 1) > 1:
+        flags.append(f"TP {engine['tensor_parallel_size']} x PP "
+                     f"{engine['pipeline_parallel_size']}")
     if "disable_overlap_scheduler" in engine:
         flags.append(f"overlap scheduler {'off' if engine['disable_overlap_scheduler'] else 'on'}")
     if flags:

@@ -1,0 +1,116 @@
+"""Tensor parallelism on GPUs: batch-1 latency and 128/128 throughput at TP=1 and TP=2 for the
+Llama-3.1-8B shape, and the 70B shape (which does not fit one H200 in bf16) at TP=2, each
+engine built once per configuration in a process of its own; plus a greedy parity check of
+TP=2 / PP=2 against one GPU on a tiny HF model (fp32).
+
+    python benchmarks/gpu_parallel.py --out results.json [--requests 1000]
+
+Every figure it prints goes into benchmarks/RESULTS.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = {  # name: (model, tp, pp, throughput requests or None)
+    "8b-tp1": ("dummy:llama-3.1-8b", 1, 1, None),
+    "8b-tp2": ("dummy:llama-3.1-8b", 2, 1, None),
+    "70b-tp2": ("dummy:llama-3.1-70b", 2, 1, 500),
+}
+
+
+def run_config(name: str, requests: int, osl_latency: int) -> dict:
+    from tllm import LLM
+    from tllm.bench.offline import LatencyConfig, ThroughputConfig, run_latency, run_throughput
+    model, tp, pp, num_requests = CONFIGS[name]
+    requests = num_requests or requests
+    start = time.perf_counter()
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_seq_len=1152,
+              max_batch_size=256)
+    build_s = time.perf_counter() - start
+    latency = run_latency(llm, LatencyConfig(isl=128, osl=osl_latency, batch_size=1,
+                                             iterations=3))
+    throughput = run_throughput(llm, ThroughputConfig(isl=128, osl=128,
+                                                      num_requests=requests, warmup=8))
+    llm.shutdown()
+    return {"config": name, "model": model, "tp": tp, "pp": pp, "build_s": build_s,
+            "latency": latency, "throughput": throughput}
+
+
+def parity() -> dict:
+    """Greedy tokens of TP=2 and PP=2 against one GPU, fp32, tiny random Llama (GQA 2)."""
+    import torch
+    import transformers
+    from tllm import LLM, SamplingParams
+    path = tempfile.mkdtemp()
+    config = transformers.LlamaConfig(
+        vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
+        architectures=["LlamaForCausalLM"])
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    prompts = [[1] + list(range(10 + i, 60 + 9 * i)) for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    out = {}
+    for name, tp, pp in (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)):
+        with LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                 kv_cache_config={"max_tokens": 8192}) as llm:
+            out[name] = [o.outputs[0].token_ids
+                         for o in llm.generate(prompts, params, use_tqdm=False)]
+    return {"tp2_equal": out["tp2"] == out["tp1"], "pp2_equal": out["pp2"] == out["tp1"]}
+
+
+def summarise(results: list[dict]) -> str:
+    lines = ["| config | build s | batch-1 tok/s | ITL ms | 128/128 output tok/s | "
+             "TTFT p50 ms | peak GiB/GPU |", "|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['config']} | failed: {r['error'][:80]} |")
+            continue
+        lat, thr = r["latency"], r["throughput"]
+        lines.append(
+            f"| {r['config']} | {r['build_s']:.0f} | {lat['output_tokens_per_s']:.1f}"
+            f" | {lat['itl_ms']['p50']:.2f} | {thr['output_tokens_per_s']:.0f} | "
+            f"{thr['ttft_ms']['p50']:.0f} | {thr['peak_gpu_memory_gib']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="gpu_parallel.json")
+    parser.add_argument("--requests", type=int, default=1000)
+    parser.add_argument("--osl-latency", type=int, default=256)
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--one", help=argparse.SUPPRESS)
+    parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print("RESULT " + json.dumps(run_config(args.one, args.requests, args.osl_latency)))
+        return
+    if args.parity:
+        print("RESULT " + json.dumps(parity()))
+        return
+    results = []
+    runs = [["--parity"]] + [["--one", c] for c in args.configs.split(",")]
+    for extra in runs:
+        cmd = [sys.executable, __file__, "--requests", str(args.requests),
+               "--osl-latency", str(args.osl_latency), *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        found = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+        result = (json.loads(found[-1][7:]) if found else
+                  {"config": extra[-1], "error": proc.stderr[-2000:]})
+        print(json.dumps(result)[:400], flush=True)
+        if not found:
+            print(proc.stderr[-3000:], file=sys.stderr)
+        results.append(result)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    print(json.dumps(results[0]))
+    print(summarise(results[1:]))
+
+
+if __name__ == "__main__":
+    main()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,9 @@ def run_config(name: str, requests: int, osl_latency: int) -> dict:
     model, tp, pp, num_requests = CONFIGS[name]
     requests = num_requests or requests
     start = time.perf_counter()
+    graphs = {} if os.environ.get("TLLM_BENCH_GRAPHS", "1") == "1" else {"cuda_graph_config": None}
     llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_seq_len=1152,
-              max_batch_size=256)
+              max_batch_size=256, **graphs)
     build_s = time.perf_counter() - start
     latency = run_latency(llm, LatencyConfig(isl=128, osl=osl_latency, batch_size=1,
                                              iterations=3))
@@ -40,7 +42,7 @@ def run_config(name: str, requests: int, osl_latency: int) -> dict:
             "latency": latency, "throughput": throughput}
 
 
-def parity() -> dict:
+def parity(graphs: bool) -> dict:
     """Greedy tokens of TP=2 and PP=2 against one GPU, fp32, tiny random Llama (GQA 2)."""
     import torch
     import transformers
@@ -56,11 +58,13 @@ def parity() -> dict:
     params = SamplingParams(max_tokens=24, temperature=0.0)
     out = {}
     for name, tp, pp in (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)):
+        extra = {} if graphs else {"cuda_graph_config": None}
         with LLM(path, dtype="float32", tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                 kv_cache_config={"max_tokens": 8192}) as llm:
+                 kv_cache_config={"max_tokens": 8192}, **extra) as llm:
             out[name] = [o.outputs[0].token_ids
                          for o in llm.generate(prompts, params, use_tqdm=False)]
-    return {"tp2_equal": out["tp2"] == out["tp1"], "pp2_equal": out["pp2"] == out["tp1"]}
+    return {"config": f"parity-graphs-{graphs}", "tp2_equal": out["tp2"] == out["tp1"],
+            "pp2_equal": out["pp2"] == out["tp1"]}
 
 
 def summarise(results: list[dict]) -> str:
@@ -85,31 +89,54 @@ def main() -> None:
     parser.add_argument("--osl-latency", type=int, default=256)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--one", help=argparse.SUPPRESS)
-    parser.add_argument("--parity", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--parity", choices=["graphs", "eager"], help=argparse.SUPPRESS)
+    parser.add_argument("--stage-timeout", type=float, default=240)
+    parser.add_argument("--stages", help="e.g. parity-eager:60,8b-tp1:120 (default: all)")
     args = parser.parse_args()
     if args.one:
         print("RESULT " + json.dumps(run_config(args.one, args.requests, args.osl_latency)))
         return
     if args.parity:
-        print("RESULT " + json.dumps(parity()))
+        print("RESULT " + json.dumps(parity(args.parity == "graphs")))
         return
     results = []
-    runs = [["--parity"]] + [["--one", c] for c in args.configs.split(",")]
-    for extra in runs:
+    # a stage is "parity-eager", "parity-graphs" or a config name, with ":SECONDS" to bound it
+    stages = args.stages.split(",") if args.stages else (
+        ["parity-eager", "parity-graphs"] + [c for c in args.configs.split(",") if c])
+    for stage in stages:
+        name, _, limit = stage.partition(":")
+        extra = (["--parity", name.removeprefix("parity-")] if name.startswith("parity-")
+                 else ["--one", name])
         cmd = [sys.executable, __file__, "--requests", str(args.requests),
                "--osl-latency", str(args.osl_latency), *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        found = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-        result = (json.loads(found[-1][7:]) if found else
-                  {"config": extra[-1], "error": proc.stderr[-2000:]})
-        print(json.dumps(result)[:400], flush=True)
-        if not found:
-            print(proc.stderr[-3000:], file=sys.stderr)
+        result = run_stage(cmd, name, float(limit or args.stage_timeout))
+        print(json.dumps(result)[:600], flush=True)
         results.append(result)
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    print(json.dumps(results[0]))
-    print(summarise(results[1:]))
+    print(summarise([r for r in results if r["config"] in CONFIGS]))
+
+
+def run_stage(cmd: list[str], name: str, timeout: float) -> dict:
+    """One stage in its own session; if it hangs, every process in it dumps its Python
+    stacks (faulthandler on SIGABRT) and the stage is reported as failed."""
+    import os
+    import signal
+    env = dict(os.environ, PYTHONFAULTHANDLER="1")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGABRT)
+        out, err = proc.communicate()
+        print(f"STAGE {name} HUNG; stacks:\n{err[-12000:]}", file=sys.stderr, flush=True)
+        return {"config": name, "error": "timed out"}
+    found = [l for l in out.splitlines() if l.startswith("RESULT ")]
+    if not found:
+        print(f"STAGE {name} FAILED:\n{err[-4000:]}", file=sys.stderr, flush=True)
+        return {"config": name, "error": err[-1500:]}
+    return json.loads(found[-1][7:])
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import time
 CONFIGS = {  # name: (model, tp, pp, throughput requests or None)
     "8b-tp1": ("dummy:llama-3.1-8b", 1, 1, None),
     "8b-tp2": ("dummy:llama-3.1-8b", 2, 1, None),
-    "70b-tp2": ("dummy:llama-3.1-70b", 2, 1, 500),
+    "70b-tp2": ("dummy:llama-3.1-70b", 2, 1, None),
 }
 
 
@@ -37,9 +37,11 @@ def run_config(name: str, requests: int, osl_latency: int) -> dict:
                                              iterations=3))
     throughput = run_throughput(llm, ThroughputConfig(isl=128, osl=128,
                                                       num_requests=requests, warmup=8))
+    result = {"config": name, "model": model, "tp": tp, "pp": pp, "build_s": build_s,
+              "latency": latency, "throughput": throughput}
+    print("RESULT " + json.dumps(result), flush=True)  # before a shutdown that could hang
     llm.shutdown()
-    return {"config": name, "model": model, "tp": tp, "pp": pp, "build_s": build_s,
-            "latency": latency, "throughput": throughput}
+    return result
 
 
 def parity(graphs: bool) -> dict:
@@ -94,7 +96,7 @@ def main() -> None:
     parser.add_argument("--stages", help="e.g. parity-eager:60,8b-tp1:120 (default: all)")
     args = parser.parse_args()
     if args.one:
-        print("RESULT " + json.dumps(run_config(args.one, args.requests, args.osl_latency)))
+        run_config(args.one, args.requests, args.osl_latency)
         return
     if args.parity:
         print("RESULT " + json.dumps(parity(args.parity == "graphs")))

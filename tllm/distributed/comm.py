@@ -76,10 +76,15 @@ def init_distributed(mapping_: Mapping, device: torch.device, init_method: str |
     return st
 
 
-def destroy_distributed() -> None:
+def destroy_distributed(timeout_s: float = 10.0) -> None:
+    """Leave the process group. Bounded: NCCL's teardown can wait forever on a peer that
+    has already exited, and shutting down must not hang."""
     global _STATE
     if _STATE is not None and dist.is_initialized():
-        dist.destroy_process_group()
+        import threading
+        thread = threading.Thread(target=dist.destroy_process_group, daemon=True)
+        thread.start()
+        thread.join(timeout_s)
     _STATE = None
 
 
@@ -153,13 +158,5 @@ def all_reduce_min(value: int) -> int:
 
 
 def abandon_distributed() -> None:
-    """After a rank died: collectives with it may hang, so do not tear the group down
-    politely; try briefly, then forget it (a later LLM in this process starts afresh)."""
-    global _STATE
-    if _STATE is None:
-        return
-    import threading
-    thread = threading.Thread(target=dist.destroy_process_group, daemon=True)
-    thread.start()
-    thread.join(timeout=5)
-    _STATE = None
+    """After a rank died: collectives with it may hang, so give the teardown little time."""
+    destroy_distributed(timeout_s=5.0)

@@ -134,6 +134,13 @@ class WorkerGroup:
                 comm.broadcast_object(STOP)
             except Exception:  # a worker already died: fall through to terminate
                 logger.warning("could not send stop to the workers", exc_info=True)
+                clean = False
+        # Leave the group together with the workers (they do so on STOP): NCCL's teardown
+        # waits for its peers, so rank 0 must not wait for them to exit first.
+        if clean:
+            comm.destroy_distributed()
+        else:
+            comm.abandon_distributed()
         for process in self.processes:
             try:
                 process.wait(timeout=30 if clean else 2)
@@ -144,7 +151,3 @@ class WorkerGroup:
                 except subprocess.TimeoutExpired:
                     process.kill()
                     process.wait()
-        if clean:
-            comm.destroy_distributed()
-        else:
-            comm.abandon_distributed()

@@ -18,6 +18,7 @@ from tllm.bench.offline_cli import add_bench_offline_parsers
 from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.cli_args import add_serve_parser
+from tllm.visual_gen.cli import add_visual_parser
 from tllm.cli_types import positive_int
 
 # Errors caused by what the user typed: printed as one line, no traceback.
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_chat(commands)
     add_serve_parser(commands)
+    add_visual_parser(commands)
     bench = commands.add_parser("bench", help="run benchmarks",
                                 description="Benchmarks; `tllm bench serve` loads a running "
                                 "server.")

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tllm.loader import DEFAULT_MODEL
+from tllm.visual_gen.registry import is_visual_model
 from tllm.cli_types import non_negative_int, positive_int
 
 # Engine flags of the command line, by the LLM argument each one sets.
@@ -57,7 +58,8 @@ def _add_engine_args(group) -> None:
     group.add_argument("--max-batch-size", type=positive_int)
     group.add_argument("--max-num-tokens", type=positive_int)
     group.add_argument("--max-seq-len", type=positive_int)
-    group.add_argument("--tp-size", type=positive_int, help="tensor-parallel GPUs")
+    group.add_argument("--tp-size", type=positive_int, help="tensor-parallel ranks (GPUs)")
+    group.add_argument("--pp-size", type=positive_int, help="pipeline-parallel stages")
     group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
     group.add_argument("--device", help="e.g. cpu, cuda, cuda:1")
     group.add_argument("--kv-cache-tokens", type=positive_int,
@@ -73,6 +75,9 @@ def run_serve(args: argparse.Namespace) -> int:
 
     model, llm_kwargs = llm_arguments(args)
     config = server_config(args, model)
+    if is_visual_model(model):  # a diffusers folder or a dummy: visual name
+        from tllm.serve.images import serve_images
+        return serve_images(args, config)
     llm = LLM(model=model, **llm_kwargs)
     app = build_app(llm, config)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
@@ -99,8 +104,10 @@ def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.kv_cache_tokens is not None:
         kv_config = dict(kwargs.get("kv_cache_config") or {})
         kwargs["kv_cache_config"] = {**kv_config, "max_tokens": args.kv_cache_tokens}
-    if args.tp_size is not None and args.tp_size > 1:
-        kwargs["tensor_parallel_size"] = _checked_tp_size(args.tp_size)
+    if args.tp_size is not None:
+        kwargs["tensor_parallel_size"] = args.tp_size
+    if args.pp_size is not None:
+        kwargs["pipeline_parallel_size"] = args.pp_size
     return model, kwargs
 
 
@@ -136,14 +143,3 @@ def _read_chat_template(value: str | None) -> str | None:
     if "{{" in value or "{%" in value:
         return value
     raise FileNotFoundError(f"--chat-template {value!r}: no such file")
-
-
-def _checked_tp_size(tp_size: int) -> int:
-    from tllm.llmapi.llm_args import LlmArgs
-    if "tensor_parallel_size" not in LlmArgs.model_fields:
-        raise ValueError(f"--tp-size {tp_size}: tensor parallelism is not available yet")
-    return tp_size
-
-
-
-

@@ -1,0 +1,255 @@
+"""The images server: `POST /v1/images/generations` in OpenAI's images format over one
+VisualGen, plus /v1/models, /health, /version, and generated files under /files (for
+response_format "url").
+
+Generation runs in one worker thread (one image batch on the device at a time), so the event
+loop keeps answering while it runs; requests beyond `max_queue_size` waiting get 429.
+Extensions to OpenAI's body: steps, seed, negative_prompt, true_cfg_scale, guidance_scale;
+for the layered model, `image` (base64 input image), layers and resolution, and each
+generated image gives `layers` entries of `data`, in order.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+import re
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from fastapi import APIRouter, Depends, FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.staticfiles import StaticFiles
+
+from tllm import __version__
+from tllm.serve.context import ServerConfig
+from tllm.serve.errors import APIError, bad_request, install_error_handlers, internal_error
+from tllm.serve.openai_server import _api_key_check, read_body
+from tllm.serve.protocol import INT64_MAX, ModelCard, ModelList
+
+MAX_N = 10              # OpenAI's cap on images per request
+MAX_STEPS = 200
+FILES_ROUTE = "/files"
+_SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+# VisualGenParams' field names as the request spells them.
+_PARAM_NAMES = {"height": "size", "width": "size", "num_inference_steps": "steps",
+                "num_images_per_prompt": "n"}
+
+
+class ImageGenerationRequest(BaseModel):
+    """OpenAI's images/generations body (its unused styling fields are accepted and ignored)
+    and tllm's extensions."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    prompt: str = Field(min_length=1)
+    model: Optional[str] = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    size: Optional[str] = None          # "WxH"; None or "auto": the model's default
+    response_format: Literal["b64_json", "url"] = "b64_json"
+    quality: Optional[str] = None
+    style: Optional[str] = None
+    user: Optional[str] = None
+    # extensions
+    steps: Optional[int] = Field(None, ge=1, le=MAX_STEPS)
+    seed: Optional[int] = Field(None, ge=0, le=INT64_MAX)
+    negative_prompt: Optional[str] = None
+    true_cfg_scale: Optional[float] = None
+    guidance_scale: Optional[float] = None
+    image: Optional[str] = None         # base64 input image (layered model)
+    layers: Optional[int] = None
+    resolution: Optional[int] = None
+
+
+@dataclass
+class ImagesContext:
+    """What the image endpoints share: the model, the worker thread, the files folder."""
+
+    gen: Any
+    config: ServerConfig
+    files_dir: Path
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tllm-visual"))
+    num_pending: int = 0
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = None) -> FastAPI:
+    """The server's ASGI app over a loaded VisualGen; call `app.state.ctx.close()` once the
+    server has stopped. Files for "url" responses go to files_dir (a new temporary folder by
+    default) and stay there."""
+    files_dir = Path(files_dir or tempfile.mkdtemp(prefix="tllm-images-"))
+    files_dir.mkdir(parents=True, exist_ok=True)
+    ctx = ImagesContext(gen, config, files_dir)
+    app = FastAPI(title="tllm", version=__version__)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_exception_handler(Exception, _internal_error)
+    app.include_router(_api_routes(ctx))
+    app.include_router(_ops_routes())
+    app.mount(FILES_ROUTE, StaticFiles(directory=files_dir), name="files")
+    return app
+
+
+def serve_images(args, config: ServerConfig) -> int:
+    """`tllm serve` for a visual model: load it, then serve until interrupted."""
+    import uvicorn
+
+    from tllm.visual_gen.api import VisualGen
+
+    gen = VisualGen(config.model, dtype=args.dtype or "auto", device=args.device)
+    app = build_images_app(gen, config)
+    print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1 (images)",
+          file=sys.stderr)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    lifespan="off", timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        app.state.ctx.close()
+    return 0
+
+
+def _api_routes(ctx: ImagesContext) -> APIRouter:
+    config = ctx.config
+    api = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
+
+    @api.post("/images/generations")
+    async def generations(request: Request) -> Response:
+        body = await read_body(request, ImageGenerationRequest, config.max_body_bytes)
+        return JSONResponse(await create_images(ctx, request, body))
+
+    @api.get("/models")
+    async def models() -> Response:
+        card = ModelCard(id=config.model_name, root=config.model)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    return api
+
+
+def _ops_routes() -> APIRouter:
+    ops = APIRouter()
+
+    @ops.get("/health")
+    async def health() -> Response:
+        return JSONResponse({"status": "ok"})
+
+    @ops.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    return ops
+
+
+async def create_images(ctx: ImagesContext, request: Request,
+                        body: ImageGenerationRequest) -> dict:
+    if body.model is not None and body.model != ctx.config.model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
+                       f"{ctx.config.model_name!r}", param="model", code="model_not_found")
+    params = _params(body)
+    image = _input_image(ctx, body)
+    limit = ctx.config.max_queue_size
+    if limit is not None and ctx.num_pending >= limit:
+        raise APIError(429, f"too many image requests waiting ({limit})",
+                       code="queue_full", headers={"retry-after": "1"})
+    ctx.num_pending += 1
+    try:
+        pngs = await asyncio.get_running_loop().run_in_executor(
+            ctx.pool, _generate_pngs, ctx.gen, body.prompt, params, image)
+    except ValueError as exc:
+        raise _from_value_error(exc) from exc
+    finally:
+        ctx.num_pending -= 1
+    if body.response_format == "b64_json":
+        data = [{"b64_json": base64.b64encode(png).decode()} for png in pngs]
+    else:
+        data = [{"url": _save(ctx.files_dir, png, request)} for png in pngs]
+    return {"created": int(time.time()), "data": data}
+
+
+def _params(body: ImageGenerationRequest):
+    from tllm.visual_gen.params import VisualGenParams
+
+    width = height = None
+    if body.size not in (None, "auto"):
+        match = _SIZE.match(body.size)
+        if not match:
+            raise bad_request(f"size must be 'WIDTHxHEIGHT' (e.g. '1024x1024'), got "
+                              f"{body.size!r}", param="size")
+        width, height = int(match.group(1)), int(match.group(2))
+    optional = {"num_inference_steps": body.steps, "true_cfg_scale": body.true_cfg_scale,
+                "layers": body.layers, "resolution": body.resolution}
+    try:
+        return VisualGenParams(
+            height=height, width=width, seed=body.seed, negative_prompt=body.negative_prompt,
+            guidance_scale=body.guidance_scale, num_images_per_prompt=body.n,
+            **{k: v for k, v in optional.items() if v is not None})
+    except ValueError as exc:
+        raise _from_value_error(exc) from exc
+
+
+def _input_image(ctx: ImagesContext, body: ImageGenerationRequest):
+    if not ctx.gen.takes_image:
+        if body.image is not None:
+            raise bad_request("this model generates from text only: send no image",
+                              param="image")
+        return None
+    if body.image is None:
+        raise bad_request("this model decomposes an input image into layers: send it as "
+                          "base64 in `image`", param="image")
+    from PIL import Image, UnidentifiedImageError
+    try:
+        image = Image.open(io.BytesIO(base64.b64decode(body.image, validate=True)))
+        image.load()
+    except (binascii.Error, UnidentifiedImageError, OSError) as exc:
+        raise bad_request("image must be a base64-encoded PNG or JPEG file",
+                          param="image") from exc
+    return image
+
+
+def _generate_pngs(gen, prompt: str, params, image) -> list[bytes]:
+    output = gen.generate(prompt, params, image=image)
+    images = [layer for item in output.images
+              for layer in (item if isinstance(item, list) else [item])]
+    return [_png(image) for image in images]
+
+
+def _png(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _save(files_dir: Path, png: bytes, request: Request) -> str:
+    name = f"{uuid.uuid4().hex}.png"
+    (files_dir / name).write_bytes(png)
+    return f"{str(request.base_url).rstrip('/')}{FILES_ROUTE}/{name}"
+
+
+def _from_value_error(exc: ValueError) -> APIError:
+    """A ValueError of VisualGenParams or of the pipeline, as a 400 naming the request's
+    field."""
+    message = str(exc).removeprefix("VisualGenParams.")
+    match = re.match(r"(\w+)\b", message)
+    param = match.group(1) if match else None
+    if param in _PARAM_NAMES:
+        param = _PARAM_NAMES[param]
+    elif param not in ImageGenerationRequest.model_fields:
+        param = None
+    return bad_request(message, param=param)
+
+
+async def _internal_error(_: Request, exc: Exception) -> Response:
+    return internal_error(exc).response()

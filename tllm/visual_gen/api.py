@@ -1,0 +1,60 @@
+"""The visual-generation API: `VisualGen(model).generate(prompt, params)`."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from tllm.llmapi.engine import pick_device
+from tllm.visual_gen import registry
+from tllm.visual_gen.params import VisualGenParams
+from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class VisualGen:
+    """An image-generation model, e.g. `VisualGen("dummy:qwen-image")` or
+    `VisualGen("/path/to/Qwen-Image")` (a diffusers-format folder).
+
+    dtype "auto" is bfloat16 on a GPU and float32 on the CPU. transformer_impl picks the
+    transformer: "tllm" (ours), "diffusers" (the reference) or "auto" (ours when available).
+    `seed` seeds the random weights of dummy models.
+    """
+
+    def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
+                 transformer_impl: str = "auto", seed: int = 0,
+                 show_progress: bool = True) -> None:
+        if dtype != "auto" and dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got "
+                             f"{dtype!r}")
+        spec = registry.resolve(model)
+        self.model = model
+        self.device = pick_device(device)
+        self.dtype = _DTYPES.get(dtype) or (
+            torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        pipeline_cls = spec.pipeline_class()
+        if spec.dummy_preset is not None:
+            self.pipeline = pipeline_cls.from_dummy(spec.dummy_preset, self.dtype, self.device,
+                                                    seed, transformer_impl)
+        else:
+            self.pipeline = pipeline_cls.from_pretrained(spec.path, self.dtype, self.device,
+                                                         transformer_impl)
+        self.pipeline.show_progress = show_progress
+
+    @property
+    def takes_image(self) -> bool:
+        """Whether the model works on an input image (the layered model)."""
+        return self.pipeline.takes_image
+
+    def generate(self, prompt: str | Sequence[str], params: VisualGenParams | None = None,
+                 image: Any | Sequence[Any] | None = None,
+                 hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:
+        """Images for one prompt or a batch of prompts (num_images_per_prompt each);
+        `image` is the input of models that take one (one for all prompts, or one each)."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise ValueError("prompt must be a string or a non-empty list of strings")
+        images = None if image is None else (
+            list(image) if isinstance(image, (list, tuple)) else [image])
+        return self.pipeline.generate(prompts, params or VisualGenParams(), images, hooks)

@@ -1,0 +1,1 @@
+"""Visual-generation model families, one package each."""

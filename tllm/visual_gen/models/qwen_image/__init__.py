@@ -1,0 +1,1 @@
+"""Qwen-Image and Qwen-Image-Layered: pipelines, components and transformer."""

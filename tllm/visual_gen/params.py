@@ -1,0 +1,93 @@
+"""User-facing image generation parameters, validated once at the edge (the model-dependent
+rules, such as the VAE's size multiple, are checked by the pipeline)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+SIZE_MULTIPLE = 16      # VAE downsampling (8) x latent patch (2) of the Qwen-Image family
+MAX_SIZE = 4096         # per side; far past what the models were trained for
+MAX_STEPS = 1000        # the scheduler's training timesteps
+LAYERED_RESOLUTIONS = (640, 1024)
+
+
+@dataclass(frozen=True)
+class VisualGenParams:
+    """How to generate images for a prompt (names as in diffusers' Qwen-Image pipelines).
+
+    height/width None: the model's default size (1024x1024 for Qwen-Image). Classifier-free
+    guidance runs when `negative_prompt` is given and `true_cfg_scale` > 1 (one batched
+    transformer forward per step). `guidance_scale` is only for guidance-distilled models.
+    Image i of a request uses seed `seed + i`, so a batch equals separate runs. `layers` and
+    `resolution` are for the layered model (output size follows the input image there).
+    """
+
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int = 50
+    guidance_scale: float | None = None
+    true_cfg_scale: float = 4.0
+    negative_prompt: str | None = None
+    cfg_normalize: bool | None = None
+    seed: int | None = None
+    num_images_per_prompt: int = 1
+    layers: int | None = None
+    resolution: int | None = None
+    output_type: str = "pil"
+    return_latents: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None:
+                check(_is_int(value) and 0 < value <= MAX_SIZE and value % SIZE_MULTIPLE == 0,
+                       name, value, f"must be a positive multiple of {SIZE_MULTIPLE} up to "
+                       f"{MAX_SIZE}")
+        check(_is_int(self.num_inference_steps) and 1 <= self.num_inference_steps <= MAX_STEPS,
+               "num_inference_steps", self.num_inference_steps,
+               f"must be an integer in [1, {MAX_STEPS}]")
+        if self.guidance_scale is not None:
+            check(_is_finite(self.guidance_scale) and self.guidance_scale >= 0,
+                   "guidance_scale", self.guidance_scale, "must be a number >= 0")
+        check(_is_finite(self.true_cfg_scale) and self.true_cfg_scale >= 1, "true_cfg_scale",
+               self.true_cfg_scale, "must be a number >= 1 (1 disables guidance)")
+        check(self.negative_prompt is None or isinstance(self.negative_prompt, str),
+               "negative_prompt", self.negative_prompt, "must be a string")
+        check(self.cfg_normalize is None or isinstance(self.cfg_normalize, bool),
+               "cfg_normalize", self.cfg_normalize, "must be true, false or None")
+        if self.seed is not None:
+            check(_is_int(self.seed) and 0 <= self.seed < 2**63, "seed", self.seed,
+                   "must be an integer in [0, 2**63)")
+        check(_is_int(self.num_images_per_prompt) and self.num_images_per_prompt >= 1,
+               "num_images_per_prompt", self.num_images_per_prompt, "must be an integer >= 1")
+        if self.layers is not None:
+            check(_is_int(self.layers) and 1 <= self.layers <= 16, "layers", self.layers,
+                   "must be an integer in [1, 16]")
+        if self.resolution is not None:
+            check(self.resolution in LAYERED_RESOLUTIONS, "resolution", self.resolution,
+                   f"must be one of {LAYERED_RESOLUTIONS}")
+        check(self.output_type in ("pil", "latent"), "output_type", self.output_type,
+               "must be 'pil' or 'latent'")
+        check(isinstance(self.return_latents, bool), "return_latents", self.return_latents,
+               "must be true or false")
+
+    @property
+    def is_cfg(self) -> bool:
+        """Whether classifier-free guidance runs (diffusers' rule: a negative prompt and a
+        scale above 1)."""
+        return self.negative_prompt is not None and self.true_cfg_scale > 1
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check(ok: bool, name: str, value, rule: str) -> None:
+    """Raise VisualGenParams' ValueError, naming the field, unless ok (pipelines use it for
+    their model-dependent rules)."""
+    if not ok:
+        raise ValueError(f"VisualGenParams.{name} {rule}, got {value!r}")

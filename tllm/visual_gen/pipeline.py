@@ -1,0 +1,228 @@
+"""What every visual-generation pipeline shares: the denoising loop (classifier-free guidance
+batched into one transformer forward per step, the scheduler step, hooks around each step),
+seeded initial noise, and the pipeline's output.
+
+A model's pipeline (models/<family>/pipeline.py) encodes prompts, prepares latents and
+decodes them; the loop below knows nothing about the model beyond its transformer's forward.
+"""
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from tllm.visual_gen.params import VisualGenParams
+from tllm.visual_gen.schedulers import FlowMatchEulerScheduler
+
+
+@dataclass
+class TextEmbeds:
+    """Text-encoder states per image, unpadded ((L_i, D) each): the prompt's, and with
+    classifier-free guidance the negative prompt's."""
+
+    cond: list[torch.Tensor]
+    uncond: list[torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """How predictions are guided. With uncond embeddings and true_cfg_scale > 1:
+    uncond + scale * (cond - uncond), rescaled to cond's norm per token when `normalize`.
+    `distilled_scale` is fed to guidance-distilled transformers instead."""
+
+    true_cfg_scale: float = 1.0
+    normalize: bool = True
+    distilled_scale: float | None = None
+
+
+@dataclass
+class ModelInputs:
+    """The transformer's inputs besides latents, text and timestep, for one image."""
+
+    img_shapes: list[tuple[int, int, int]]          # (frames, h, w) of each latent stream
+    image_latents: torch.Tensor | None = None       # (N, S', C): appended, never denoised
+    additional_t_cond: torch.Tensor | None = None   # (N,) extra timestep condition
+
+
+@dataclass
+class DenoiseStep:
+    """One step of the loop, as hooks see it: `latents` are the step's input in prepare() and
+    its result in update() (a hook may replace them); `model_kwargs` are the transformer's
+    keyword arguments for this step (a hook may add to them)."""
+
+    index: int
+    num_steps: int
+    timestep: torch.Tensor
+    latents: torch.Tensor
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+class DenoiseHook:
+    """Something that joins the loop: prepared before each transformer forward, updated after
+    each scheduler step, freed when the loop ends (also on error). The loop knows nothing
+    else about it."""
+
+    def prepare(self, step: DenoiseStep) -> None:
+        pass
+
+    def update(self, step: DenoiseStep) -> None:
+        pass
+
+    def free(self) -> None:
+        pass
+
+
+class ProgressBar(DenoiseHook):
+    """A tqdm bar over the steps."""
+
+    def __init__(self, num_steps: int, disable: bool = False) -> None:
+        self.bar = tqdm(total=num_steps, desc="denoising", unit="step", disable=disable)
+
+    def update(self, step: DenoiseStep) -> None:
+        self.bar.update(1)
+
+    def free(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class VisualGenOutput:
+    """Generated images, prompt-major (num_images_per_prompt per prompt): PIL images, or for
+    a layered model one list of RGBA layers per image; `latents` when asked for (packed, as
+    the transformer sees them); the seed each image used."""
+
+    images: list[Any]
+    latents: torch.Tensor | None
+    seeds: list[int]
+
+
+class VisualPipeline:
+    """A model's pipeline: components plus the shared denoising loop."""
+
+    transformer: nn.Module
+    show_progress: bool = True
+    takes_image: bool = False       # whether generate() needs input images
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.transformer.parameters()).device
+
+    def generate(self, prompts: list[str], params: VisualGenParams,
+                 images: Sequence[Any] | None = None,
+                 hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def denoise(self, latents: torch.Tensor, scheduler: FlowMatchEulerScheduler,
+                embeds: TextEmbeds, guidance: Guidance, inputs: ModelInputs,
+                hooks: Sequence[DenoiseHook] = ()) -> torch.Tensor:
+        """Run every step of `scheduler` on packed latents (N, S, C); returns the final ones.
+
+        With guidance, the uncond and cond halves go through the transformer as one batch
+        [uncond, cond] (text padded to the longer prompt, padding masked out)."""
+        is_cfg = embeds.uncond is not None and guidance.true_cfg_scale > 1
+        text = embeds.uncond + embeds.cond if is_cfg else embeds.cond
+        num_copies = 2 if is_cfg else 1
+        model_kwargs = self._constant_model_kwargs(text, guidance, inputs, num_copies, latents)
+        hooks = [ProgressBar(scheduler.num_steps, disable=not self.show_progress), *hooks]
+        try:
+            for index, timestep in enumerate(scheduler.timesteps):
+                step = DenoiseStep(index, scheduler.num_steps, timestep, latents,
+                                   dict(model_kwargs))
+                for hook in hooks:
+                    hook.prepare(step)
+                noise_pred = self._predict(step, inputs, num_copies)
+                if is_cfg:
+                    noise_pred = guide(*noise_pred.chunk(2), guidance)
+                step.latents = scheduler.step(noise_pred, index, step.latents)
+                for hook in hooks:
+                    hook.update(step)
+                latents = step.latents
+        finally:
+            for hook in hooks:
+                hook.free()
+        return latents
+
+    def _constant_model_kwargs(self, text: list[torch.Tensor], guidance: Guidance,
+                               inputs: ModelInputs, num_copies: int,
+                               latents: torch.Tensor) -> dict[str, Any]:
+        batch_size = latents.shape[0] * num_copies
+        text_states, text_mask = pad_text(text)
+        kwargs: dict[str, Any] = {
+            "encoder_hidden_states": text_states,
+            "encoder_hidden_states_mask": text_mask,
+            "img_shapes": [inputs.img_shapes] * batch_size,
+            "guidance": None,
+            "additional_t_cond": None,
+        }
+        if guidance.distilled_scale is not None:
+            kwargs["guidance"] = torch.full((batch_size,), guidance.distilled_scale,
+                                            device=latents.device, dtype=torch.float32)
+        if inputs.additional_t_cond is not None:
+            kwargs["additional_t_cond"] = inputs.additional_t_cond.repeat(num_copies)
+        return kwargs
+
+    def _predict(self, step: DenoiseStep, inputs: ModelInputs,
+                 num_copies: int) -> torch.Tensor:
+        latents = step.latents
+        hidden = latents if inputs.image_latents is None else torch.cat(
+            [latents, inputs.image_latents], dim=1)
+        hidden = hidden.repeat(num_copies, 1, 1)
+        timestep = step.timestep.expand(hidden.shape[0]).to(latents.dtype) / 1000
+        out = self.transformer(hidden_states=hidden, timestep=timestep, **step.model_kwargs)
+        return out[:, :latents.shape[1]]
+
+
+def guide(uncond: torch.Tensor, cond: torch.Tensor, guidance: Guidance) -> torch.Tensor:
+    """Classifier-free guidance of one step's predictions (diffusers' true CFG)."""
+    combined = uncond + guidance.true_cfg_scale * (cond - uncond)
+    if not guidance.normalize:
+        return combined
+    cond_norm = torch.norm(cond, dim=-1, keepdim=True)
+    combined_norm = torch.norm(combined, dim=-1, keepdim=True)
+    return combined * (cond_norm / combined_norm)
+
+
+def pad_text(states: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, L, D) states zero-padded to the longest, and the (B, L) validity mask (None when
+    nothing is padded, so the transformer can skip masking)."""
+    lengths = [s.shape[0] for s in states]
+    longest = max(lengths)
+    padded = torch.stack([torch.cat([s, s.new_zeros(longest - len(s), s.shape[1])])
+                          for s in states])
+    if min(lengths) == longest:
+        return padded, None
+    positions = torch.arange(longest, device=padded.device)
+    mask = positions[None, :] < torch.tensor(lengths, device=padded.device)[:, None]
+    return padded, mask.long()
+
+
+def initial_noise(shape: tuple[int, ...], seeds: list[int], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """Gaussian noise (len(seeds), *shape), image i drawn from a CPU generator seeded with
+    seeds[i]: diffusers' randn_tensor with a list of CPU generators, so the same seed gives
+    the same noise on any device and in any batch."""
+    noise = [torch.randn((1, *shape), generator=torch.Generator("cpu").manual_seed(seed),
+                         dtype=dtype) for seed in seeds]
+    return torch.cat(noise).to(device)
+
+
+def image_seeds(seed: int | None, num_images: int) -> list[int]:
+    """seed, seed + 1, ... (a random start when seed is None)."""
+    if seed is None:
+        seed = secrets.randbelow(2**62)
+    return [seed + i for i in range(num_images)]
+
+
+def to_pil(images: torch.Tensor) -> list[Any]:
+    """Images (N, C, H, W) in [0, 1] as PIL images (RGB, or RGBA for 4 channels), rounded to
+    8 bits as diffusers rounds them."""
+    from PIL import Image
+
+    array = images.permute(0, 2, 3, 1).float().cpu().numpy()
+    array = (array * 255).round().astype("uint8")
+    return [Image.fromarray(image) for image in array]     # (H, W, 3|4) uint8: RGB or RGBA

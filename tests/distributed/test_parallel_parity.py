@@ -72,9 +72,10 @@ def test_pipeline_keeps_two_micro_batches_in_flight(models):
 
 
 def _worker_pids() -> set[int]:
-    out = subprocess.run(["pgrep", "-f", "tllm.executor.worker"], capture_output=True,
-                         text=True)
-    return {int(p) for p in out.stdout.split()}
+    """Worker processes started by this (test) process."""
+    import psutil
+    return {p.pid for p in psutil.Process().children(recursive=True)
+            if "tllm.executor.worker" in " ".join(p.cmdline())}
 
 
 def test_dead_worker_fails_generate_and_shutdown_leaves_nothing(models):

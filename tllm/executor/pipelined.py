@@ -12,7 +12,6 @@ import logging
 from collections import deque
 
 from tllm.executor.py_executor import PyExecutor
-from tllm.executor.request import PLACEHOLDER, RequestState
 from tllm.runner.model_runner import StepOutput
 from tllm.scheduler.scheduler import ScheduledBatch
 
@@ -60,17 +59,5 @@ class PipelinedExecutor(PyExecutor):
             request.in_pipeline = False
         step.wait()
         self._record_prompt_logprobs(step)
-        live = [i for i, r in enumerate(step.sample_requests) if not r.is_finished]
-        requests = [step.sample_requests[i] for i in live]
-        if not requests:  # a prompt chunk with nothing to sample: cache what it computed
-            for request in batch.requests:
-                if request.state is RequestState.RUNNING:
-                    self.kv_cache.cache_computed_blocks(request)
-            return
-        logits = (step.sample_logits if len(live) == len(step.sample_requests)
-                  else step.sample_logits[live])
-        self._in_flight = self.sampler.sample(logits, requests)
-        self._in_flight_batch = batch.requests
-        for request in requests:
-            request.append_token(PLACEHOLDER)
+        self._sample(step, batch.requests)
         self._complete_in_flight()

@@ -139,17 +139,22 @@ class PyExecutor:
         if self.overlap:
             self._complete_in_flight()
         self._record_prompt_logprobs(step)
-        # rows of requests that finished at step N were computed in vain: drop them
+        self._sample(step, batch.requests)
+        if not self.overlap:
+            self._complete_in_flight()
+
+    def _sample(self, step: StepOutput, computed: list[Request]) -> None:
+        """Sample the step's logits; the tokens stay on the device (in flight) and the
+        requests get placeholders until `_complete_in_flight` brings them to the host."""
+        # rows of requests that finished meanwhile were computed in vain: drop them
         live = [i for i, r in enumerate(step.sample_requests) if not r.is_finished]
         requests = [step.sample_requests[i] for i in live]
         logits = (step.sample_logits if len(live) == len(step.sample_requests)
                   else step.sample_logits[live])
         self._in_flight = self.sampler.sample(logits, requests)
-        self._in_flight_batch = batch.requests
+        self._in_flight_batch = computed
         for request in requests:
             request.append_token(PLACEHOLDER)
-        if not self.overlap:
-            self._complete_in_flight()
 
     def _complete_in_flight(self) -> None:
         """Bring the last step's tokens to the host: fill placeholders, stream, stop."""

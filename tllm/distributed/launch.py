@@ -57,6 +57,9 @@ def launch_workers(args, mapping: Mapping, device: torch.device) -> WorkerGroup:
             comm.destroy_distributed()
             raise SystemExit(0)
         return WorkerGroup([], device)
+    if getattr(args, "orchestrator", "mp") == "ray":  # a torchrun environment wins over it
+        from tllm.distributed.ray_launcher import launch_ray_workers
+        return launch_ray_workers(args, mapping, device)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     processes = [_spawn_worker(args, mapping.with_rank(rank), init_method,
                                rank_device(device, rank))

@@ -80,6 +80,8 @@ class LlmArgs(BaseModel):
     # parallelism splits the layers into pp stages (see tllm.distributed.Mapping).
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    # Who starts the other ranks: local subprocesses ("mp") or Ray actors, across nodes ("ray").
+    orchestrator: Literal["mp", "ray"] = "mp"
 
     @property
     def world_size(self) -> int:

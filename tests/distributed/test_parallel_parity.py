@@ -149,3 +149,36 @@ def test_bench_throughput_cli_with_tp(models, tmp_path, capsys):
     result = json.loads(out.read_text())
     assert result["engine"]["tensor_parallel_size"] == 2
     assert result["num_requests"] == 4 and "TP 2 x PP 1" in capsys.readouterr().out
+
+
+def test_worker_that_never_starts_fails_fast(models, monkeypatch):
+    """A worker that exits before the rendezvous: LLM() raises at once, naming it."""
+    from tllm.distributed import launch
+    monkeypatch.setattr(launch, "_spawn_worker", lambda *a: subprocess.Popen(
+        [sys.executable, "-c", "import sys; sys.exit(3)"]))
+    path, _ = models["Llama", 2]
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 exited unexpectedly.*exit code 3"):
+        LLM(path, kv_cache_config=KV, tensor_parallel_size=2)
+    assert time.monotonic() - start < 30
+    assert _parallel_state_cleared()
+
+
+def test_worker_that_fails_while_building_is_reported(monkeypatch):
+    """A worker whose model build fails (here: a dummy preset that exists only in rank 0's
+    process) makes LLM() raise that worker's death, not a broken-connection error."""
+    from tllm.loader import dummy
+    monkeypatch.setitem(dummy.PRESETS, "rank0-only", ("llama", dict(
+        architectures=["LlamaForCausalLM"], hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+        max_position_embeddings=256, rms_norm_eps=1e-5)))
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker rank 1 exited unexpectedly"):
+        LLM("dummy:rank0-only", kv_cache_config=KV, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60
+    assert _parallel_state_cleared()
+
+
+def _parallel_state_cleared() -> bool:
+    from tllm.distributed import comm
+    return comm.state() is None

@@ -45,8 +45,9 @@ def tp_rank_and_size() -> tuple[int, int]:
 
 
 def init_distributed(mapping_: Mapping, device: torch.device, init_method: str | None,
-                     timeout_s: float = 600.0) -> ParallelState:
-    """Join the process group as `mapping_.rank` and build the tp, pp and plan groups."""
+                     timeout_s: float = 600.0, store=None) -> ParallelState:
+    """Join the process group as `mapping_.rank` (through `init_method`, or an existing
+    rendezvous `store`) and build the tp, pp and plan groups."""
     global _STATE
     if _STATE is not None:
         raise RuntimeError("this process already holds a rank; shut the other LLM down first")
@@ -57,8 +58,8 @@ def init_distributed(mapping_: Mapping, device: torch.device, init_method: str |
         # outlive its workers to report the error).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(backend, init_method=init_method, world_size=mapping_.world_size,
-                            rank=mapping_.rank, timeout=timeout,
+    dist.init_process_group(backend, init_method=init_method, store=store,
+                            world_size=mapping_.world_size, rank=mapping_.rank, timeout=timeout,
                             device_id=device if device.type == "cuda" else None)
     st = ParallelState(mapping_, device)
     # every rank must create every group, in the same order

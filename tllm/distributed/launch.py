@@ -18,12 +18,16 @@ import sys
 import threading
 import time
 
+import datetime
+
 import torch
+import torch.distributed as dist
 
 from tllm.distributed import comm
 from tllm.distributed.mapping import Mapping
 
 logger = logging.getLogger(__name__)
+RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=600)
 
 
 def torchrun_env(world_size: int) -> tuple[int, int] | None:
@@ -66,11 +70,31 @@ def launch_workers(args, mapping: Mapping, device: torch.device) -> WorkerGroup:
                  for rank in range(1, mapping.world_size)]
     group = WorkerGroup(processes, rank_device(device, 0))
     try:
-        comm.init_distributed(mapping, group.device, init_method)
+        _rendezvous_watching(group, mapping, init_method)
     except BaseException:
         group.shutdown(clean=False)
         raise
     return group
+
+
+def _rendezvous_watching(group: WorkerGroup, mapping: Mapping, init_method: str) -> None:
+    """Join the process group once every worker has checked in at rank 0's store, and give
+    up as soon as one exits instead: it would never arrive, and the rendezvous would wait
+    out its whole timeout (and could not be cancelled)."""
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), mapping.world_size, is_master=True,
+                          wait_for_workers=False, timeout=RENDEZVOUS_TIMEOUT)
+    keys = [ready_key(rank) for rank in range(1, mapping.world_size)]
+    while not store.check(keys):
+        error = group.dead_worker_error()
+        if error is not None:
+            raise error
+        time.sleep(0.05)
+    comm.init_distributed(mapping, group.device, None, store=store)
+
+
+def ready_key(rank: int) -> str:
+    return f"tllm/ready/{rank}"
 
 
 def _free_port() -> int:

@@ -26,13 +26,25 @@ def worker_main(spec: dict) -> None:
         args = LlmArgs.model_validate(spec["args"])
         mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"])
         device = torch.device(spec["device"])
-        comm.init_distributed(mapping, device, spec["init_method"])
+        comm.init_distributed(mapping, device, None, store=_check_in(spec, mapping))
         run_worker(args, device)
         comm.destroy_distributed()
     except BaseException:
         traceback.print_exc()
         os._exit(1)
     os._exit(0)  # skip interpreter teardown: nothing is left to flush
+
+
+def _check_in(spec: dict, mapping: Mapping):
+    """Connect to rank 0's rendezvous store and say this rank is up (rank 0 joins the
+    process group only once every worker has)."""
+    import torch.distributed as dist
+    from tllm.distributed.launch import RENDEZVOUS_TIMEOUT, ready_key
+    host, port = spec["init_method"].removeprefix("tcp://").rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), mapping.world_size, is_master=False,
+                          timeout=RENDEZVOUS_TIMEOUT)
+    store.set(ready_key(mapping.rank), "1")
+    return store
 
 
 def run_worker(args, device: torch.device) -> None:

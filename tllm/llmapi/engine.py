@@ -102,9 +102,15 @@ def build_engine(args: LlmArgs) -> Engine:
         parts = build_rank(args, device)
         tokenizer = loader.load_tokenizer(parts.source)
         executor = build_executor(args, parts)
-    except BaseException:
-        if workers is not None:
-            workers.shutdown(clean=False)
+    except BaseException as exc:
+        if workers is None:
+            raise
+        # a worker that failed while building makes rank 0's next collective fail: report
+        # the worker's death, not the broken connection (rank 0's own argument errors win)
+        dead = None if isinstance(exc, ValueError) else workers.dead_worker_error(grace_s=2.0)
+        workers.shutdown(clean=False)
+        if dead is not None and dead is not exc:
+            raise dead from exc
         raise
     if workers is not None:
         workers.watch(executor.fail_fatal)

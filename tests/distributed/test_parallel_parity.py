@@ -182,3 +182,27 @@ def test_worker_that_fails_while_building_is_reported(monkeypatch):
 def _parallel_state_cleared() -> bool:
     from tllm.distributed import comm
     return comm.state() is None
+
+
+def test_last_stage_sampling_matches_single_process(models):
+    """With PP the last stage samples from shadow requests: seeded sampling, penalties that
+    read the token history, min_tokens, logprobs and prompt logprobs all match one process."""
+    path, _ = models["Qwen2", 2]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=7 + i,
+                             repetition_penalty=1.3, presence_penalty=0.5, min_tokens=4,
+                             logprobs=2, prompt_logprobs=1 if i == 0 else None)
+              for i in range(len(PROMPTS))]
+
+    def run(**kwargs):
+        with LLM(path, kv_cache_config=KV, max_num_tokens=64, **kwargs) as llm:
+            return llm.generate(PROMPTS, params, use_tqdm=False)
+
+    single, piped = run(), run(pipeline_parallel_size=2)
+    for a, b in zip(single, piped):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+    assert len(piped[0].prompt_logprobs) == len(PROMPTS[0])
+    assert [p and set(p) for p in piped[0].prompt_logprobs] == \
+        [p and set(p) for p in single[0].prompt_logprobs]

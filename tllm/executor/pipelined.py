@@ -12,6 +12,7 @@ import logging
 from collections import deque
 
 from tllm.executor.py_executor import PyExecutor
+from tllm.executor.request import PLACEHOLDER
 from tllm.runner.model_runner import StepOutput
 from tllm.scheduler.scheduler import ScheduledBatch
 
@@ -59,5 +60,13 @@ class PipelinedExecutor(PyExecutor):
             request.in_pipeline = False
         step.wait()
         self._record_prompt_logprobs(step)
-        self._sample(step, batch.requests)
+        # the last stage sampled every row; rows of requests finished meanwhile are skipped
+        self._in_flight, self._in_flight_batch = step.sampled, batch.requests
+        for request in step.sample_requests:
+            if not request.is_finished:
+                request.append_token(PLACEHOLDER)
         self._complete_in_flight()
+
+    def _finish(self, request, reason, stop_reason=None) -> None:
+        super()._finish(request, reason, stop_reason)
+        self.runner.forget_request(request.request_id)

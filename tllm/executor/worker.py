@@ -14,6 +14,7 @@ import torch
 from tllm.distributed import comm
 from tllm.distributed.mapping import Mapping
 from tllm.runner.step import STOP, plan_tensors, run_plan
+from tllm.sampling.last_stage import LastStageSampler
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +51,17 @@ def _check_in(spec: dict, mapping: Mapping):
 def run_worker(args, device: torch.device) -> None:
     from tllm.llmapi.engine import build_rank
     parts = build_rank(args, device)
-    serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device)
+    serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device, args.seed)
 
 
 @torch.inference_mode()
-def serve_steps(model, kv_cache, graphs, device: torch.device) -> None:
+def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int) -> None:
     mapping = comm.mapping()
-    sends_logits = mapping.pp_size > 1 and mapping.is_last_stage and mapping.tp_rank == 0
-    pending = None  # the previous logits send, kept alive until it completes
+    # with pipeline parallelism the last stage samples and sends rank 0 the tokens
+    sampler = (LastStageSampler(seed, device)
+               if mapping.pp_size > 1 and mapping.is_last_stage and mapping.tp_rank == 0
+               else None)
+    pending: list = []  # the previous step's sends, kept alive until they complete
     while True:
         plan = comm.broadcast_object()
         if plan == STOP:
@@ -66,14 +70,23 @@ def serve_steps(model, kv_cache, graphs, device: torch.device) -> None:
         if plan.ids_from_driver and mapping.is_first_stage:
             comm.tp_broadcast_from_driver(input_ids)
         logits = run_plan(model, kv_cache.kv_caches, graphs, plan, input_ids, metadata)
-        if sends_logits:
-            if pending is not None:
-                pending[1].wait()
-            pending = (logits, comm.send_to_driver(logits))
-    if pending is not None:
-        pending[1].wait()
+        if sampler is not None:
+            for _, work in pending:
+                work.wait()
+            pending = [(t, comm.send_to_driver(t)) for t in _results(sampler, plan, logits)]
+    for _, work in pending:
+        work.wait()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _results(sampler: LastStageSampler, plan, logits: torch.Tensor) -> list[torch.Tensor]:
+    """The sampled rows' tokens (and logprobs), then the prompt-logprob rows' logits."""
+    num_sampled = len(plan.sampling.row_request_ids)
+    tensors = sampler.sample(plan.sampling, logits[:num_sampled])
+    if logits.shape[0] > num_sampled:
+        tensors.append(logits[num_sampled:])
+    return tensors
 
 
 def _exit_with_parent(parent_pid: int) -> None:

@@ -4,6 +4,7 @@ ranks it also sends each plan to the workers, which run their shards alongside."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -14,6 +15,7 @@ from tllm.executor.request import PLACEHOLDER, Request
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.runner.cuda_graph import CudaGraphRunner
 from tllm.runner.step import StepPlan, plan_tensors, run_plan
+from tllm.sampling.last_stage import SamplingPlan, ShadowSpec, logprob_width
 from tllm.sampling.sampler import SampledBatch
 from tllm.scheduler.scheduler import ScheduledBatch
 
@@ -37,18 +39,15 @@ class StepOutput:
     sample_requests: list[Request]
     prompt_logits: torch.Tensor | None       # [len(prompt_targets), vocab]
     prompt_targets: list[tuple[Request, int]]
-    # pipeline parallelism: the logits are still on their way from the last stage
-    _pending: tuple[torch.Tensor, object] | None = None
+    # pipeline parallelism: the last stage sampled; its tokens are on their way to rank 0
+    sampled: SampledBatch | None = None
+    _receive: Callable[[], None] | None = None
 
     def wait(self) -> StepOutput:
-        """Make the logits usable (on CUDA: order this stream after their arrival)."""
-        if self._pending is not None:
-            logits, work = self._pending
-            self._pending = None
-            work.wait()
-            num_sample = len(self.sample_requests)
-            self.sample_logits = logits[:num_sample]
-            self.prompt_logits = logits[num_sample:] if self.prompt_targets else None
+        """Make what the last stage sent usable (on CUDA: order this stream after it)."""
+        if self._receive is not None:
+            receive, self._receive = self._receive, None
+            receive()
         return self
 
 
@@ -60,6 +59,11 @@ class ModelRunner:
         self.device = device
         self.cuda_graphs = cuda_graphs
         self.parallel = comm.state()  # None on a single rank
+        # pipeline parallelism: the last stage samples, keeping a shadow of each request
+        self.samples_on_last_stage = self.parallel is not None and \
+            self.parallel.mapping.pp_size > 1
+        self._shadowed: set[str] = set()
+        self._forget: list[str] = []
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, in_flight: SampledBatch | None = None) -> StepOutput:
@@ -74,6 +78,8 @@ class ModelRunner:
                           and len(inputs.sample_rows) == plan.num_tokens
                           and not inputs.prompt_rows)
         plan.ids_from_driver = bool(inputs.placeholder_rows) and self.parallel is not None
+        if self.samples_on_last_stage:
+            plan.sampling = self._sampling_plan(inputs.sample_requests)
         if self.parallel is not None:
             comm.broadcast_object(plan)
         input_ids, metadata = plan_tensors(plan, self.device, self.kv_cache.tokens_per_block)
@@ -84,12 +90,54 @@ class ModelRunner:
         logits = run_plan(self.model, self.kv_cache.kv_caches, graphs, plan, input_ids,
                           metadata)
         out = StepOutput(None, inputs.sample_requests, None, inputs.prompt_targets)
-        if logits is None:  # a later pipeline stage computes them
-            shape = (len(plan.logit_rows), self.model.config.vocab_size)
-            out._pending = comm.recv_from_last_stage(shape, next(self.model.parameters()).dtype)
+        if logits is None:  # a later pipeline stage computes (and samples) them
+            out._receive = self._post_receives(plan, out)
             return out
-        out._pending = (logits, _Ready())
-        return out.wait()
+        num_sample = len(inputs.sample_requests)
+        out.sample_logits = logits[:num_sample]
+        out.prompt_logits = logits[num_sample:] if inputs.prompt_rows else None
+        return out
+
+    def forget_request(self, request_id: str) -> None:
+        """A finished request: the last stage may drop its shadow (told with the next plan)."""
+        if request_id in self._shadowed:
+            self._shadowed.discard(request_id)
+            self._forget.append(request_id)
+
+    def _sampling_plan(self, requests: list[Request]) -> SamplingPlan:
+        plan = SamplingPlan([r.request_id for r in requests], forget=self._forget)
+        self._forget = []
+        for request in requests:
+            if request.request_id not in self._shadowed:
+                self._shadowed.add(request.request_id)
+                plan.new_requests.append(ShadowSpec.of(request))
+        return plan
+
+    def _post_receives(self, plan: StepPlan, out: StepOutput) -> Callable[[], None]:
+        """Post the receives of what the last stage sends for this step, in its order:
+        tokens, logprob tensors (when asked), prompt-logprob logits; returns the wait."""
+        n = len(out.sample_requests)
+        shapes: list[tuple[tuple[int, ...], torch.dtype]] = [((n,), torch.long)] if n else []
+        width = logprob_width(out.sample_requests)
+        if n and width is not None:
+            shapes += [((n,), torch.float32), ((n,), torch.long), ((n, width), torch.float32),
+                       ((n, width), torch.long)]
+        num_prompt = len(plan.logit_rows) - n
+        if num_prompt:
+            shapes.append(((num_prompt, self.model.config.vocab_size),
+                           next(self.model.parameters()).dtype))
+        received = [comm.recv_from_last_stage(shape, dtype) for shape, dtype in shapes]
+
+        def receive() -> None:
+            for _, work in received:
+                work.wait()
+            tensors = [t for t, _ in received]
+            token_ids = tensors[0] if n else torch.empty(0, dtype=torch.long,
+                                                          device=self.device)
+            out.sampled = SampledBatch(out.sample_requests, token_ids,
+                                       tuple(tensors[1:5]) if n and width is not None else None)
+            out.prompt_logits = tensors[-1] if num_prompt else None
+        return receive
 
     def _fill_placeholders(self, input_ids: torch.Tensor, inputs: StepInputs,
                            in_flight: SampledBatch | None) -> None:
@@ -134,9 +182,3 @@ class ModelRunner:
                                inputs.sample_rows + inputs.prompt_rows)
         return inputs
 
-
-class _Ready:
-    """The work handle of logits computed on this rank: nothing to wait for."""
-
-    def wait(self) -> None:
-        pass

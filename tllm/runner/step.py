@@ -14,6 +14,7 @@ from torch import nn
 
 from tllm.attention.interface import AttentionMetadata
 from tllm.distributed import comm
+from tllm.sampling.last_stage import SamplingPlan
 
 
 @dataclass
@@ -27,6 +28,9 @@ class StepPlan:
     logit_rows: list[int] = field(default_factory=list)  # rows whose logits are needed
     use_graph: bool = False       # decode step replayed from a captured CUDA graph
     ids_from_driver: bool = False  # rank 0 broadcasts its (placeholder-filled) input ids
+    # pipeline parallelism: what the last stage samples (the first len(row_request_ids)
+    # logit rows; the rest are prompt-logprob rows, sent to rank 0 as logits)
+    sampling: SamplingPlan | None = None
 
     @property
     def num_tokens(self) -> int:

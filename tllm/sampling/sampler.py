@@ -28,6 +28,7 @@ class SampledBatch:
         self.requests = requests
         self.token_ids = token_ids  # stays on the device: the next step's inputs read it
         tensors = (token_ids,) + (logprob_tensors or ())
+        self.device_tensors = tensors
         self._event = None
         if token_ids.is_cuda:
             self._host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
@@ -40,10 +41,14 @@ class SampledBatch:
             self._host = tensors
         self._has_logprobs = logprob_tensors is not None
 
-    def host(self) -> SamplerOutput:
+    def host_token_ids(self) -> list[int]:
+        """The sampled tokens on the host (waits for their copy only)."""
         if self._event is not None:
             self._event.synchronize()
-        token_ids = self._host[0].tolist()
+        return self._host[0].tolist()
+
+    def host(self) -> SamplerOutput:
+        token_ids = self.host_token_ids()
         if not self._has_logprobs:
             return SamplerOutput(token_ids, [None] * len(token_ids), [None] * len(token_ids))
         return _logprobs_output(token_ids, *self._host[1:], self.requests)

@@ -3,7 +3,6 @@ each step rank 0 plans until rank 0 sends STOP. It holds no requests and no sche
 everything it needs for a step is in the StepPlan."""
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import time
@@ -15,8 +14,6 @@ from tllm.distributed import comm
 from tllm.distributed.mapping import Mapping
 from tllm.runner.step import STOP, plan_tensors, run_plan
 from tllm.sampling.last_stage import LastStageSampler
-
-logger = logging.getLogger(__name__)
 
 
 def worker_main(spec: dict) -> None:

@@ -9,7 +9,6 @@ from typing import Callable
 import torch
 from torch import nn
 
-from tllm.attention.interface import AttentionMetadata
 from tllm.distributed import comm
 from tllm.executor.request import PLACEHOLDER, Request
 from tllm.kv_cache.manager import KVCacheManager

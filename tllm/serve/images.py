@@ -33,7 +33,7 @@ from starlette.staticfiles import StaticFiles
 from tllm import __version__
 from tllm.serve.context import ServerConfig
 from tllm.serve.errors import APIError, bad_request, install_error_handlers, internal_error
-from tllm.serve.openai_server import _api_key_check, read_body
+from tllm.serve.openai_server import api_key_check, read_body
 from tllm.serve.protocol import INT64_MAX, ModelCard, ModelList
 
 MAX_N = 10              # OpenAI's cap on images per request
@@ -124,7 +124,7 @@ def serve_images(args, config: ServerConfig) -> int:
 
 def _api_routes(ctx: ImagesContext) -> APIRouter:
     config = ctx.config
-    api = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
+    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(config.api_key))])
 
     @api.post("/images/generations")
     async def generations(request: Request) -> Response:

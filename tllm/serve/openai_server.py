@@ -40,7 +40,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
 def _api_routes(ctx: ServingContext) -> APIRouter:
     config = ctx.config
-    api = APIRouter(prefix="/v1", dependencies=[Depends(_api_key_check(config.api_key))])
+    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(config.api_key))])
 
     @api.post("/completions")
     async def completions(request: Request) -> Response:
@@ -82,7 +82,7 @@ def _ops_routes(ctx: ServingContext) -> APIRouter:
     return ops
 
 
-def _api_key_check(api_key: str | None):
+def api_key_check(api_key: str | None):
     expected = (api_key or "").encode()
 
     async def check(request: Request) -> None:

@@ -37,6 +37,15 @@ def test_defaults():
     assert config.max_queue_size == 1024
 
 
+
+def test_image_url_ttl(capsys):
+    assert server_config(parse(), "m").image_url_ttl_s == 3600
+    assert server_config(parse("--image-url-ttl", "90"), "m").image_url_ttl_s == 90
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            parse("--image-url-ttl", bad)
+        assert "--image-url-ttl" in capsys.readouterr().err
+
 def test_command_line_over_config_file(tmp_path):
     path = tmp_path / "extra.yml"
     path.write_text("max_batch_size: 8\nmax_seq_len: 256\n"

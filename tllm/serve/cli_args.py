@@ -9,7 +9,7 @@ from typing import Any
 
 from tllm.loader import DEFAULT_MODEL
 from tllm.visual_gen.registry import is_visual_model
-from tllm.cli_types import non_negative_int, positive_int
+from tllm.cli_types import non_negative_int, positive_float, positive_int
 
 # Engine flags of the command line, by the LLM argument each one sets.
 _ENGINE_FLAGS = ("max_batch_size", "max_num_tokens", "max_seq_len", "dtype", "device")
@@ -48,6 +48,9 @@ def _add_server_args(group) -> None:
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
                             "/health answers 503 (default 120)")
+    group.add_argument("--image-url-ttl", type=positive_float, default=3600.0,
+                       help="visual models: seconds a response_format=url image stays served "
+                            "(default 3600, as OpenAI's)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -117,7 +120,8 @@ def server_config(args: argparse.Namespace, model: str):
                         api_key=args.api_key, max_queue_size=args.max_queue_size or None,
                         max_body_bytes=args.max_body_bytes,
                         chat_template=_read_chat_template(args.chat_template),
-                        stuck_timeout_s=args.stuck_timeout)
+                        stuck_timeout_s=args.stuck_timeout,
+                        image_url_ttl_s=args.image_url_ttl)
 
 
 def _read_yaml(path: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class ServerConfig:
     max_body_bytes: int = 16 << 20
     chat_template: str | None = None
     stuck_timeout_s: float = 120.0
+    image_url_ttl_s: float = 3600.0     # images server: how long "url" files stay
 
     @property
     def model_name(self) -> str:

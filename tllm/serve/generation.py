@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
 
@@ -230,9 +230,10 @@ class EngineClient:
 
 
 @contextlib.asynccontextmanager
-async def abort_on_disconnect(request: Request, generation: Generation):
-    """Abort the generation as soon as the client disconnects, even while nothing is being
-    sent (a request still queued, or a non-streaming one)."""
+async def abort_on_disconnect(request: Request, generation: Generation | Any):
+    """Abort the generation (anything with abort(): a Generation, a visual Cancellation) as
+    soon as the client disconnects, even while nothing is being sent (a request still queued,
+    or a non-streaming one)."""
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass

@@ -3,7 +3,10 @@ VisualGen, plus /v1/models, /health, /version, and generated files under /files 
 response_format "url").
 
 Generation runs in one worker thread (one image batch on the device at a time), so the event
-loop keeps answering while it runs; requests beyond `max_queue_size` waiting get 429.
+loop keeps answering while it runs; requests beyond `max_queue_size` waiting get 429. A client
+that disconnects cancels its request: skipped if still queued, stopped at the next denoising
+step if running. Files behind "url" responses are deleted `image_url_ttl_s` after they were
+written (OpenAI's image URLs also expire, after an hour).
 Extensions to OpenAI's body: steps, seed, negative_prompt, true_cfg_scale, guidance_scale;
 for the layered model, `image` (base64 input image), layers and resolution, and each
 generated image gives `layers` entries of `data`, in order.
@@ -15,6 +18,7 @@ import base64
 import binascii
 import io
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -33,6 +37,7 @@ from starlette.staticfiles import StaticFiles
 from tllm import __version__
 from tllm.serve.context import ServerConfig
 from tllm.serve.errors import APIError, bad_request, install_error_handlers, internal_error
+from tllm.serve.generation import abort_on_disconnect
 from tllm.serve.openai_server import api_key_check, read_body
 from tllm.serve.protocol import INT64_MAX, ModelCard, ModelList
 
@@ -40,6 +45,7 @@ MAX_N = 10              # OpenAI's cap on images per request
 MAX_STEPS = 200
 FILES_ROUTE = "/files"
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
+_FILE_NAME = re.compile(r"^[0-9a-f]{32}\.png$")     # what _save writes, and all sweeps remove
 # VisualGenParams' field names as the request spells them.
 _PARAM_NAMES = {"height": "size", "width": "size", "num_inference_steps": "steps",
                 "num_images_per_prompt": "n"}
@@ -77,21 +83,42 @@ class ImagesContext:
     gen: Any
     config: ServerConfig
     files_dir: Path
+    owns_files_dir: bool = False        # a temporary folder, removed on close()
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tllm-visual"))
     num_pending: int = 0
+    num_cancelled: int = 0
+
+    def save(self, png: bytes) -> str:
+        """Write a PNG for a "url" response, first deleting the expired ones; its name."""
+        self.remove_expired_files()
+        name = f"{uuid.uuid4().hex}.png"
+        (self.files_dir / name).write_bytes(png)
+        return name
+
+    def remove_expired_files(self) -> None:
+        deadline = time.time() - self.config.image_url_ttl_s
+        for path in self.files_dir.iterdir():
+            try:
+                if _FILE_NAME.match(path.name) and path.stat().st_mtime < deadline:
+                    path.unlink()
+            except FileNotFoundError:     # removed meanwhile (e.g. by another server)
+                pass
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.owns_files_dir:
+            shutil.rmtree(self.files_dir, ignore_errors=True)
 
 
 def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = None) -> FastAPI:
     """The server's ASGI app over a loaded VisualGen; call `app.state.ctx.close()` once the
-    server has stopped. Files for "url" responses go to files_dir (a new temporary folder by
-    default) and stay there."""
+    server has stopped. Files for "url" responses go to files_dir (by default a new temporary
+    folder, removed on close)."""
+    owns_files_dir = files_dir is None
     files_dir = Path(files_dir or tempfile.mkdtemp(prefix="tllm-images-"))
     files_dir.mkdir(parents=True, exist_ok=True)
-    ctx = ImagesContext(gen, config, files_dir)
+    ctx = ImagesContext(gen, config, files_dir, owns_files_dir)
     app = FastAPI(title="tllm", version=__version__)
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -164,19 +191,33 @@ async def create_images(ctx: ImagesContext, request: Request,
     if limit is not None and ctx.num_pending >= limit:
         raise APIError(429, f"too many image requests waiting ({limit})",
                        code="queue_full", headers={"retry-after": "1"})
-    ctx.num_pending += 1
-    try:
-        pngs = await asyncio.get_running_loop().run_in_executor(
-            ctx.pool, _generate_pngs, ctx.gen, body.prompt, params, image)
-    except ValueError as exc:
-        raise _from_value_error(exc) from exc
-    finally:
-        ctx.num_pending -= 1
+    pngs = await _run_generation(ctx, request, body.prompt, params, image)
     if body.response_format == "b64_json":
         data = [{"b64_json": base64.b64encode(png).decode()} for png in pngs]
     else:
-        data = [{"url": _save(ctx.files_dir, png, request)} for png in pngs]
+        base_url = str(request.base_url).rstrip("/")
+        data = [{"url": f"{base_url}{FILES_ROUTE}/{ctx.save(png)}"} for png in pngs]
     return {"created": int(time.time()), "data": data}
+
+
+async def _run_generation(ctx: ImagesContext, request: Request, prompt: str, params,
+                          image) -> list[bytes]:
+    """PNGs from the worker thread; cancelled if the client disconnects meanwhile."""
+    from tllm.visual_gen.pipeline import Cancellation, GenerationCancelled
+
+    cancellation = Cancellation()
+    ctx.num_pending += 1
+    try:
+        async with abort_on_disconnect(request, cancellation):
+            return await asyncio.get_running_loop().run_in_executor(
+                ctx.pool, _generate_pngs, ctx.gen, prompt, params, image, cancellation)
+    except ValueError as exc:
+        raise _from_value_error(exc) from exc
+    except GenerationCancelled as exc:
+        ctx.num_cancelled += 1      # nobody reads the answer: the client has gone
+        raise APIError(499, "the client closed the request", code="client_closed") from exc
+    finally:
+        ctx.num_pending -= 1
 
 
 def _params(body: ImageGenerationRequest):
@@ -219,8 +260,9 @@ def _input_image(ctx: ImagesContext, body: ImageGenerationRequest):
     return image
 
 
-def _generate_pngs(gen, prompt: str, params, image) -> list[bytes]:
-    output = gen.generate(prompt, params, image=image)
+def _generate_pngs(gen, prompt: str, params, image, cancellation) -> list[bytes]:
+    cancellation.check()        # the client left while the request was queued
+    output = gen.generate(prompt, params, image=image, hooks=[cancellation])
     images = [layer for item in output.images
               for layer in (item if isinstance(item, list) else [item])]
     return [_png(image) for image in images]
@@ -230,12 +272,6 @@ def _png(image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
-
-
-def _save(files_dir: Path, png: bytes, request: Request) -> str:
-    name = f"{uuid.uuid4().hex}.png"
-    (files_dir / name).write_bytes(png)
-    return f"{str(request.base_url).rstrip('/')}{FILES_ROUTE}/{name}"
 
 
 def _from_value_error(exc: ValueError) -> APIError:

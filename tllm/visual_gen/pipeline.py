@@ -8,6 +8,7 @@ decodes them; the loop below knows nothing about the model beyond its transforme
 from __future__ import annotations
 
 import secrets
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -87,6 +88,33 @@ class ProgressBar(DenoiseHook):
 
     def free(self) -> None:
         self.bar.close()
+
+
+class GenerationCancelled(Exception):
+    """Raised out of generate() when its Cancellation was set."""
+
+
+class Cancellation(DenoiseHook):
+    """Stops a generation from another thread: once abort() is called, the next step raises
+    GenerationCancelled (the step already running finishes first). Pass it in `hooks`; call
+    check() to give up before the loop (e.g. before encoding prompts)."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def abort(self) -> None:
+        self._event.set()
+
+    @property
+    def aborted(self) -> bool:
+        return self._event.is_set()
+
+    def check(self) -> None:
+        if self.aborted:
+            raise GenerationCancelled("the generation was cancelled")
+
+    def prepare(self, step: DenoiseStep) -> None:
+        self.check()
 
 
 @dataclass

@@ -35,6 +35,7 @@ def test_defaults():
     assert (args.host, args.port) == ("127.0.0.1", 8000)
     assert config.model_name == "smollm2" and config.api_key is None
     assert config.max_queue_size == 1024
+    assert args.engine_process and not parse("--no-engine-process").engine_process
 
 
 

@@ -83,6 +83,13 @@ class LLM:
         """Submit one prompt; await the result, or `async for` over it when streaming."""
         return self._submit(inputs, sampling_params or SamplingParams(), streaming)
 
+    async def submit_batch(self, inputs: Sequence[PromptInput],
+                           sampling_params: Sequence[SamplingParams],
+                           streaming: bool = False) -> list[GenerationResult]:
+        """generate_async for each prompt, all or none: if one is refused (ValueError), the
+        others are aborted and the error raised. The server's way in (see ProcessLLM)."""
+        return submit_all_or_none(self.generate_async, inputs, sampling_params, streaming)
+
     def chat(self, messages: Messages | list[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
@@ -116,13 +123,14 @@ class LLM:
     # ---- requests ----
 
     def _submit(self, prompt: PromptInput, params: SamplingParams, streaming: bool,
-                sink: queue.Queue | None = None) -> GenerationResult:
+                sink: queue.Queue | None = None,
+                request_id: str | None = None) -> GenerationResult:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         text, token_ids = self._tokenize(prompt)
-        request_id = str(next(self._ids))
+        request_id = request_id or str(next(self._ids))
         requests = self._make_requests(request_id, token_ids, params)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             for request in requests:
@@ -202,6 +210,19 @@ class LLM:
             raise ValueError(f"inputs: model {self.args.model!r} has no tokenizer; "
                              "pass prompt_token_ids instead of text")
         return self.tokenizer
+
+
+def submit_all_or_none(generate_async, inputs: Sequence[PromptInput],
+                       params: Sequence[SamplingParams], streaming: bool) -> list:
+    results = []
+    try:
+        for prompt, prompt_params in zip(inputs, params, strict=True):
+            results.append(generate_async(prompt, prompt_params, streaming=streaming))
+    except BaseException:
+        for result in results:
+            result.abort()
+        raise
+    return results
 
 
 def _as_prompt_list(inputs) -> tuple[list[PromptInput], bool]:

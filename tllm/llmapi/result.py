@@ -42,6 +42,7 @@ class GenerationResult:
                  sink: queue.Queue | None = None) -> None:
         self.request_id = request_id
         self.streaming = streaming
+        self.num_samples = num_samples
         self._outputs = [CompletionOutput(i, logprobs=[] if want_logprobs else None)
                          for i in range(num_samples)]
         self._output = RequestOutput(request_id, prompt, prompt_token_ids, self._outputs)
@@ -93,6 +94,14 @@ class GenerationResult:
                 delta.cumulative_logprob = request.cumulative_logprob
             delta.metrics = _metrics(request)
         return delta
+
+    def set_abort(self, abort: Callable[[], None]) -> None:
+        """What abort() calls (for results whose requests live in another process)."""
+        self._abort = abort
+
+    def deliver(self, delta: _Delta) -> None:
+        """Hand a delta over from the result's own event loop thread."""
+        self._async_queue.put_nowait(delta)
 
     def _post(self, delta: _Delta) -> None:
         if self._loop is not None:

@@ -32,7 +32,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
                                 ctx.llm.max_seq_len, "messages")
     params = sampling_params(body, max_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    generation = ctx.engine.start([prompt], [params], arrival, prompt_param="messages")
+    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="messages")
     if body.stream:
         return event_stream(request, generation, _events(ctx, body, prompt, generation))
     async with generation, abort_on_disconnect(request, generation):

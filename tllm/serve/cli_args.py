@@ -51,6 +51,10 @@ def _add_server_args(group) -> None:
     group.add_argument("--image-url-ttl", type=positive_float, default=3600.0,
                        help="visual models: seconds a response_format=url image stays served "
                             "(default 3600, as OpenAI's)")
+    group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                       help="run the engine in a process of its own, so HTTP work does not "
+                            "slow its loop (default; --no-engine-process keeps it in the "
+                            "server's process)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -74,6 +78,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from tllm import LLM
+    from tllm.llmapi.process_llm import ProcessLLM
     from tllm.serve.openai_server import build_app
 
     model, llm_kwargs = llm_arguments(args)
@@ -81,7 +86,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if is_visual_model(model):  # a diffusers folder or a dummy: visual name
         from tllm.serve.images import serve_images
         return serve_images(args, config)
-    llm = LLM(model=model, **llm_kwargs)
+    llm = (ProcessLLM if args.engine_process else LLM)(model=model, **llm_kwargs)
     app = build_app(llm, config)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:

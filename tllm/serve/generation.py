@@ -162,23 +162,17 @@ class EngineClient:
         self._open: set[Generation] = set()
         self._watchdog: asyncio.Task | None = None
 
-    def start(self, prompts: list[PromptInput], params: list[SamplingParams], arrival: float,
-              prompt_param: str = "prompt") -> Generation:
+    async def start(self, prompts: list[PromptInput], params: list[SamplingParams],
+                    arrival: float, prompt_param: str = "prompt") -> Generation:
         """Submit every prompt (n samples each, with its own params), or none: raises
         APIError when refused (naming prompt_param when the engine refuses a prompt)."""
         self._check_alive()
         self._check_queue()
-        results = []
+        inputs = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
         try:
-            for prompt, prompt_params in zip(prompts, params):
-                inputs = {"prompt_token_ids": prompt.token_ids, "prompt": prompt.text}
-                results.append(self.llm.generate_async(inputs, prompt_params, streaming=True))
-        except Exception as exc:  # submit all prompts or none
-            for result in results:
-                result.abort()
-            if isinstance(exc, ValueError):
-                raise from_value_error(exc, prompt_param) from exc
-            raise
+            results = await self.llm.submit_batch(inputs, params, streaming=True)
+        except ValueError as exc:
+            raise from_value_error(exc, prompt_param) from exc
         num_samples = params[0].n
         tracker = self.metrics.track([len(p.token_ids) for p in prompts], num_samples, arrival)
         generation = Generation(results, num_samples, tracker, on_close=self._open.discard)

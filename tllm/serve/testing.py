@@ -9,6 +9,7 @@ import time
 
 import uvicorn
 
+from tllm.llmapi.llm import submit_all_or_none
 from tllm.outputs import CompletionOutput, Logprob, RequestOutput
 from tllm.sampling_params import SamplingParams
 
@@ -92,6 +93,10 @@ class FakeLLM:
         if not token_ids or max(token_ids) >= 256 or min(token_ids) < 0:
             raise ValueError("inputs: prompt token ids must be in [0, 256)")
         return FakeResult(self, token_ids, params)
+
+    async def submit_batch(self, inputs: list[dict], params: list[SamplingParams],
+                           streaming: bool = False) -> list[FakeResult]:
+        return submit_all_or_none(self.generate_async, inputs, params, streaming)
 
 
 class FakeResult:

@@ -1,0 +1,114 @@
+"""ProcessLLM, the engine in a process of its own: the same greedy tokens as an in-process LLM,
+refused prompts raise the engine's ValueError (all or none), aborts free every KV block, and a
+dead engine process shows as not alive."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from tllm import LLM, SamplingParams
+from tllm.llmapi.process_llm import ProcessLLM
+
+KWARGS = dict(max_seq_len=128, max_batch_size=8, max_num_tokens=256)
+PROMPTS = [[1, 5, 9, 200], [1, 7, 7, 7, 30, 2], [1, 300]]
+
+
+@pytest.fixture(scope="module")
+def process_llm(tiny_llama):
+    llm = ProcessLLM(str(tiny_llama[0]), **KWARGS)
+    yield llm
+    llm.shutdown()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def complete(llm, prompts, params) -> list:
+    results = await llm.submit_batch([{"prompt_token_ids": p} for p in prompts],
+                                     [params] * len(prompts))
+    return [await r for r in results]
+
+
+def wait_until_idle(llm, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = llm.get_stats()
+        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0:
+            return
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.02)
+
+
+def test_same_greedy_tokens_as_in_process(process_llm, tiny_llama):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    theirs = run(complete(process_llm, PROMPTS, params))
+    with LLM(str(tiny_llama[0]), **KWARGS) as local:
+        ours = local.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
+                              use_tqdm=False)
+    for remote, here in zip(theirs, ours):
+        assert remote.outputs[0].token_ids == here.outputs[0].token_ids
+        assert remote.outputs[0].finish_reason == here.outputs[0].finish_reason == "length"
+        assert remote.outputs[0].logprobs[-1].keys() == here.outputs[0].logprobs[-1].keys()
+        assert remote.metrics["num_output_tokens"] == 12
+
+
+def test_streaming_and_n_samples(process_llm):
+    params = SamplingParams(max_tokens=6, n=3, temperature=1.0, seed=1, ignore_eos=True)
+
+    async def stream() -> tuple[int, object]:
+        [result] = await process_llm.submit_batch([{"prompt_token_ids": PROMPTS[0]}],
+                                                  [params], streaming=True)
+        snapshots = [out async for out in result]
+        return len(snapshots), snapshots[-1]
+
+    num_snapshots, last = run(stream())
+    assert num_snapshots > 1 and last.finished
+    assert [len(o.token_ids) for o in last.outputs] == [6, 6, 6]
+    wait_until_idle(process_llm)
+
+
+def test_a_refused_prompt_raises_and_submits_nothing(process_llm):
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        run(complete(process_llm, [PROMPTS[0], [1, 10_000]], params))
+    wait_until_idle(process_llm)
+    assert len(run(complete(process_llm, [PROMPTS[1]], params))[0].outputs[0].token_ids) == 4
+
+
+def test_abort_frees_every_block(process_llm):
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def abort_early():
+        results = await process_llm.submit_batch([{"prompt_token_ids": p} for p in PROMPTS],
+                                                 [params] * 3, streaming=True)
+        async for _ in results[0]:
+            break
+        for result in results:
+            result.abort()
+        return [await r for r in results]
+
+    outputs = run(abort_early())
+    assert all(o.outputs[0].finish_reason == "abort" for o in outputs)
+    assert all(len(o.outputs[0].token_ids) < 100 for o in outputs)
+    wait_until_idle(process_llm)
+
+
+def test_bad_arguments_fail_before_the_process_starts(tiny_llama):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        ProcessLLM(str(tiny_llama[0]), max_batch_size=0)
+
+
+def test_a_killed_engine_is_not_alive(tiny_llama):
+    llm = ProcessLLM(str(tiny_llama[0]), **KWARGS)
+    assert llm.is_alive
+    llm._process.kill()
+    deadline = time.monotonic() + 5
+    while llm.is_alive:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with pytest.raises((RuntimeError, OSError)):
+        run(complete(llm, [PROMPTS[0]], SamplingParams(max_tokens=2)))
+    llm.shutdown()

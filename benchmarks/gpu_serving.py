@@ -34,6 +34,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--osl", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--rates", default="inf,40", help="request rates, comma-separated")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each rate")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--modes", default="offline,engine-process,in-process")
     p.add_argument("--startup-timeout", type=float, default=300)
@@ -68,13 +69,15 @@ def run_server_mode(args, mode: str, results: dict, log_dir: Path) -> None:
         warmup.unlink()
         warmup.with_suffix(".png").unlink(missing_ok=True)
         for rate in args.rates.split(","):
-            num_prompts = args.num_prompts if rate == "inf" else int(args.num_prompts * 0.8)
-            path = log_dir / f"{mode}-{rate}.json"
-            _bench(args, base_url, rate, num_prompts, path)
-            results[mode]["runs"][rate] = json.loads(path.read_text())["summary"]
-            path.unlink()       # per-request records: keep only the summary
-            path.with_suffix(".png").unlink(missing_ok=True)
-            _save(args, results)
+            for repeat in range(args.repeats):
+                num_prompts = args.num_prompts if rate == "inf" else int(args.num_prompts * 0.8)
+                name = rate if args.repeats == 1 else f"{rate} #{repeat + 1}"
+                path = log_dir / f"{mode}-{rate}-{repeat}.json"
+                _bench(args, base_url, rate, num_prompts, path)
+                results[mode]["runs"][name] = json.loads(path.read_text())["summary"]
+                path.unlink()       # per-request records: keep only the summary
+                path.with_suffix(".png").unlink(missing_ok=True)
+                _save(args, results)
     finally:
         server.send_signal(signal.SIGINT)
         try:

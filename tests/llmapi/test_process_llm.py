@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from tests.serve.helpers import wait_until_idle
 from tllm import LLM, SamplingParams
 from tllm.llmapi.process_llm import ProcessLLM
 
@@ -30,16 +31,6 @@ async def complete(llm, prompts, params) -> list:
     results = await llm.submit_batch([{"prompt_token_ids": p} for p in prompts],
                                      [params] * len(prompts))
     return [await r for r in results]
-
-
-def wait_until_idle(llm, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = llm.get_stats()
-        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0:
-            return
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.02)
 
 
 def test_same_greedy_tokens_as_in_process(process_llm, tiny_llama):

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.serve.conftest import MAX_SEQ_LEN, MODEL
-from tests.serve.helpers import assert_openai_error
+from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tllm import KvCacheConfig
 from tllm.llmapi.process_llm import ProcessLLM
 from tllm.serve.context import ServerConfig
@@ -33,16 +33,6 @@ def remote(process_llm):
     with ServerThread(build_app(process_llm, ServerConfig(model=MODEL))) as server, \
             httpx.Client(base_url=server.base_url, timeout=60) as client:
         yield client
-
-
-def wait_until_idle(llm, timeout_s: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = llm.get_stats()
-        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["num_running"] == 0:
-            return
-        assert time.monotonic() < deadline, stats
-        time.sleep(0.02)
 
 
 @pytest.mark.parametrize("path, body", [

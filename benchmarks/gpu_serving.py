@@ -69,10 +69,12 @@ def run_server_mode(args, mode: str, results: dict, log_dir: Path) -> None:
         warmup.unlink()
         warmup.with_suffix(".png").unlink(missing_ok=True)
         for rate in args.rates.split(","):
-            for repeat in range(args.repeats):
+            for _ in range(args.repeats):
                 num_prompts = args.num_prompts if rate == "inf" else int(args.num_prompts * 0.8)
-                name = rate if args.repeats == 1 else f"{rate} #{repeat + 1}"
-                path = log_dir / f"{mode}-{rate}-{repeat}.json"
+                name = rate
+                while name in results[mode]["runs"]:    # a rate given twice, or --repeats
+                    name = f"{rate} #{len(results[mode]['runs']) + 1}"
+                path = log_dir / f"{mode}-run.json"
                 _bench(args, base_url, rate, num_prompts, path)
                 results[mode]["runs"][name] = json.loads(path.read_text())["summary"]
                 path.unlink()       # per-request records: keep only the summary

@@ -19,6 +19,7 @@ Validation stays where it is (LLM._submit): a refused prompt comes back as the V
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import multiprocessing
 import queue
@@ -220,6 +221,10 @@ def engine_main(model: str, kwargs: dict, commands, events) -> None:
     except BaseException as exc:
         events.send(("failed", _picklable(exc)))
         return
+    # The model, KV block tables and caches live as long as the process: keep them out of
+    # the collector's full passes, which would otherwise pause the loop while it serves.
+    gc.collect()
+    gc.freeze()
     events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats()}))
     _EngineServer(llm, events).run(commands)
 

@@ -59,6 +59,7 @@ def test_url_serves_the_file(http):
     ({"n": "2"}, "n"), ({"true_cfg_scale": 0.5}, "true_cfg_scale"), ({"seed": -1}, "seed"),
     ({"response_format": "png"}, "response_format"), ({"colour": "red"}, "colour"),
     ({"prompt": ""}, "prompt"), ({"image": "aGk="}, "image"),
+    ({"caption_language": "fr"}, "caption_language"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(http, body, param):
     response = http.post("/v1/images/generations", json={"prompt": "a cat", **FAST, **body})

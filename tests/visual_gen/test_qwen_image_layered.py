@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.visual_gen.conftest import max_relative_error
+from tests.visual_gen.tiny_models import TinyVLProcessor
 from tllm.visual_gen import VisualGenParams
 from tllm.visual_gen.models.qwen_image.layered_pipeline import bucket_size
 from tllm.visual_gen.pipeline import to_pil
@@ -15,7 +16,7 @@ CAPTION = "a cat holding a sign"
 LAYERS, STEPS = 1, 3
 
 
-def reference_run(pipe, image, seed: int, **kwargs):
+def reference_run(pipe, image, seed: int, prompt: str | None = CAPTION, **kwargs):
     """diffusers' final latents (packed; its output_type="latent" is broken for this
     pipeline) and RGBA layers (float, [0, 1])."""
     seen = {}
@@ -24,7 +25,7 @@ def reference_run(pipe, image, seed: int, **kwargs):
         seen["latents"] = tensors["latents"]
         return {}
 
-    layers = pipe(image, CAPTION, generator=torch.Generator().manual_seed(seed),
+    layers = pipe(image, prompt, generator=torch.Generator().manual_seed(seed),
                   output_type="np", callback_on_step_end=keep_latents, **kwargs).images[0]
     return seen["latents"], layers
 
@@ -50,11 +51,37 @@ def test_matches_diffusers(layered_reference, layered_gen, rgba_image, negative_
     assert all(layer.mode == "RGBA" and layer.size == (width, height) for layer in pil_layers)
 
 
+@pytest.mark.parametrize("language", ["en", "zh"])
+def test_an_empty_prompt_is_captioned_as_diffusers_does(layered_reference, layered_gen,
+                                                        rgba_image, language):
+    """The text encoder writes the caption (greedy, up to 512 tokens) through the model's
+    processor; the same caption must condition both pipelines."""
+    processor = TinyVLProcessor(layered_gen.pipeline.tokenizer)
+    layered_reference.vl_processor = processor
+    layered_gen.pipeline.processor = processor
+    try:
+        ref_latents, _ = reference_run(
+            layered_reference, rgba_image, seed=1, prompt=None, layers=LAYERS, resolution=640,
+            num_inference_steps=2, use_en_prompt=language == "en")
+        params = VisualGenParams(num_inference_steps=2, seed=1, layers=LAYERS,
+                                 output_type="latent", caption_language=language)
+        out = layered_gen.generate(" ", params, image=rgba_image)
+        height, width = bucket_size(rgba_image.size, 640)
+        caption, given = layered_gen.pipeline.fill_captions(
+            [" ", CAPTION], [rgba_image.resize((width, height))], language)
+    finally:
+        layered_reference.vl_processor = layered_gen.pipeline.processor = None
+    assert max_relative_error(out.latents, ref_latents) <= 1e-4
+    assert caption.strip() and given == CAPTION
+
+
 def test_needs_an_image_and_a_caption(layered_gen, rgba_image):
     with pytest.raises(ValueError, match="image"):
         layered_gen.generate(CAPTION, VisualGenParams())
-    with pytest.raises(ValueError, match="caption"):
+    with pytest.raises(ValueError, match="caption"):    # no processor: no automatic caption
         layered_gen.generate(" ", VisualGenParams(), image=rgba_image)
+    with pytest.raises(ValueError, match="caption_language"):
+        VisualGenParams(caption_language="fr")
     with pytest.raises(ValueError, match=r"VisualGenParams\.height"):
         layered_gen.generate(CAPTION, VisualGenParams(height=64), image=rgba_image)
     with pytest.raises(ValueError, match="one per prompt"):

@@ -8,8 +8,9 @@ that disconnects cancels its request: skipped if still queued, stopped at the ne
 step if running. Files behind "url" responses are deleted `image_url_ttl_s` after they were
 written (OpenAI's image URLs also expire, after an hour).
 Extensions to OpenAI's body: steps, seed, negative_prompt, true_cfg_scale, guidance_scale;
-for the layered model, `image` (base64 input image), layers and resolution, and each
-generated image gives `layers` entries of `data`, in order.
+for the layered model, `image` (base64 input image), layers, resolution and caption_language
+(a blank prompt asks the model to caption the image, where its folder has a processor), and
+each generated image gives `layers` entries of `data`, in order.
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ class ImageGenerationRequest(BaseModel):
     image: Optional[str] = None         # base64 input image (layered model)
     layers: Optional[int] = None
     resolution: Optional[int] = None
+    caption_language: Optional[str] = None     # layered model, prompt " ": caption it
 
 
 @dataclass
@@ -231,7 +233,8 @@ def _params(body: ImageGenerationRequest):
                               f"{body.size!r}", param="size")
         width, height = int(match.group(1)), int(match.group(2))
     optional = {"num_inference_steps": body.steps, "true_cfg_scale": body.true_cfg_scale,
-                "layers": body.layers, "resolution": body.resolution}
+                "layers": body.layers, "resolution": body.resolution,
+                "caption_language": body.caption_language}
     try:
         return VisualGenParams(
             height=height, width=width, seed=body.seed, negative_prompt=body.negative_prompt,

@@ -18,8 +18,10 @@ class VisualGenParams:
     height/width None: the model's default size (1024x1024 for Qwen-Image). Classifier-free
     guidance runs when `negative_prompt` is given and `true_cfg_scale` > 1 (one batched
     transformer forward per step). `guidance_scale` is only for guidance-distilled models.
-    Image i of a request uses seed `seed + i`, so a batch equals separate runs. `layers` and
-    `resolution` are for the layered model (output size follows the input image there).
+    Image i of a request uses seed `seed + i`, so a batch equals separate runs. `layers`,
+    `resolution` and `caption_language` are for the layered model (output size follows the
+    input image there; an empty prompt is replaced by a caption of the image, written by the
+    text encoder in this language: diffusers' `use_en_prompt`, whose default is Chinese).
     """
 
     height: int | None = None
@@ -35,6 +37,7 @@ class VisualGenParams:
     resolution: int | None = None
     output_type: str = "pil"
     return_latents: bool = False
+    caption_language: str = "en"
 
     def __post_init__(self) -> None:
         for name in ("height", "width"):
@@ -70,6 +73,8 @@ class VisualGenParams:
                "must be 'pil' or 'latent'")
         check(isinstance(self.return_latents, bool), "return_latents", self.return_latents,
                "must be true or false")
+        check(self.caption_language in ("en", "zh"), "caption_language",
+               self.caption_language, "must be 'en' or 'zh'")
 
     @property
     def is_cfg(self) -> bool:

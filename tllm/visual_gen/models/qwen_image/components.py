@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from torch import nn
 
 from tllm.visual_gen.schedulers import QWEN_IMAGE_SCHEDULER, FlowMatchConfig
 
+logger = logging.getLogger(__name__)
 TRANSFORMER_IMPLS = ("auto", "tllm", "diffusers")
 _OUR_TRANSFORMER = "tllm.visual_gen.models.qwen_image.transformer"
 
@@ -55,13 +57,14 @@ class QwenImageComponents:
     vae: nn.Module
     transformer: nn.Module
     scheduler_config: FlowMatchConfig
+    processor: Any = None       # the layered model's image+text processor, for captions
 
 
 def load_components(path: str | Path, dtype: torch.dtype, device: torch.device,
                     transformer_impl: str = "auto") -> QwenImageComponents:
     """The components of a diffusers-format folder (model_index.json and one folder each)."""
     from diffusers import AutoencoderKLQwenImage
-    from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoProcessor, AutoTokenizer, Qwen2_5_VLForConditionalGeneration
 
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(str(path / "tokenizer"))
@@ -70,8 +73,15 @@ def load_components(path: str | Path, dtype: torch.dtype, device: torch.device,
     vae = AutoencoderKLQwenImage.from_pretrained(str(path / "vae"), torch_dtype=dtype)
     transformer = load_transformer(path / "transformer", dtype, device, transformer_impl)
     scheduler_config = FlowMatchConfig.from_model_dir(path, QWEN_IMAGE_SCHEDULER)
+    processor = None
+    if (path / "processor").is_dir():
+        try:
+            processor = AutoProcessor.from_pretrained(str(path / "processor"))
+        except Exception as exc:    # e.g. transformers' video processor needs torchvision
+            logger.warning("no automatic captions: the processor did not load (%s: %s)",
+                           type(exc).__name__, exc)
     return QwenImageComponents(tokenizer, text_encoder.to(device).eval(),
-                               vae.to(device).eval(), transformer, scheduler_config)
+                               vae.to(device).eval(), transformer, scheduler_config, processor)
 
 
 def load_transformer(path: Path, dtype: torch.dtype, device: torch.device,

@@ -1,4 +1,5 @@
-"""Qwen-Image-Layered: an input image decomposed into RGBA layers, guided by its caption.
+"""Qwen-Image-Layered: an input image decomposed into RGBA layers, guided by its caption
+(written by the text encoder when the prompt is left empty).
 
 The transformer denoises layers + 1 frames (the first is the recomposed image, dropped at the
 end) next to the input image's VAE latents, which condition every step and are not denoised.
@@ -41,7 +42,9 @@ class QwenImageLayeredPipeline(QwenImagePipeline):
         cond_h, cond_w = self.bucket(images, params.resolution or DEFAULT_RESOLUTION)
         height, width = (cond_h // self.size_multiple * self.size_multiple,
                          cond_w // self.size_multiple * self.size_multiple)
-        condition = self.encode_images(images, cond_h, cond_w)           # (1 or P, S', C)
+        resized = [image.resize((cond_w, cond_h), resample=_lanczos()) for image in images]
+        prompts = self.fill_captions(prompts, resized, params.caption_language)
+        condition = self.encode_images(resized)                          # (1 or P, S', C)
         condition = condition.repeat_interleave(
             per_prompt * (len(prompts) if len(condition) == 1 else 1), dim=0)
         seeds = image_seeds(params.seed, len(prompts) * per_prompt)
@@ -71,9 +74,9 @@ class QwenImageLayeredPipeline(QwenImagePipeline):
         if len(images) not in (1, len(prompts)):
             raise ValueError(f"image: give one image, or one per prompt ({len(prompts)}), "
                              f"got {len(images)}")
-        if any(not p.strip() for p in prompts):
-            raise ValueError("prompt: give a caption of the input image (automatic "
-                             "captioning is not supported)")
+        if any(not p.strip() for p in prompts) and self.processor is None:
+            raise ValueError("prompt: give a caption of the input image (this model folder "
+                             "has no processor/ for automatic captions)")
         for name in ("height", "width"):
             check(getattr(params, name) is None, name, getattr(params, name),
                   "is not used by layered models (the size follows the input image and "
@@ -95,13 +98,21 @@ class QwenImageLayeredPipeline(QwenImagePipeline):
             raise ValueError(f"image: aspect ratio too extreme for resolution {resolution}")
         return height, width
 
+    def fill_captions(self, prompts: list[str], images: Sequence[Any],
+                      language: str) -> list[str]:
+        """Prompts, each empty one replaced by a caption of its image."""
+        from tllm.visual_gen.models.qwen_image.caption import caption_image
+        return [prompt if prompt.strip() else caption_image(
+                    self.processor, self.text_encoder, images[i if len(images) > 1 else 0],
+                    language)
+                for i, prompt in enumerate(prompts)]
+
     @torch.no_grad()
-    def encode_images(self, images: Sequence[Any], height: int, width: int) -> torch.Tensor:
-        """Input images, resized to the bucket, as normalised packed VAE latents."""
+    def encode_images(self, images: Sequence[Any]) -> torch.Tensor:
+        """Input images, resized to the bucket already, as normalised packed VAE latents."""
         mode = "RGBA" if getattr(self.vae.config, "input_channels", 3) == 4 else "RGB"
-        pixels = np.stack([
-            np.asarray(image.convert(mode).resize((width, height), resample=_lanczos()))
-            .astype(np.float32) / 255.0 for image in images])
+        pixels = np.stack([np.asarray(image.convert(mode)).astype(np.float32) / 255.0
+                           for image in images])
         pixels = torch.from_numpy(pixels).permute(0, 3, 1, 2) * 2.0 - 1.0   # (N, C, H, W)
         pixels = pixels.unsqueeze(2).to(device=self.device, dtype=self.dtype)
         z = self.vae.encode(pixels).latent_dist.mode()                      # (N, C, 1, h, w)

@@ -47,6 +47,7 @@ class QwenImagePipeline(VisualPipeline):
         self.vae = components.vae
         self.transformer = components.transformer
         self.scheduler_config = components.scheduler_config
+        self.processor = components.processor
         self.vae_scale_factor = 2 ** len(self.vae.config.temperal_downsample)
         self.latent_channels = self.transformer.config.in_channels // 4
         self.dtype = self.text_encoder.dtype

@@ -103,3 +103,12 @@ def test_a_killed_engine_is_not_alive(tiny_llama):
     with pytest.raises((RuntimeError, OSError)):
         run(complete(llm, [PROMPTS[0]], SamplingParams(max_tokens=2)))
     llm.shutdown()
+
+
+def test_tensor_parallel_engine_process(tiny_llama, process_llm):
+    """The engine process starts its own worker ranks (gloo on the CPU)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    expected = run(complete(process_llm, PROMPTS[:1], params))[0].outputs[0].token_ids
+    with ProcessLLM(str(tiny_llama[0]), tensor_parallel_size=2, device="cpu",
+                    **KWARGS) as llm:
+        assert run(complete(llm, PROMPTS[:1], params))[0].outputs[0].token_ids == expected

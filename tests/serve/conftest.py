@@ -12,14 +12,15 @@ from tllm.serve.testing import ServerThread
 
 MODEL = "smollm2"
 MAX_SEQ_LEN = 512
+# A small batch and token budget keep each engine step short on a CPU, so aborts (applied
+# between steps) take effect quickly.
+LLM_KWARGS = dict(max_seq_len=MAX_SEQ_LEN, max_batch_size=8, max_num_tokens=256,
+                  kv_cache_config=KvCacheConfig(max_tokens=8192))
 
 
 @pytest.fixture(scope="session")
 def smollm2():
-    # A small batch and token budget keep each engine step short on a CPU, so aborts (applied
-    # between steps) take effect quickly.
-    llm = LLM(MODEL, max_seq_len=MAX_SEQ_LEN, max_batch_size=8, max_num_tokens=256,
-              kv_cache_config=KvCacheConfig(max_tokens=8192))
+    llm = LLM(MODEL, **LLM_KWARGS)
     yield llm
     llm.shutdown()
 

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from tests.serve.conftest import MAX_SEQ_LEN, MODEL
+from tests.serve.conftest import LLM_KWARGS, MODEL
 from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tllm import KvCacheConfig
 from tllm.llmapi.process_llm import ProcessLLM
@@ -22,8 +22,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def process_llm():
-    llm = ProcessLLM(MODEL, max_seq_len=MAX_SEQ_LEN, max_batch_size=8, max_num_tokens=256,
-                     kv_cache_config=KvCacheConfig(max_tokens=8192))
+    llm = ProcessLLM(MODEL, **LLM_KWARGS)
     yield llm
     llm.shutdown()
 

@@ -7,6 +7,11 @@ For each server mode: start `tllm serve MODEL`, wait for /health, send a short w
 the server with SIGINT. Every figure is written to --out as JSON as soon as it exists; a
 markdown table is printed last.
 
+One `tllm bench serve` process parses about 10k streamed tokens/s on these hosts' cores, so
+--clients K splits each run over K load-generator processes (requests and rate divided
+evenly, different seeds) and merges their per-request records: throughput is all output
+tokens over the longest client's duration, latencies are percentiles over all requests.
+
     python benchmarks/gpu_serving.py --out serving.json                          # H200
     python benchmarks/gpu_serving.py --model dummy:smollm2-135m --num-prompts 64 \\
         --rates inf --max-seq-len 256 --out /tmp/serving.json                     # CPU check
@@ -35,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--rates", default="inf,40", help="request rates, comma-separated")
     p.add_argument("--repeats", type=int, default=1, help="runs of each rate")
+    p.add_argument("--clients", default="1", help="load-generator processes; a comma list "
+                   "runs each rate once per count")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--modes", default="offline,engine-process,in-process")
     p.add_argument("--startup-timeout", type=float, default=300)
@@ -64,22 +71,16 @@ def run_server_mode(args, mode: str, results: dict, log_dir: Path) -> None:
     try:
         _wait_healthy(base_url, server, args.startup_timeout)
         results[mode] = {"startup_s": time.monotonic() - start, "runs": {}}
-        warmup = log_dir / "warmup.json"
-        _bench(args, base_url, "inf", min(64, args.num_prompts), warmup)
-        warmup.unlink()
-        warmup.with_suffix(".png").unlink(missing_ok=True)
-        for rate in args.rates.split(","):
-            for _ in range(args.repeats):
-                num_prompts = args.num_prompts if rate == "inf" else int(args.num_prompts * 0.8)
-                name = rate
-                while name in results[mode]["runs"]:    # a rate given twice, or --repeats
-                    name = f"{rate} #{len(results[mode]['runs']) + 1}"
-                path = log_dir / f"{mode}-run.json"
-                _bench(args, base_url, rate, num_prompts, path)
-                results[mode]["runs"][name] = json.loads(path.read_text())["summary"]
-                path.unlink()       # per-request records: keep only the summary
-                path.with_suffix(".png").unlink(missing_ok=True)
-                _save(args, results)
+        _bench(args, base_url, "inf", min(64, args.num_prompts), log_dir / "warmup", 1)
+        for rate, clients in [(r, int(c)) for r in args.rates.split(",")
+                              for c in args.clients.split(",")] * args.repeats:
+            num_prompts = args.num_prompts if rate == "inf" else int(args.num_prompts * 0.8)
+            name = rate if clients == 1 else f"{rate} x{clients} clients"
+            while name in results[mode]["runs"]:    # a rate given twice, or --repeats
+                name = f"{rate} #{len(results[mode]['runs']) + 1}"
+            results[mode]["runs"][name] = _bench(args, base_url, rate, num_prompts,
+                                                 log_dir / f"{mode}-run", clients)
+            _save(args, results)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -89,11 +90,44 @@ def run_server_mode(args, mode: str, results: dict, log_dir: Path) -> None:
         log.close()
 
 
-def _bench(args, base_url: str, rate: str, num_prompts: int, path: Path) -> None:
-    subprocess.run([*TLLM, "bench", "serve", "--base-url", base_url, "--isl", str(args.isl),
-                    "--osl", str(args.osl), "--num-prompts", str(num_prompts),
-                    "--request-rate", rate, "--result-file", str(path),
-                    "--plot-file", str(path.with_suffix(".png"))], check=True)
+def _bench(args, base_url: str, rate: str, num_prompts: int, stem: Path,
+           num_clients: int) -> dict:
+    """One run, over num_clients load-generator processes at once; the merged summary."""
+    client_rate = rate if rate == "inf" else str(float(rate) / num_clients)
+    procs, paths = [], []
+    for i in range(num_clients):
+        path = stem.with_name(f"{stem.name}-{i}.json")
+        share = num_prompts // num_clients + (i < num_prompts % num_clients)
+        procs.append(subprocess.Popen([
+            *TLLM, "bench", "serve", "--base-url", base_url, "--isl", str(args.isl),
+            "--osl", str(args.osl), "--num-prompts", str(share), "--request-rate", client_rate,
+            "--seed", str(i), "--result-file", str(path),
+            "--plot-file", str(path.with_suffix(".png"))], stdout=subprocess.DEVNULL))
+        paths.append(path)
+    if any(proc.wait() != 0 for proc in procs):
+        raise RuntimeError("a load generator failed")
+    runs = [json.loads(path.read_text()) for path in paths]
+    for path in paths:      # per-request records: keep only the merged summary
+        path.unlink()
+        path.with_suffix(".png").unlink(missing_ok=True)
+    return merge_runs(runs) if num_clients > 1 else runs[0]["summary"]
+
+
+def merge_runs(runs: list[dict]) -> dict:
+    from tllm.bench.serve_metrics import latency_stats
+    done = [r for run in runs for r in run["requests"] if r["error"] is None]
+    duration = max(run["summary"]["duration_s"] for run in runs)
+    num_output = sum(r["output_tokens"] for r in done)
+    summary = {"clients": len(runs), "num_prompts": sum(len(run["requests"]) for run in runs),
+               "completed": len(done), "duration_s": duration,
+               "request_throughput": len(done) / duration,
+               "output_throughput": num_output / duration}
+    percentiles = [50, 90, 99]
+    for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2el", "e2e_s")):
+        summary |= latency_stats(name, [r[key] for r in done if r[key] is not None],
+                                 percentiles)
+    summary |= latency_stats("itl", [x for r in done for x in r["itl_s"]], percentiles)
+    return summary
 
 
 def _wait_healthy(base_url: str, server: subprocess.Popen, timeout_s: float) -> None:

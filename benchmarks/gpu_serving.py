@@ -8,9 +8,8 @@ the server with SIGINT. Every figure is written to --out as JSON as soon as it e
 markdown table is printed last.
 
 One `tllm bench serve` process parses about 10k streamed tokens/s on these hosts' cores, so
---clients K splits each run over K load-generator processes (requests and rate divided
-evenly, different seeds) and merges their per-request records: throughput is all output
-tokens over the longest client's duration, latencies are percentiles over all requests.
+--clients K runs it with --num-clients K: the same requests dealt over K processes that start
+together, their per-request records merged (throughput over the longest one's duration).
 
     python benchmarks/gpu_serving.py --out serving.json                          # H200
     python benchmarks/gpu_serving.py --model dummy:smollm2-135m --num-prompts 64 \\
@@ -92,41 +91,14 @@ def run_server_mode(args, mode: str, results: dict, log_dir: Path) -> None:
 
 def _bench(args, base_url: str, rate: str, num_prompts: int, stem: Path,
            num_clients: int) -> dict:
-    """One run, over num_clients load-generator processes at once; the merged summary."""
-    client_rate = rate if rate == "inf" else str(float(rate) / num_clients)
-    procs, paths = [], []
-    for i in range(num_clients):
-        path = stem.with_name(f"{stem.name}-{i}.json")
-        share = num_prompts // num_clients + (i < num_prompts % num_clients)
-        procs.append(subprocess.Popen([
-            *TLLM, "bench", "serve", "--base-url", base_url, "--isl", str(args.isl),
-            "--osl", str(args.osl), "--num-prompts", str(share), "--request-rate", client_rate,
-            "--seed", str(i), "--result-file", str(path),
-            "--plot-file", str(path.with_suffix(".png"))], stdout=subprocess.DEVNULL))
-        paths.append(path)
-    if any(proc.wait() != 0 for proc in procs):
-        raise RuntimeError("a load generator failed")
-    runs = [json.loads(path.read_text()) for path in paths]
-    for path in paths:      # per-request records: keep only the merged summary
-        path.unlink()
-        path.with_suffix(".png").unlink(missing_ok=True)
-    return merge_runs(runs) if num_clients > 1 else runs[0]["summary"]
-
-
-def merge_runs(runs: list[dict]) -> dict:
-    from tllm.bench.serve_metrics import latency_stats
-    done = [r for run in runs for r in run["requests"] if r["error"] is None]
-    duration = max(run["summary"]["duration_s"] for run in runs)
-    num_output = sum(r["output_tokens"] for r in done)
-    summary = {"clients": len(runs), "num_prompts": sum(len(run["requests"]) for run in runs),
-               "completed": len(done), "duration_s": duration,
-               "request_throughput": len(done) / duration,
-               "output_throughput": num_output / duration}
-    percentiles = [50, 90, 99]
-    for name, key in (("ttft", "ttft_s"), ("tpot", "tpot_s"), ("e2el", "e2e_s")):
-        summary |= latency_stats(name, [r[key] for r in done if r[key] is not None],
-                                 percentiles)
-    summary |= latency_stats("itl", [x for r in done for x in r["itl_s"]], percentiles)
+    """One `tllm bench serve` run (over num_clients load-generator processes); its summary."""
+    path = stem.with_suffix(".json")
+    subprocess.run([*TLLM, "bench", "serve", "--base-url", base_url, "--isl", str(args.isl),
+                    "--osl", str(args.osl), "--num-prompts", str(num_prompts),
+                    "--request-rate", rate, "--num-clients", str(num_clients),
+                    "--result-file", str(path), "--plot-file", ""], check=True)
+    summary = json.loads(path.read_text())["summary"]
+    path.unlink()           # per-request records: keep only the summary
     return summary
 
 

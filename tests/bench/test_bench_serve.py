@@ -74,11 +74,27 @@ def test_max_concurrency_is_respected(server, fake, tmp_path):
     assert fake.max_active <= 3
 
 
-def test_a_failing_server_is_reported(server, capsys):
+def test_several_client_processes_share_the_load(server, fake, tmp_path):
+    """The same requests as one process would send, dealt over three processes that start
+    together; one merged result (the per-request list in the original order)."""
+    result = tmp_path / "result.json"
+    code = bench("--base-url", server.base_url, "--num-prompts", "10", "--isl", "8",
+                 "--osl", "5", "--random-vocab-size", "256", "--num-clients", "3",
+                 "--max-concurrency", "6", "--result-file", str(result), "--plot-file", "")
+    assert code == 0
+    record = json.loads(result.read_text())
+    assert record["summary"]["completed"] == 10 and record["summary"]["failed"] == 0
+    assert record["summary"]["total_output_tokens"] == 10 * 5
+    assert [r["prompt_tokens"] for r in record["requests"]] == [8] * 10
+    assert fake.max_active <= 6     # each of 3 processes keeps at most 2 in flight
+
+
+@pytest.mark.parametrize("num_clients", ["1", "2"])
+def test_a_failing_server_is_reported(server, capsys, num_clients):
     # Token ids beyond the engine double's vocabulary: the test request gets a 400.
     code = bench("--base-url", server.base_url, "--num-prompts", "2", "--isl", "4",
                  "--osl", "2", "--random-vocab-size", "100000", "--result-file", "",
-                 "--plot-file", "")
+                 "--plot-file", "", "--num-clients", num_clients)
     assert code == 1
     assert "HTTP 400" in capsys.readouterr().err
 

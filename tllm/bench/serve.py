@@ -95,7 +95,14 @@ async def run_benchmark(config: BenchConfig) -> BenchRun:
     """Check the endpoint with one short request, then run the timed load."""
     requests = random_requests(config)
     offsets = arrival_offsets(len(requests), config.request_rate, config.seed)
-    limits = httpx.Limits(max_connections=config.max_concurrency or len(requests) or 1)
+    return await run_share(config, requests, offsets, config.max_concurrency)
+
+
+async def run_share(config: BenchConfig, requests: list[BenchRequest], offsets: list[float],
+                    max_concurrency: int | None, ready=None) -> BenchRun:
+    """Send `requests` at their offsets after one check request; `ready` (a barrier shared
+    with the other load-generator processes) holds the start until all are set."""
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     async with httpx.AsyncClient(base_url=config.base_url.rstrip("/"), limits=limits,
                                  headers=headers, timeout=config.timeout_s) as client:
@@ -104,7 +111,9 @@ async def run_benchmark(config: BenchConfig) -> BenchRun:
                             time.perf_counter())
         if not check.is_ok:
             raise RuntimeError(f"the test request failed: {check.error}")
-        semaphore = asyncio.Semaphore(config.max_concurrency or len(requests) or 1)
+        if ready is not None:
+            ready.wait(timeout=config.timeout_s)
+        semaphore = asyncio.Semaphore(max_concurrency or len(requests) or 1)
         start = time.perf_counter()
         results = await asyncio.gather(*(
             _send_at(client, model, request, start, offset, semaphore)

@@ -10,7 +10,7 @@ import pytest
 
 from tests.serve.helpers import wait_until_idle
 from tllm import LLM, SamplingParams
-from tllm.llmapi.process_llm import ProcessLLM
+from tllm.llmapi.process_llm import HEARTBEAT_S, ProcessLLM
 
 KWARGS = dict(max_seq_len=128, max_batch_size=8, max_num_tokens=256)
 PROMPTS = [[1, 5, 9, 200], [1, 7, 7, 7, 30, 2], [1, 300]]
@@ -112,3 +112,21 @@ def test_tensor_parallel_engine_process(tiny_llama, process_llm):
     with ProcessLLM(str(tiny_llama[0]), tensor_parallel_size=2, device="cpu",
                     **KWARGS) as llm:
         assert run(complete(llm, PROMPTS[:1], params))[0].outputs[0].token_ids == expected
+
+
+def test_a_caller_cancelled_while_submitting_leaves_nothing_running(process_llm):
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+
+    async def cancel_submission() -> None:
+        task = asyncio.ensure_future(process_llm.submit_batch(
+            [{"prompt_token_ids": p} for p in PROMPTS], [params] * 3))
+        await asyncio.sleep(0)      # the submission is sent, not yet accepted
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    steps_before = process_llm.get_stats()["num_steps"]
+    run(cancel_submission())
+    wait_until_idle(process_llm)
+    time.sleep(3 * HEARTBEAT_S)     # the stats that follow the last step
+    assert process_llm.get_stats()["num_steps"] - steps_before < 50   # not 100 decode steps

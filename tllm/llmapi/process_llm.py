@@ -94,29 +94,36 @@ class ProcessLLM:
                 raise ValueError("sampling_params must be SamplingParams, got "
                                  f"{type(params).__name__}")
         batch_id = next(self._ids)
-        items, results = [], []
-        for prompt, params in zip(inputs, sampling_params, strict=True):
-            request_id = f"r{next(self._ids)}"
-            result = GenerationResult(request_id, prompt.get("prompt"),
-                                      list(prompt["prompt_token_ids"]), params.n,
-                                      params.logprobs is not None, streaming)
-            result.set_abort(lambda rid=request_id: self._send(("abort", rid)))
-            self._results[request_id] = result
-            items.append((request_id, prompt, params))
-            results.append(result)
+        items = [(f"r{next(self._ids)}", prompt, params)
+                 for prompt, params in zip(inputs, sampling_params, strict=True)]
+        results = [self._new_result(*item, streaming) for item in items]
         accepted = self._loop.create_future()
         self._pending[batch_id] = accepted
-        self._num_sent += len(items)
+        sent = False
         try:
             self._send(("submit", batch_id, items, streaming))
+            self._num_sent += len(items)
+            sent = True
             await accepted
         except BaseException:
             for request_id, _, _ in items:
                 self._results.pop(request_id, None)
+                if sent:    # e.g. the caller was cancelled: the engine may run them anyway
+                    self._abort_quietly(request_id)
             raise
         finally:
             self._pending.pop(batch_id, None)
         return results
+
+    def _new_result(self, request_id: str, prompt: dict, params: SamplingParams,
+                    streaming: bool) -> GenerationResult:
+        """The caller's side of a request, registered to receive its deltas."""
+        result = GenerationResult(request_id, prompt.get("prompt"),
+                                  list(prompt["prompt_token_ids"]), params.n,
+                                  params.logprobs is not None, streaming)
+        result.set_abort(lambda: self._abort_quietly(request_id))
+        self._results[request_id] = result
+        return result
 
     def shutdown(self) -> None:
         """Stop the engine process (it frees the model and KV cache) and wait for it."""
@@ -157,6 +164,12 @@ class ProcessLLM:
             self._process.join()
             raise payload
         return payload
+
+    def _abort_quietly(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except OSError:         # the engine is gone: nothing runs any more
+            pass
 
     def _send(self, message: tuple) -> None:
         with self._send_lock:

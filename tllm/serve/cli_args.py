@@ -52,9 +52,9 @@ def _add_server_args(group) -> None:
                        help="visual models: seconds a response_format=url image stays served "
                             "(default 3600, as OpenAI's)")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
-                       help="run the engine in a process of its own, so HTTP work does not "
-                            "slow its loop (default; --no-engine-process keeps it in the "
-                            "server's process)")
+                       help="text models: run the engine in a process of its own, so HTTP "
+                            "work does not slow its loop (default; --no-engine-process keeps "
+                            "it in the server's process)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
 

@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Protocol
 
 from starlette.requests import Request
 
@@ -223,11 +223,15 @@ class EngineClient:
                            code="queue_full", headers={"Retry-After": str(self.retry_after_s)})
 
 
+class Abortable(Protocol):
+    def abort(self) -> None: ...
+
+
 @contextlib.asynccontextmanager
-async def abort_on_disconnect(request: Request, generation: Generation | Any):
-    """Abort the generation (anything with abort(): a Generation, a visual Cancellation) as
-    soon as the client disconnects, even while nothing is being sent (a request still queued,
-    or a non-streaming one)."""
+async def abort_on_disconnect(request: Request, generation: Abortable):
+    """Abort the generation (a Generation, or a visual Cancellation) as soon as the client
+    disconnects, even while nothing is being sent (a request still queued, or a non-streaming
+    one)."""
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass

@@ -46,7 +46,7 @@ MAX_N = 10              # OpenAI's cap on images per request
 MAX_STEPS = 200
 FILES_ROUTE = "/files"
 _SIZE = re.compile(r"^(\d{1,5})x(\d{1,5})$")
-_FILE_NAME = re.compile(r"^[0-9a-f]{32}\.png$")     # what _save writes, and all sweeps remove
+_FILE_NAME = re.compile(r"^[0-9a-f]{32}\.png$")     # what save() writes: all sweeps remove
 # VisualGenParams' field names as the request spells them.
 _PARAM_NAMES = {"height": "size", "width": "size", "num_inference_steps": "steps",
                 "num_images_per_prompt": "n"}

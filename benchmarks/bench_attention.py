@@ -28,8 +28,8 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from tllm.attention.torch_ref import gather_kv  # noqa: E402
-from tllm.kernels.testing import make_paged_batch, relative_error  # noqa: E402
+from tllm.kernels.paged import gather_kv  # noqa: E402
+from tllm.attention.testing import make_paged_batch, relative_error  # noqa: E402
 from tllm.kernels.triton.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from tllm.kernels.triton.attention_ref import paged_attention_ref  # noqa: E402
 from tllm.kernels.triton.context_attention import (ContextConfig,  # noqa: E402

@@ -1,20 +1,37 @@
-"""tllm: LLM inference with an executor loop over a paged KV cache."""
-from tllm.llmapi.llm import LLM
-from tllm.llmapi.llm_args import (CapacitySchedulerPolicy, CudaGraphConfig, KvCacheConfig,
-                                  LlmArgs, SchedulerConfig)
-from tllm.outputs import CompletionOutput, Logprob, RequestOutput
-from tllm.sampling_params import SamplingParams
+"""tllm: LLM inference with an executor loop over a paged KV cache.
+
+Names are imported on first use, so `import tllm.request` (or the visual-generation API)
+does not pull in the whole engine."""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tllm.llmapi.llm import LLM
+    from tllm.llmapi.llm_args import (CapacitySchedulerPolicy, CudaGraphConfig,
+                                      KvCacheConfig, LlmArgs, SchedulerConfig)
+    from tllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from tllm.sampling_params import SamplingParams
+    from tllm.visual_gen import VisualGen, VisualGenParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LlmArgs", "KvCacheConfig", "SchedulerConfig", "CapacitySchedulerPolicy",
-           "CudaGraphConfig", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "Logprob", "VisualGen", "VisualGenParams", "__version__"]
+_EXPORTS = {
+    "LLM": "tllm.llmapi.llm",
+    "LlmArgs": "tllm.llmapi.llm_args", "KvCacheConfig": "tllm.llmapi.llm_args",
+    "SchedulerConfig": "tllm.llmapi.llm_args", "CapacitySchedulerPolicy": "tllm.llmapi.llm_args",
+    "CudaGraphConfig": "tllm.llmapi.llm_args",
+    "SamplingParams": "tllm.sampling_params",
+    "RequestOutput": "tllm.outputs", "CompletionOutput": "tllm.outputs", "Logprob": "tllm.outputs",
+    "VisualGen": "tllm.visual_gen", "VisualGenParams": "tllm.visual_gen",
+}
+__all__ = [*_EXPORTS, "__version__"]
 
 
-def __getattr__(name: str):
-    # Visual generation is imported on first use: `import tllm` stays free of diffusers.
-    if name in ("VisualGen", "VisualGenParams"):
-        import tllm.visual_gen
-        return getattr(tllm.visual_gen, name)
-    raise AttributeError(f"module 'tllm' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tllm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

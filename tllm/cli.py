@@ -13,7 +13,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tllm import LLM, KvCacheConfig, RequestOutput, SamplingParams, __version__
+from tllm import __version__
+from tllm.llmapi.llm import LLM
+from tllm.llmapi.llm_args import KvCacheConfig
+from tllm.outputs import RequestOutput
+from tllm.sampling_params import SamplingParams
 from tllm.bench.offline_cli import add_bench_offline_parsers
 from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.loader import DEFAULT_MODEL

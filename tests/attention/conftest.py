@@ -2,7 +2,7 @@
 interpreter, which must be switched on before any kernel module is imported: here."""
 import pytest
 
-from tllm.kernels.testing import setup_triton_for_tests
+from tllm.attention.testing import setup_triton_for_tests
 
 DEVICE = setup_triton_for_tests()
 

@@ -6,7 +6,7 @@ pytest.importorskip("triton")
 
 from tllm.attention import get_attention_backend  # noqa: E402
 from tllm.attention.torch_ref import TorchAttentionBackend  # noqa: E402
-from tllm.kernels.testing import make_paged_batch, relative_error  # noqa: E402
+from tllm.attention.testing import make_paged_batch, relative_error  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 

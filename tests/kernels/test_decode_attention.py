@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tllm.kernels.testing import make_paged_batch, relative_error  # noqa: E402
+from tllm.attention.testing import make_paged_batch, relative_error  # noqa: E402
 from tllm.kernels.triton.decode_attention import (choose_num_splits,  # noqa: E402
                                                   paged_attention_ref, paged_decode_attention)
 from tllm.kernels.triton.kv_cache import write_kv_ref  # noqa: E402

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tllm.kernels.testing import relative_error  # noqa: E402
+from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels.triton.kv_cache import (rope_and_write_kv, rope_and_write_kv_ref,  # noqa: E402
                                           write_kv, write_kv_ref)
 from tllm.layers.rotary import RotaryEmbedding  # noqa: E402

@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tllm.kernels.testing import relative_error  # noqa: E402
+from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels.triton.mmdit import (adaln_modulate, adaln_modulate_ref,  # noqa: E402
                                        qk_norm_rope, qk_norm_rope_ref)
 

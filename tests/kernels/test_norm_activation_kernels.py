@@ -4,7 +4,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tllm.kernels.testing import relative_error  # noqa: E402
+from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels.triton.activation import silu_and_mul, silu_and_mul_ref  # noqa: E402
 from tllm.kernels.triton.rmsnorm import rms_norm, rms_norm_ref  # noqa: E402
 from tllm.layers.activation import SiluAndMul  # noqa: E402

@@ -9,7 +9,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tllm.executor.request import Request
+from tllm.request import Request
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.sampling_params import SamplingParams
 

@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from tllm.executor.request import Request
+from tllm.request import Request
 from tllm.sampling.sampler import Sampler, prompt_logprobs
 from tllm.sampling_params import SamplingParams
 

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from tllm.executor.request import Request
+from tllm.request import Request
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.sampling_params import SamplingParams
 from tllm.scheduler.scheduler import Scheduler

@@ -11,7 +11,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from tllm.kernels.testing import relative_error  # noqa: E402
+from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.loader.hf import CheckpointError  # noqa: E402
 from tllm.visual_gen.models.qwen_image.transformer import (  # noqa: E402
     QwenImageTransformer, QwenImageTransformerConfig, dummy_transformer_config,

@@ -43,6 +43,16 @@ class AttentionMetadata:
 KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, tokens_per_block, kv_heads, head_dim]
 
 
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What a model's paged KV cache holds on this rank: one (key, value) pair per local
+    layer, each token with num_kv_heads x head_dim values."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
 class AttentionBackend(ABC):
     """Writes this step's keys and values into the paged cache, then attends."""
 
@@ -76,6 +86,10 @@ _BACKENDS: dict[str, str] = {"torch": "tllm.attention.torch_ref:TorchAttentionBa
 
 def register_attention_backend(name: str, target: str) -> None:
     _BACKENDS[name] = target
+
+
+def has_attention_backend(name: str) -> bool:
+    return name in _BACKENDS
 
 
 def get_attention_backend(name: str) -> Callable[..., AttentionBackend]:

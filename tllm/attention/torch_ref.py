@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache
+from tllm.kernels.paged import causal_mask, gather_kv
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -14,28 +15,6 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
     k_cache, v_cache = kv_cache
     k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
-
-
-def gather_kv(kv_cache: KVCache, block_table: torch.Tensor, seq_len: int,
-              tokens_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of one sequence, [seq_len, kv_heads, head_dim]."""
-    num_blocks = -(-seq_len // tokens_per_block)
-    blocks = block_table[:num_blocks]
-    k_cache, v_cache = kv_cache
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]
-    return k, v
-
-
-def causal_mask(query_len: int, seq_len: int, sliding_window: int | None,
-                device: torch.device) -> torch.Tensor:
-    """True where query i (at position seq_len - query_len + i) may attend key j."""
-    q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
-    k_pos = torch.arange(seq_len, device=device)[None, :]
-    mask = k_pos <= q_pos
-    if sliding_window is not None:
-        mask &= k_pos > q_pos - sliding_window
-    return mask
 
 
 # torch >= 2.5 broadcasts kv heads itself; older versions need them repeated.

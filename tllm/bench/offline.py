@@ -15,9 +15,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tllm import LLM, SamplingParams
+from tllm.llmapi.llm import LLM
+from tllm.sampling_params import SamplingParams
 from tllm.bench.serve_metrics import percentile
-from tllm.llmapi.engine import pick_backend
+from tllm.runner.build import pick_backend
 
 PERCENTILES = (50, 90, 99)
 # After a time limit aborts the requests in flight, how long to wait for the engine to end them.

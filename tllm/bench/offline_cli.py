@@ -9,7 +9,8 @@ import sys
 import time
 from pathlib import Path
 
-from tllm import LLM, KvCacheConfig
+from tllm.llmapi.llm import LLM
+from tllm.llmapi.llm_args import KvCacheConfig
 from tllm.bench.offline import (PERCENTILES, LatencyConfig, ThroughputConfig, run_latency,
                                 run_throughput)
 from tllm.cli_types import fraction, non_negative_int, positive_float, positive_int

@@ -6,7 +6,10 @@ shard); the others run `tllm.executor.worker`.
   process runs the user's script; torch's env:// rendezvous joins them, across hosts too.
   `LLM(...)` returns on rank 0 only; on the others it serves steps until rank 0 shuts down
   and then exits the process.
-- Ray: see `tllm.distributed.ray_launcher` (one actor per GPU, placed by Ray)."""
+- Ray: see `tllm.distributed.ray_launcher` (one actor per GPU, placed by Ray).
+
+What a worker runs is the caller's `WorkerEntry`: the launchers start ranks, they do not
+know what a rank does (that lives in the executor, a layer above)."""
 from __future__ import annotations
 
 import json
@@ -17,17 +20,25 @@ import subprocess
 import sys
 import threading
 import time
-
-import datetime
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from tllm.distributed import comm
 from tllm.distributed.mapping import Mapping
+from tllm.distributed.rendezvous import RENDEZVOUS_TIMEOUT, ready_key
 
 logger = logging.getLogger(__name__)
-RENDEZVOUS_TIMEOUT = datetime.timedelta(seconds=600)
+
+
+@dataclass(frozen=True)
+class WorkerEntry:
+    """What a worker rank runs: `run(args, device)` in this interpreter (torchrun ranks, Ray
+    actors), or `python -m <module> SPEC` in a spawned one (the local launcher)."""
+    module: str
+    run: Callable[..., None]
 
 
 def torchrun_env(world_size: int) -> tuple[int, int] | None:
@@ -49,23 +60,21 @@ def rank_device(device: torch.device, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def launch_workers(args, mapping: Mapping, device: torch.device) -> WorkerGroup:
+def launch_workers(args, mapping: Mapping, device: torch.device,
+                   entry: WorkerEntry) -> WorkerGroup:
+    """Start ranks 1.. as local processes (or join a torchrun world) and become rank 0."""
     env = torchrun_env(mapping.world_size)
     if env is not None:
         rank, local_rank = env
         device = rank_device(device, local_rank)
         comm.init_distributed(mapping.with_rank(rank), device, "env://")
         if rank != 0:
-            from tllm.executor.worker import run_worker
-            run_worker(args, device)
+            entry.run(args, device)
             comm.destroy_distributed()
             raise SystemExit(0)
         return WorkerGroup([], device)
-    if getattr(args, "orchestrator", "mp") == "ray":  # a torchrun environment wins over it
-        from tllm.distributed.ray_launcher import launch_ray_workers
-        return launch_ray_workers(args, mapping, device)
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    processes = [_spawn_worker(args, mapping.with_rank(rank), init_method,
+    processes = [_spawn_worker(entry.module, args, mapping.with_rank(rank), init_method,
                                rank_device(device, rank))
                  for rank in range(1, mapping.world_size)]
     group = WorkerGroup(processes, rank_device(device, 0))
@@ -93,24 +102,20 @@ def _rendezvous_watching(group: WorkerGroup, mapping: Mapping, init_method: str)
     comm.init_distributed(mapping, group.device, None, store=store)
 
 
-def ready_key(rank: int) -> str:
-    return f"tllm/ready/{rank}"
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _spawn_worker(args, mapping: Mapping, init_method: str,
+def _spawn_worker(module: str, args, mapping: Mapping, init_method: str,
                   device: torch.device) -> subprocess.Popen:
-    """A fresh interpreter running tllm.executor.worker (not multiprocessing: the user's
+    """A fresh interpreter running the worker module (not multiprocessing: the user's
     __main__ is never re-imported, so scripts need no `if __name__ == "__main__"` guard)."""
     spec = {"args": args.model_dump(mode="json"), "world_size": mapping.world_size,
             "tp_size": mapping.tp_size, "pp_size": mapping.pp_size, "rank": mapping.rank,
             "init_method": init_method, "device": str(device), "parent_pid": os.getpid()}
-    return subprocess.Popen([sys.executable, "-m", "tllm.executor.worker", json.dumps(spec)],
+    return subprocess.Popen([sys.executable, "-m", module, json.dumps(spec)],
                             stdin=subprocess.DEVNULL)
 
 

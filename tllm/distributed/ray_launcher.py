@@ -6,8 +6,8 @@ strategy PACK by default, so Ray fills a node's GPUs before it spills to the nex
 cluster. Bundle 0 is pinned to this (the driver's) node for rank 0; on CUDA an idle actor holds
 that bundle's GPU, and rank 0 uses the same GPU, so that Ray never hands it to another rank.
 Ranks 1..world_size-1 each run in an actor that sees only its own GPU (Ray sets
-CUDA_VISIBLE_DEVICES), i.e. cuda:0, and runs the same code as a spawned worker
-(`tllm.executor.worker.run_worker`).
+CUDA_VISIBLE_DEVICES), i.e. cuda:0, and runs the same code as a spawned worker (the
+caller's `run_worker`, `tllm.executor.worker.run_worker` for the LLM).
 
 Rendezvous: torch.distributed over `tcp://<rank 0's node IP>:<free port>`, so every node must
 reach that address; NCCL (gloo on the CPU) then talks over the network between nodes and over
@@ -29,6 +29,7 @@ import os
 import socket
 import threading
 import time
+from typing import Callable
 
 import ray
 import torch
@@ -55,8 +56,7 @@ class RankActor:
         ids = ray.get_gpu_ids()
         return str(ids[0]) if ids else None
 
-    def run(self, spec: dict) -> None:
-        from tllm.executor.worker import run_worker
+    def run(self, spec: dict, run_worker: Callable[..., None]) -> None:
         from tllm.llmapi.llm_args import LlmArgs
         args = LlmArgs.model_validate(spec["args"])
         mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"])
@@ -71,6 +71,7 @@ class RankActor:
 
 
 def launch_ray_workers(args, mapping: Mapping, device: torch.device,
+                       run_worker: Callable[..., None],
                        strategy: str = "PACK") -> RayWorkerGroup:
     """Start ranks 1.. as Ray actors and join them as rank 0 (this process)."""
     owns_ray = _connect()
@@ -84,7 +85,8 @@ def launch_ray_workers(args, mapping: Mapping, device: torch.device,
         ray.get([a.gpu_id.remote() for a in actors], timeout=_ACTOR_START_TIMEOUT_S)
         init_method = f"tcp://{host}:{_free_port()}"
         for rank, actor in enumerate(actors, start=1):
-            group.run(rank, actor, _spec(args, mapping.with_rank(rank), init_method, device))
+            group.run(rank, actor, _spec(args, mapping.with_rank(rank), init_method, device),
+                      run_worker)
         comm.init_distributed(mapping, group.device, init_method)
     except BaseException:
         group.shutdown(clean=False)
@@ -169,8 +171,8 @@ class RayWorkerGroup(WorkerGroup):
         self.actors.append(actor)
         return actor
 
-    def run(self, rank: int, actor, spec: dict) -> None:
-        self._runs[actor.run.remote(spec)] = rank
+    def run(self, rank: int, actor, spec: dict, run_worker: Callable[..., None]) -> None:
+        self._runs[actor.run.remote(spec, run_worker)] = rank
 
     def dead_worker_error(self, grace_s: float = 0.0) -> Exception | None:
         """The error to report if a rank's actor died or its run failed; waits up to

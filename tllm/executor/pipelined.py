@@ -12,7 +12,7 @@ import logging
 from collections import deque
 
 from tllm.executor.py_executor import PyExecutor
-from tllm.executor.request import PLACEHOLDER
+from tllm.request import PLACEHOLDER
 from tllm.runner.model_runner import StepOutput
 from tllm.scheduler.scheduler import ScheduledBatch
 

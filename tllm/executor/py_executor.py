@@ -9,7 +9,7 @@ import threading
 import weakref
 from typing import Callable
 
-from tllm.executor.request import PLACEHOLDER, FinishReason, Request, RequestState
+from tllm.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.runner.model_runner import ModelRunner, StepOutput
 from tllm.sampling.sampler import SampledBatch, Sampler, SamplerOutput, prompt_logprobs

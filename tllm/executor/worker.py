@@ -12,13 +12,15 @@ import torch
 
 from tllm.distributed import comm
 from tllm.distributed.mapping import Mapping
+from tllm.distributed.rendezvous import RENDEZVOUS_TIMEOUT, ready_key
+from tllm.llmapi.llm_args import LlmArgs
+from tllm.runner.build import build_rank
 from tllm.runner.step import STOP, plan_tensors, run_plan
 from tllm.sampling.last_stage import LastStageSampler
 
 
 def worker_main(spec: dict) -> None:
     """Entry point of a spawned worker process (`python -m tllm.executor.worker SPEC`)."""
-    from tllm.llmapi.llm_args import LlmArgs
     _exit_with_parent(spec["parent_pid"])
     try:
         args = LlmArgs.model_validate(spec["args"])
@@ -37,7 +39,6 @@ def _check_in(spec: dict, mapping: Mapping):
     """Connect to rank 0's rendezvous store and say this rank is up (rank 0 joins the
     process group only once every worker has)."""
     import torch.distributed as dist
-    from tllm.distributed.launch import RENDEZVOUS_TIMEOUT, ready_key
     host, port = spec["init_method"].removeprefix("tcp://").rsplit(":", 1)
     store = dist.TCPStore(host, int(port), mapping.world_size, is_master=False,
                           timeout=RENDEZVOUS_TIMEOUT)
@@ -45,8 +46,8 @@ def _check_in(spec: dict, mapping: Mapping):
     return store
 
 
-def run_worker(args, device: torch.device) -> None:
-    from tllm.llmapi.engine import build_rank
+def run_worker(args: LlmArgs, device: torch.device) -> None:
+    """What a worker rank runs, in whatever process its launcher gave it."""
     parts = build_rank(args, device)
     serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device, args.seed)
 

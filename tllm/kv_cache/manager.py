@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from tllm.executor.request import Request
+from tllm.request import Request
 from tllm.kv_cache.block_pool import BlockPool
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
 

@@ -1,33 +1,28 @@
-"""Builds the executor stack from LlmArgs: model and tokenizer, KV cache sized to memory,
-scheduler, model runner, sampler, and the loop thread; with tensor/pipeline parallelism, the
-worker processes of the other ranks too (each builds its part with `build_rank`)."""
+"""Builds the engine from LlmArgs: this rank's parts (`tllm.runner.build`), the tokenizer,
+the scheduler, model runner, sampler and the loop thread; with tensor/pipeline parallelism,
+the worker ranks too (each builds its own parts with the same `build_rank`)."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
-import psutil
 import torch
 
 from tllm import loader
-from tllm.attention import get_attention_backend
-from tllm.distributed import comm
-from tllm.distributed.launch import WorkerGroup, launch_workers
+from tllm.device import pick_device
+from tllm.distributed.launch import WorkerEntry, WorkerGroup, launch_workers, torchrun_env
 from tllm.distributed.mapping import Mapping
+from tllm.executor import worker
 from tllm.executor.pipelined import PipelinedExecutor
 from tllm.executor.py_executor import PyExecutor
 from tllm.kv_cache.manager import KVCacheManager
-from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
-from tllm.models.llama import head_dim_of
-from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
+from tllm.llmapi.llm_args import LlmArgs
+from tllm.runner.build import RankParts, build_rank
 from tllm.runner.model_runner import ModelRunner
 from tllm.sampling.sampler import Sampler
 from tllm.scheduler.scheduler import Scheduler
 from tllm.tokenizer import Tokenizer
 
-logger = logging.getLogger(__name__)
-_CPU_KV_CAP_BYTES = 4 << 30
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+WORKER = WorkerEntry("tllm.executor.worker", worker.run_worker)
 
 
 @dataclass
@@ -49,54 +44,13 @@ class Engine:
         self.kv_cache.close()
 
 
-@dataclass
-class RankParts:
-    """What every rank builds: its model shard, its KV cache shard, its CUDA graphs."""
-    config: object
-    model: torch.nn.Module
-    kv_cache: KVCacheManager
-    graphs: CudaGraphRunner | None
-    device: torch.device
-    dtype: torch.dtype
-    max_seq_len: int
-    source: loader.ModelSource
-
-
-def pick_device(requested: str | None) -> torch.device:
-    if requested is not None:
-        device = torch.device(requested)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {requested!r} asked for, but CUDA is not available")
-        return device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def pick_dtype(name: str, config, device: torch.device, is_gguf: bool) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    return torch.bfloat16 if is_gguf else loader.checkpoint_dtype(config)
-
-
-def pick_backend(name: str, device: torch.device) -> str:
-    if name == "auto":
-        return "triton" if device.type == "cuda" and _has_triton_backend() else "torch"
-    return name
-
-
-def _has_triton_backend() -> bool:
-    from tllm.attention.interface import _BACKENDS
-    return "triton" in _BACKENDS
-
-
 def build_engine(args: LlmArgs) -> Engine:
     workers = None
     device = pick_device(args.device)
     if args.world_size > 1:  # start the other ranks; this process becomes rank 0
         mapping = Mapping(args.world_size, args.tensor_parallel_size,
                           args.pipeline_parallel_size, 0)
-        workers = launch_workers(args, mapping, device)
+        workers = start_workers(args, mapping, device)
         device = workers.device
     try:
         parts = build_rank(args, device)
@@ -119,24 +73,12 @@ def build_engine(args: LlmArgs) -> Engine:
                   parts.max_seq_len, workers)
 
 
-def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
-    """Model, weights, KV cache and graphs of this process's rank (all of them, alone)."""
-    mapping = comm.mapping()
-    source = loader.resolve_model(args.model)
-    config, checkpoint = loader.load_config(source)
-    dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
-    max_seq_len = args.max_seq_len or config.max_position_embeddings
-    backend = pick_backend(args.attn_backend, device)
-    model = loader.build_model(config, get_attention_backend(backend), dtype, device,
-                               max_seq_len)
-    loader.load_weights(model, source, checkpoint, args.seed + mapping.rank)
-    no_evict = (args.scheduler_config.capacity_scheduler_policy
-                is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
-    kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
-                              reserve_full_generation=no_evict, model=model)
-    graphs = (build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
-              if mapping.pp_size == 1 else None)
-    return RankParts(config, model, kv_cache, graphs, device, dtype, max_seq_len, source)
+def start_workers(args: LlmArgs, mapping: Mapping, device: torch.device) -> WorkerGroup:
+    """The other ranks, by the orchestrator asked for (a torchrun environment wins)."""
+    if args.orchestrator == "ray" and torchrun_env(mapping.world_size) is None:
+        from tllm.distributed.ray_launcher import launch_ray_workers
+        return launch_ray_workers(args, mapping, device, WORKER.run)
+    return launch_workers(args, mapping, device, WORKER)
 
 
 def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
@@ -153,67 +95,3 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
                                  num_micro_batches=pp_size)
     return PyExecutor(scheduler, parts.kv_cache, runner, sampler,
                       overlap=not args.disable_overlap_scheduler)
-
-
-def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: torch.device,
-                      backend: str, max_seq_len: int) -> CudaGraphRunner | None:
-    config = args.cuda_graph_config
-    if config is None or device.type != "cuda" or backend != "triton":
-        return None
-    limit = min(config.max_batch_size, args.max_batch_size)
-    sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s <= limit] or [limit]
-    graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device)
-    graphs.capture()
-    return graphs
-
-
-def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.device,
-                   max_seq_len: int, reserve_full_generation: bool, model) -> KVCacheManager:
-    """This rank's KV cache: its stage's layers, its kv heads. Every rank holds the same
-    number of blocks (the smallest any rank can fit), since rank 0 allocates for all."""
-    kv_config = args.kv_cache_config
-    block = kv_config.tokens_per_block
-    max_tokens_useful = args.max_batch_size * -(-max_seq_len // block) * block
-    head_dim = head_dim_of(config)
-    num_layers = model.num_local_layers
-    num_kv_heads = model.layers[model.stage_layers.start].self_attn.num_kv_heads
-    bytes_per_token = (2 * num_layers * num_kv_heads * head_dim
-                       * torch.empty((), dtype=dtype).element_size())
-    num_tokens = kv_config.max_tokens
-    if num_tokens is None:
-        budget = kv_cache_budget(kv_config, device, activation_bytes(config, args, dtype))
-        num_tokens = int(budget // bytes_per_token)
-        num_tokens = min(num_tokens, max_tokens_useful)
-    num_blocks = max(1, num_tokens // kv_config.tokens_per_block)
-    if comm.state() is not None:
-        num_blocks = comm.all_reduce_min(num_blocks)
-    block_bytes = kv_config.tokens_per_block * bytes_per_token
-    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks,
-                kv_config.tokens_per_block,
-                num_blocks * kv_config.tokens_per_block * bytes_per_token / 2**30)
-    return KVCacheManager(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          num_blocks=num_blocks, tokens_per_block=kv_config.tokens_per_block,
-                          dtype=dtype, device=device,
-                          enable_block_reuse=kv_config.enable_block_reuse,
-                          reserve_full_generation=reserve_full_generation,
-                          host_cache_blocks=kv_config.host_cache_size // block_bytes,
-                          disk_cache_dir=kv_config.disk_cache_dir,
-                          disk_cache_blocks=kv_config.disk_cache_size // block_bytes)
-
-
-def activation_bytes(config, args: LlmArgs, dtype: torch.dtype) -> int:
-    """A bound on the activations of the largest step (max_num_tokens tokens), kept out of
-    the KV budget: the merged gate/up output dominates, then the float32 logits."""
-    size = torch.empty((), dtype=dtype).element_size()
-    per_token = (2 * config.intermediate_size + 6 * config.hidden_size) * size
-    logits = args.max_batch_size * config.vocab_size * 4 * 3
-    return args.max_num_tokens * per_token * 2 + logits
-
-
-def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device,
-                    reserved_bytes: int) -> float:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(0, free - reserved_bytes) * kv_config.free_memory_fraction
-    available = min(psutil.virtual_memory().available, _CPU_KV_CAP_BYTES)
-    return available * kv_config.free_memory_fraction

@@ -8,7 +8,7 @@ from typing import Any, Sequence, Union
 import torch
 from tqdm.auto import tqdm
 
-from tllm.executor.request import Request
+from tllm.request import Request
 from tllm.llmapi.engine import build_engine
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.llmapi.result import GenerationResult

@@ -8,7 +8,7 @@ import queue
 from dataclasses import dataclass, field
 from typing import Callable
 
-from tllm.executor.request import Request
+from tllm.request import Request
 from tllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 

@@ -13,7 +13,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache
+from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
 from tllm.layers.activation import SiluAndMul
 from tllm.layers.embedding import Embedding, LMHead
 from tllm.distributed import comm
@@ -139,6 +139,12 @@ class LlamaForCausalLM(nn.Module):
     @property
     def num_local_layers(self) -> int:
         return len(self.stage_layers)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """This rank's KV cache: its stage's layers, its share of the kv heads."""
+        attn = self.layers[self.stage_layers.start].self_attn
+        return KVCacheSpec(self.num_local_layers, attn.num_kv_heads, attn.head_dim)
 
     def forward(self, input_ids: torch.Tensor | None, kv_caches: list[KVCache],
                 metadata: AttentionMetadata,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tllm.distributed import comm
-from tllm.executor.request import PLACEHOLDER, Request
+from tllm.request import PLACEHOLDER, Request
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.runner.cuda_graph import CudaGraphRunner
 from tllm.runner.step import StepPlan, plan_tensors, run_plan

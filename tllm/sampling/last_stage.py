@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tllm.executor.request import PLACEHOLDER, Request
+from tllm.request import PLACEHOLDER, Request
 from tllm.sampling.sampler import SampledBatch, Sampler
 from tllm.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tllm.executor.request import Request
+from tllm.request import Request
 from tllm.outputs import Logprob, PositionLogprobs
 from tllm.sampling import processors as P
 

@@ -10,7 +10,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from tllm.executor.request import Request, RequestState
+from tllm.request import Request, RequestState
 from tllm.kv_cache.manager import KVCacheManager
 
 

@@ -77,7 +77,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     import uvicorn
 
-    from tllm import LLM
+    from tllm.llmapi.llm import LLM
     from tllm.llmapi.process_llm import ProcessLLM
     from tllm.serve.openai_server import build_app
 

@@ -5,7 +5,7 @@ from typing import Any, Sequence
 
 import torch
 
-from tllm.llmapi.engine import pick_device
+from tllm.device import pick_device
 from tllm.visual_gen import registry
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tllm.attention.torch_ref import causal_mask, gather_kv
+from tllm.kernels.paged import causal_mask, gather_kv
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

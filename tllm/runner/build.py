@@ -1,0 +1,130 @@
+"""What every rank builds from LlmArgs: its model shard with weights, its KV cache shard sized
+to memory, and its CUDA graphs. Rank 0 (the LLM's process) and the worker ranks call the
+same `build_rank`."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import psutil
+import torch
+
+from tllm import loader
+from tllm.attention import get_attention_backend, has_attention_backend
+from tllm.distributed import comm
+from tllm.kv_cache.manager import KVCacheManager
+from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
+from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
+
+logger = logging.getLogger(__name__)
+_CPU_KV_CAP_BYTES = 4 << 30
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RankParts:
+    """What every rank builds: its model shard, its KV cache shard, its CUDA graphs."""
+    config: object
+    model: torch.nn.Module
+    kv_cache: KVCacheManager
+    graphs: CudaGraphRunner | None
+    device: torch.device
+    dtype: torch.dtype
+    max_seq_len: int
+    source: loader.ModelSource
+
+
+def pick_dtype(name: str, config, device: torch.device, is_gguf: bool) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.bfloat16 if is_gguf else loader.checkpoint_dtype(config)
+
+
+def pick_backend(name: str, device: torch.device) -> str:
+    if name == "auto":
+        return ("triton" if device.type == "cuda" and has_attention_backend("triton")
+                else "torch")
+    return name
+
+
+def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
+    """Model, weights, KV cache and graphs of this process's rank (all of them, alone)."""
+    mapping = comm.mapping()
+    source = loader.resolve_model(args.model)
+    config, checkpoint = loader.load_config(source)
+    dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
+    max_seq_len = args.max_seq_len or config.max_position_embeddings
+    backend = pick_backend(args.attn_backend, device)
+    model = loader.build_model(config, get_attention_backend(backend), dtype, device,
+                               max_seq_len)
+    loader.load_weights(model, source, checkpoint, args.seed + mapping.rank)
+    no_evict = (args.scheduler_config.capacity_scheduler_policy
+                is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
+    kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
+                              reserve_full_generation=no_evict, model=model)
+    graphs = (build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
+              if mapping.pp_size == 1 else None)
+    return RankParts(config, model, kv_cache, graphs, device, dtype, max_seq_len, source)
+
+
+def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: torch.device,
+                      backend: str, max_seq_len: int) -> CudaGraphRunner | None:
+    config = args.cuda_graph_config
+    if config is None or device.type != "cuda" or backend != "triton":
+        return None
+    limit = min(config.max_batch_size, args.max_batch_size)
+    sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s <= limit] or [limit]
+    graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device)
+    graphs.capture()
+    return graphs
+
+
+def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.device,
+                   max_seq_len: int, reserve_full_generation: bool, model) -> KVCacheManager:
+    """This rank's KV cache: its stage's layers, its kv heads. Every rank holds the same
+    number of blocks (the smallest any rank can fit), since rank 0 allocates for all."""
+    kv_config = args.kv_cache_config
+    block = kv_config.tokens_per_block
+    max_tokens_useful = args.max_batch_size * -(-max_seq_len // block) * block
+    spec = model.kv_cache_spec
+    bytes_per_token = (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
+                       * torch.empty((), dtype=dtype).element_size())
+    num_tokens = kv_config.max_tokens
+    if num_tokens is None:
+        budget = kv_cache_budget(kv_config, device, activation_bytes(config, args, dtype))
+        num_tokens = int(budget // bytes_per_token)
+        num_tokens = min(num_tokens, max_tokens_useful)
+    num_blocks = max(1, num_tokens // block)
+    if comm.state() is not None:
+        num_blocks = comm.all_reduce_min(num_blocks)
+    block_bytes = block * bytes_per_token
+    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block,
+                num_blocks * block_bytes / 2**30)
+    return KVCacheManager(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
+                          head_dim=spec.head_dim, num_blocks=num_blocks,
+                          tokens_per_block=block, dtype=dtype, device=device,
+                          enable_block_reuse=kv_config.enable_block_reuse,
+                          reserve_full_generation=reserve_full_generation,
+                          host_cache_blocks=kv_config.host_cache_size // block_bytes,
+                          disk_cache_dir=kv_config.disk_cache_dir,
+                          disk_cache_blocks=kv_config.disk_cache_size // block_bytes)
+
+
+def activation_bytes(config, args: LlmArgs, dtype: torch.dtype) -> int:
+    """A bound on the activations of the largest step (max_num_tokens tokens), kept out of
+    the KV budget: the merged gate/up output dominates, then the float32 logits."""
+    size = torch.empty((), dtype=dtype).element_size()
+    per_token = (2 * config.intermediate_size + 6 * config.hidden_size) * size
+    logits = args.max_batch_size * config.vocab_size * 4 * 3
+    return args.max_num_tokens * per_token * 2 + logits
+
+
+def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device,
+                    reserved_bytes: int) -> float:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free - reserved_bytes) * kv_config.free_memory_fraction
+    available = min(psutil.virtual_memory().available, _CPU_KV_CAP_BYTES)
+    return available * kv_config.free_memory_fraction

@@ -14,8 +14,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from tllm import __version__
+from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.llmapi.llm import LLM
-from tllm.llmapi.llm_args import KvCacheConfig
 from tllm.outputs import RequestOutput
 from tllm.sampling_params import SamplingParams
 from tllm.bench.offline_cli import add_bench_offline_parsers
@@ -24,9 +24,10 @@ from tllm.loader import DEFAULT_MODEL
 from tllm.serve.cli_args import add_serve_parser
 from tllm.visual_gen.cli import add_visual_parser
 from tllm.cli_types import positive_int
+from tllm.extras import MissingExtraError
 
-# Errors caused by what the user typed: printed as one line, no traceback.
-USER_ERRORS = (ValueError, FileNotFoundError)
+# Errors caused by what the user typed (or did not install): printed as one line, no traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, MissingExtraError)
 Messages = list[dict[str, Any]]
 
 
@@ -143,9 +144,9 @@ def _run_chat(args: argparse.Namespace) -> int:
     params = _sampling_params(args)
     with _load_llm(args, max_batch_size=1) as llm:
         if llm.tokenizer is None:
-            raise ValueError(f"model {args.model!r} has no tokenizer, so it cannot chat")
+            raise ValueError(f"model {llm.args.model!r} has no tokenizer, so it cannot chat")
         if not _has_chat_template(llm):
-            raise ValueError(f"model {args.model!r} has no chat template; "
+            raise ValueError(f"model {llm.args.model!r} has no chat template; "
                              "try `tllm generate --no-chat-template`")
         _chat_loop(llm, params, args.system)
     return 0
@@ -192,17 +193,12 @@ def _new_conversation(system: str | None) -> Messages:
 # ---- shared ----
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("model and engine")
-    group.add_argument("--model", "-m", default=DEFAULT_MODEL,
+    group = parser.add_argument_group("model and engine", "these flags win over --config")
+    group.add_argument("--model", "-m",
                        help=f"HF model directory, .gguf file, '{DEFAULT_MODEL}' (default) "
                             "or 'dummy:<preset>'")
-    group.add_argument("--dtype", default="auto",
-                       choices=["auto", "float32", "float16", "bfloat16"])
-    group.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
-    group.add_argument("--max-seq-len", type=positive_int,
-                       help="prompt + answer length limit (default: the model's)")
-    group.add_argument("--kv-cache-tokens", type=positive_int,
-                       help="KV cache capacity in tokens (default: sized to memory)")
+    add_engine_args(group, help_text={
+        "max_batch_size": "most sequences in flight (default: all the answers asked for)"})
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -224,12 +220,12 @@ def _sampling_params(args: argparse.Namespace, n: int = 1) -> SamplingParams:
 def _load_llm(args: argparse.Namespace, max_batch_size: int) -> LLM:
     # A CLI run knows how many sequences it will ever hold; telling the engine keeps the
     # default KV cache from taking all the memory it is allowed.
-    kv_cache_config = KvCacheConfig(max_tokens=args.kv_cache_tokens)
+    kwargs = llm_kwargs(args, model=args.model, defaults={"max_batch_size": max_batch_size})
+    if args.seed is not None:  # --seed is a sampling flag that also seeds dummy weights
+        kwargs["seed"] = args.seed
     start = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
-              max_seq_len=args.max_seq_len, kv_cache_config=kv_cache_config,
-              max_batch_size=max_batch_size, seed=0 if args.seed is None else args.seed)
-    print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    llm = LLM(**kwargs)
+    print(f"loaded {kwargs['model']} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return llm
 
 

@@ -106,13 +106,25 @@ def test_extra_llm_api_options_reach_the_engine_and_flags_win(model, tmp_path):
 
 
 @pytest.mark.parametrize("text, message", [("- 1\n- 2\n", "mapping"),
-                                           ("no_such_option: 1\n", "no_such_option"),
-                                           ("model: x\n", "--model")])
+                                           ("no_such_option: 1\n", "no_such_option")])
 def test_bad_extra_llm_api_options_are_user_errors(model, tmp_path, text, message):
     options = tmp_path / "extra.yml"
     options.write_text(text)
     with pytest.raises(ValueError, match=message):
         bench("latency", *sizes(model), "--extra-llm-api-options", str(options))
+
+
+def test_the_model_may_come_from_the_yaml_and_the_flag_wins(model, tmp_path):
+    options = tmp_path / "extra.yml"
+    out = tmp_path / "latency.json"
+    options.write_text(f"model: {model}\n")
+    assert bench("latency", "--isl", str(ISL), "--osl", str(OSL), "--iterations", "1",
+                 "--warmup", "0", "--extra-llm-api-options", str(options),
+                 "--json", str(out)) == 0
+    assert json.loads(out.read_text())["model"] == model
+    options.write_text("model: /no/such/model\n")
+    assert bench("latency", *sizes(model), "--iterations", "1", "--warmup", "0",
+                 "--config", str(options)) == 0
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -9,11 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-from tllm.llmapi.llm import LLM
-from tllm.llmapi.llm_args import KvCacheConfig
 from tllm.bench.offline import (PERCENTILES, LatencyConfig, ThroughputConfig, run_latency,
                                 run_throughput)
-from tllm.cli_types import fraction, non_negative_int, positive_float, positive_int
+from tllm.cli_types import non_negative_int, positive_float, positive_int
+from tllm.llmapi.cli_args import add_engine_args, llm_kwargs, read_llm_options
+from tllm.llmapi.llm import LLM
+from tllm.llmapi.llm_args import KvCacheConfig
 from tllm.loader import DEFAULT_MODEL
 
 _WIDTH = 64
@@ -57,7 +58,7 @@ def add_bench_offline_parsers(subparsers) -> None:
 
 
 def _add_common_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", default=DEFAULT_MODEL,
+    parser.add_argument("--model", "-m",
                         help=f"HF model directory, .gguf file, '{DEFAULT_MODEL}' (default) or "
                              "'dummy:<preset>' (random weights, e.g. dummy:llama-3.1-8b)")
     parser.add_argument("--isl", type=positive_int, default=128,
@@ -69,23 +70,9 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="prompts, sampling, dummy weights")
     parser.add_argument("--json", metavar="PATH", help="write every figure here as JSON")
     group = parser.add_argument_group(
-        "engine", "LLM arguments; these flags win over --extra-llm-api-options")
-    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    group.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
-    group.add_argument("--max-batch-size", type=positive_int)
-    group.add_argument("--max-num-tokens", type=positive_int)
-    group.add_argument("--max-seq-len", type=positive_int,
-                       help="default: ISL + OSL, rounded up to whole KV blocks")
-    group.add_argument("--tp-size", type=positive_int, dest="tensor_parallel_size",
-                       help="tensor-parallel ranks (one GPU each)")
-    group.add_argument("--pp-size", type=positive_int, dest="pipeline_parallel_size",
-                       help="pipeline-parallel stages")
-    group.add_argument("--kv-cache-free-memory-fraction", type=fraction)
-    group.add_argument("--kv-cache-tokens", type=positive_int,
-                       help="KV cache capacity in tokens (default: sized to memory)")
-    group.add_argument("--extra-llm-api-options", metavar="YAML",
-                       help="a YAML mapping of further LLM(...) arguments, e.g. "
-                            "'cuda_graph_config: {batch_sizes: [1, 8]}'")
+        "engine", "LLM arguments; these flags win over --extra-llm-api-options (--config)")
+    add_engine_args(group, help_text={
+        "max_seq_len": "default: ISL + OSL, rounded up to whole KV blocks"})
 
 
 # ---- running ----
@@ -95,7 +82,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         isl=args.isl, osl=args.osl, num_requests=args.num_requests,
         concurrency=args.concurrency, warmup=args.warmup, temperature=args.temperature,
         seed=args.seed, time_limit_s=args.time_limit)
-    with _load_llm(args.model, llm_kwargs(args)) as llm:
+    with _load_llm(engine_kwargs(args)) as llm:
         result = run_throughput(llm, config)
     return _report(result, args.json)
 
@@ -105,62 +92,38 @@ def run_bench_latency(args: argparse.Namespace) -> int:
         isl=args.isl, osl=args.osl, batch_size=args.batch_size, iterations=args.iterations,
         warmup=args.warmup, temperature=args.temperature, seed=args.seed,
         time_limit_s=args.time_limit)
-    with _load_llm(args.model, llm_kwargs(args, max_batch_size=args.batch_size)) as llm:
+    with _load_llm(engine_kwargs(args, max_batch_size=args.batch_size)) as llm:
         result = run_latency(llm, config)
     return _report(result, args.json)
 
 
-def llm_kwargs(args: argparse.Namespace, **defaults) -> dict:
-    """LLM(...) keyword arguments: the YAML options, then the explicit flags over them, then
-    the benchmark's defaults (max_seq_len about ISL + OSL) where neither says."""
-    kwargs = load_extra_options(args.extra_llm_api_options)
-    for name in ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
-                 "tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
-    kv_cache = kwargs.get("kv_cache_config") or {}
-    if not isinstance(kv_cache, dict):
-        raise ValueError("--extra-llm-api-options: kv_cache_config must be a mapping")
-    kv_cache = dict(kv_cache)
-    if args.kv_cache_free_memory_fraction is not None:
-        kv_cache["free_memory_fraction"] = args.kv_cache_free_memory_fraction
-    if args.kv_cache_tokens is not None:
-        kv_cache["max_tokens"] = args.kv_cache_tokens
-    if kv_cache:
-        kwargs["kv_cache_config"] = kv_cache
+def engine_kwargs(args: argparse.Namespace, **defaults) -> dict:
+    """LLM(...) keyword arguments: the engine flags over the YAML options over the benchmark's
+    defaults (`defaults`, the seed, max_seq_len about ISL + OSL)."""
+    return llm_kwargs(args, model=args.model, defaults={
+        "max_seq_len": lambda kwargs: _whole_blocks(args.isl + args.osl, kwargs),
+        "seed": args.seed, **defaults})
+
+
+def _whole_blocks(num_tokens: int, kwargs: dict) -> int:
     # Rounded up to whole KV blocks: the engine sizes its cache as max_batch_size *
     # max_seq_len tokens, and a sequence holds whole blocks, so a batch of ISL + OSL
     # sequences could otherwise not all fit at once.
-    block = kv_cache.get("tokens_per_block", KvCacheConfig().tokens_per_block)
-    kwargs.setdefault("max_seq_len", -(-(args.isl + args.osl) // block) * block)
-    kwargs.setdefault("seed", args.seed)
-    for name, value in defaults.items():
-        kwargs.setdefault(name, value)
-    return kwargs
+    block = kwargs.get("kv_cache_config", {}).get("tokens_per_block",
+                                                  KvCacheConfig().tokens_per_block)
+    return -(-num_tokens // block) * block
 
 
 def load_extra_options(path: str | None) -> dict:
-    """The mapping of LLM arguments in a YAML file (empty without one)."""
-    if path is None:
-        return {}
-    import yaml
-    try:
-        options = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--extra-llm-api-options: {path} is not valid YAML: {exc}") from exc
-    options = {} if options is None else options
-    if not isinstance(options, dict):
-        raise ValueError(f"--extra-llm-api-options: {path} must hold a mapping of LLM "
-                         f"arguments, not a {type(options).__name__}")
-    if "model" in options:
-        raise ValueError("--extra-llm-api-options: give the model with --model, not in YAML")
-    return dict(options)
+    """The mapping of LLM arguments in a YAML file (empty without one); for scripts that take
+    an --extra-llm-api-options file of their own (benchmarks/gpu_fastpath.py)."""
+    return read_llm_options(path, "--extra-llm-api-options") if path else {}
 
 
-def _load_llm(model: str, kwargs: dict) -> LLM:
+def _load_llm(kwargs: dict) -> LLM:
     start = time.perf_counter()
-    llm = LLM(model, **kwargs)
-    print(f"loaded {model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    llm = LLM(**kwargs)
+    print(f"loaded {kwargs['model']} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return llm
 
 

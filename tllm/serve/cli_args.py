@@ -7,12 +7,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tllm.cli_types import non_negative_int, positive_float, positive_int
+from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.loader import DEFAULT_MODEL
 from tllm.visual_gen.registry import is_visual_model
-from tllm.cli_types import non_negative_int, positive_float, positive_int
-
-# Engine flags of the command line, by the LLM argument each one sets.
-_ENGINE_FLAGS = ("max_batch_size", "max_num_tokens", "max_seq_len", "dtype", "device")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -26,7 +24,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                              "'dummy:<preset>'")
     parser.add_argument("--model", "-m", dest="model_opt", help="the same as MODEL")
     _add_server_args(parser.add_argument_group("server"))
-    _add_engine_args(parser.add_argument_group("engine (over the --config file)"))
+    add_engine_args(parser.add_argument_group("engine (over the --config file)"))
     parser.set_defaults(run=run_serve)
     return parser
 
@@ -57,20 +55,6 @@ def _add_server_args(group) -> None:
                             "it in the server's process)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
-
-
-def _add_engine_args(group) -> None:
-    group.add_argument("--config", help="YAML file of LLM arguments (kv_cache_config, "
-                       "scheduler_config, ...)")
-    group.add_argument("--max-batch-size", type=positive_int)
-    group.add_argument("--max-num-tokens", type=positive_int)
-    group.add_argument("--max-seq-len", type=positive_int)
-    group.add_argument("--tp-size", type=positive_int, help="tensor-parallel ranks (GPUs)")
-    group.add_argument("--pp-size", type=positive_int, help="pipeline-parallel stages")
-    group.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    group.add_argument("--device", help="e.g. cpu, cuda, cuda:1")
-    group.add_argument("--kv-cache-tokens", type=positive_int,
-                       help="KV cache capacity in tokens (sets kv_cache_config.max_tokens)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -104,19 +88,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """(model, LLM keyword arguments): the --config file's, overridden by the flags given."""
-    kwargs = _read_yaml(args.config) if args.config else {}
-    model = args.model_arg or args.model_opt or kwargs.pop("model", None) or DEFAULT_MODEL
-    kwargs.pop("model", None)
-    kwargs.update({name: getattr(args, name) for name in _ENGINE_FLAGS
-                   if getattr(args, name) is not None})
-    if args.kv_cache_tokens is not None:
-        kv_config = dict(kwargs.get("kv_cache_config") or {})
-        kwargs["kv_cache_config"] = {**kv_config, "max_tokens": args.kv_cache_tokens}
-    if args.tp_size is not None:
-        kwargs["tensor_parallel_size"] = args.tp_size
-    if args.pp_size is not None:
-        kwargs["pipeline_parallel_size"] = args.pp_size
-    return model, kwargs
+    kwargs = llm_kwargs(args, model=args.model_arg or args.model_opt)
+    return kwargs.pop("model"), kwargs
 
 
 def server_config(args: argparse.Namespace, model: str):
@@ -127,20 +100,6 @@ def server_config(args: argparse.Namespace, model: str):
                         chat_template=_read_chat_template(args.chat_template),
                         stuck_timeout_s=args.stuck_timeout,
                         image_url_ttl_s=args.image_url_ttl)
-
-
-def _read_yaml(path: str) -> dict[str, Any]:
-    import yaml
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"--config {path}: not valid YAML: {exc}") from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a mapping of LLM arguments, "
-                         f"got {type(data).__name__}")
-    return data
 
 
 def _read_chat_template(value: str | None) -> str | None:

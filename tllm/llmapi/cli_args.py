@@ -1,0 +1,109 @@
+"""The engine flags of the command line, declared once: `tllm generate | chat | serve | bench
+throughput | latency` add them with `add_engine_args` and turn them, with the --config YAML
+file, into LLM(...) keyword arguments with `llm_kwargs` (flags over file over the command's
+defaults over LlmArgs' defaults)."""
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from tllm.cli_types import fraction, positive_int
+from tllm.loader import DEFAULT_MODEL
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+CONFIG_FLAGS = ("--config", "--extra-llm-api-options")  # ours, TensorRT-LLM's
+
+# Flags that set an LLM argument of the same name (their argparse dest).
+_LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
+              "tensor_parallel_size", "pipeline_parallel_size")
+# Flags that set a field of kv_cache_config: dest -> field.
+_KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
+                   "kv_cache_free_memory_fraction": "free_memory_fraction"}
+
+
+class _ConfigFile(argparse.Action):
+    """Stores the path and the spelling of the flag, so that errors name the flag typed."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, "config_flag", option_string)
+
+
+def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
+    """Add the engine flags to an argparse parser or argument group. None of them has a
+    default (None: not given); `help_text` replaces the help of some, by dest, where a
+    command's defaults differ."""
+    text = {"dtype": "default: auto (the checkpoint's on a GPU, float32 on a CPU)",
+            "device": "e.g. cpu, cuda, cuda:1 (default: cuda if available)",
+            "max_batch_size": "most sequences in flight (default 256)",
+            "max_num_tokens": "most tokens in one engine step (default 8192)",
+            "max_seq_len": "prompt + answer length limit (default: the model's)",
+            "kv_cache_tokens": "KV cache capacity in tokens, kv_cache_config.max_tokens "
+                               "(default: sized to memory)",
+            **(help_text or {})}
+    group.add_argument(*CONFIG_FLAGS, dest="config", metavar="YAML", action=_ConfigFile,
+                       help="a YAML mapping of LLM(...) arguments (model, kv_cache_config, "
+                            "scheduler_config, cuda_graph_config, ...); the flags win over it")
+    group.add_argument("--dtype", choices=DTYPES, help=text["dtype"])
+    group.add_argument("--device", help=text["device"])
+    group.add_argument("--max-batch-size", type=positive_int, help=text["max_batch_size"])
+    group.add_argument("--max-num-tokens", type=positive_int, help=text["max_num_tokens"])
+    group.add_argument("--max-seq-len", type=positive_int, help=text["max_seq_len"])
+    group.add_argument("--tp-size", type=positive_int, dest="tensor_parallel_size",
+                       help="tensor-parallel ranks (one GPU each)")
+    group.add_argument("--pp-size", type=positive_int, dest="pipeline_parallel_size",
+                       help="pipeline-parallel stages")
+    group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
+    group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
+                       help="share of the free memory the KV cache takes, "
+                            "kv_cache_config.free_memory_fraction (default 0.9)")
+
+
+def llm_kwargs(args: argparse.Namespace, model: str | None = None,
+               defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """LLM(...) keyword arguments, `model` included, from arguments parsed with the engine
+    flags: the flags given, over the --config file, over `defaults` (the command's own; a
+    callable default gets the arguments gathered so far). `model` is the command line's
+    (None: not given): it wins over the file's, and DEFAULT_MODEL is the last resort."""
+    flag = getattr(args, "config_flag", None) or CONFIG_FLAGS[0]
+    kwargs = read_llm_options(args.config, flag) if args.config else {}
+    kwargs["model"] = model or kwargs.get("model") or DEFAULT_MODEL
+    kwargs.update({name: getattr(args, name) for name in _LLM_FLAGS
+                   if getattr(args, name) is not None})
+    kv_cache = _kv_cache_config(kwargs.pop("kv_cache_config", None), args, flag)
+    if kv_cache:
+        kwargs["kv_cache_config"] = kv_cache
+    for name, value in (defaults or {}).items():
+        if name not in kwargs:
+            kwargs[name] = value(kwargs) if callable(value) else value
+    return kwargs
+
+
+def read_llm_options(path: str | Path, flag: str = CONFIG_FLAGS[0]) -> dict[str, Any]:
+    """The mapping of LLM arguments in a YAML file; ValueError naming `flag` if it is not
+    one."""
+    import yaml
+    try:
+        options = yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{flag} {path}: not valid YAML: {exc}") from exc
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"{flag} {path}: expected a mapping of LLM arguments, got "
+                         f"{type(options).__name__}")
+    return dict(options)
+
+
+def _kv_cache_config(from_file: Any, args: argparse.Namespace, flag: str) -> dict[str, Any]:
+    """The file's kv_cache_config with the KV-cache flags given merged over it."""
+    if from_file is None:
+        from_file = {}
+    if not isinstance(from_file, dict):
+        raise ValueError(f"{flag} {args.config}: kv_cache_config must be a mapping, got "
+                         f"{type(from_file).__name__}")
+    flags = {field: getattr(args, dest) for dest, field in _KV_CACHE_FLAGS.items()
+             if getattr(args, dest) is not None}
+    return {**from_file, **flags}

@@ -12,6 +12,7 @@ from tllm.bench.serve import BenchConfig, BenchRun, run_benchmark
 from tllm.bench.serve_clients import run_in_processes
 from tllm.bench.serve_metrics import SLO_METRICS, format_summary, summarize
 from tllm.cli_types import positive_int
+from tllm.extras import MissingExtraError, require_extra
 
 
 def add_bench_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -95,11 +96,12 @@ def write_result(run: BenchRun, summary: dict, path: str) -> None:
 
 def _plot(run: BenchRun, path: str) -> None:
     try:
-        from tllm.bench.serve_plot import plot_run
-        plot_run(run, path)
-    except ImportError:
-        print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
+        require_extra("bench", "--plot-file")
+    except MissingExtraError as exc:
+        print(f"no plot: {exc}", file=sys.stderr)
         return
+    from tllm.bench.serve_plot import plot_run
+    plot_run(run, path)
     print(f"wrote {path}", file=sys.stderr)
 
 

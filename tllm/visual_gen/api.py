@@ -6,6 +6,7 @@ from typing import Any, Sequence
 import torch
 
 from tllm.device import pick_device
+from tllm.extras import require_extra
 from tllm.visual_gen import registry
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
@@ -25,6 +26,7 @@ class VisualGen:
     def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
                  transformer_impl: str = "auto", seed: int = 0,
                  show_progress: bool = True) -> None:
+        require_extra("visual", "visual generation")
         if dtype != "auto" and dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got "
                              f"{dtype!r}")

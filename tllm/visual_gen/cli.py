@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from tllm.cli_types import positive_int
+from tllm.extras import require_extra
 from tllm.visual_gen.params import LAYERED_RESOLUTIONS, VisualGenParams
 
 
@@ -53,6 +54,7 @@ def add_visual_parser(commands) -> argparse.ArgumentParser:
 
 
 def run_visual(args: argparse.Namespace) -> int:
+    require_extra("visual", "tllm visual")  # before the input images are opened
     from tllm.visual_gen.api import VisualGen
 
     params = VisualGenParams(

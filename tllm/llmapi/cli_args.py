@@ -52,9 +52,9 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--max-num-tokens", type=positive_int, help=text["max_num_tokens"])
     group.add_argument("--max-seq-len", type=positive_int, help=text["max_seq_len"])
     group.add_argument("--tp-size", type=positive_int, dest="tensor_parallel_size",
-                       help="tensor-parallel ranks (one GPU each)")
+                       metavar="N", help="tensor-parallel ranks (one GPU each)")
     group.add_argument("--pp-size", type=positive_int, dest="pipeline_parallel_size",
-                       help="pipeline-parallel stages")
+                       metavar="N", help="pipeline-parallel stages")
     group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
                        help="share of the free memory the KV cache takes, "

@@ -33,7 +33,11 @@ def _add_server_args(group) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on "
                        "(default 127.0.0.1; 0.0.0.0 listens on every interface)")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                       "and /dashboard (which also takes ?api_key=KEY)")
+    group.add_argument("--protect-metrics", action="store_true",
+                       help="with --api-key: /metrics, /docs, /redoc and /openapi.json need "
+                            "the key too (default: they stay open)")
     group.add_argument("--served-model-name", help="the model name clients send (default: "
                        "MODEL as given)")
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
@@ -43,6 +47,15 @@ def _add_server_args(group) -> None:
                             "means no limit)")
     group.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
                        help="answer 413 to larger request bodies (default 16 MiB)")
+    group.add_argument("--body-read-timeout", type=positive_float, default=10.0,
+                       help="seconds a request body may take to arrive after its headers; "
+                            "then 408 and the connection is closed (default 10)")
+    group.add_argument("--max-header-bytes", type=positive_int, default=16 << 10,
+                       help="largest request line + headers: larger ones get a 431 (a 400 "
+                            "while still incomplete) and the connection is closed "
+                            "(default 16 KiB)")
+    group.add_argument("--keep-alive-timeout", type=positive_int, default=5,
+                       help="seconds an idle keep-alive connection stays open (default 5)")
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
                             "/health answers 503 (default 120)")
@@ -63,6 +76,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from tllm.llmapi.llm import LLM
     from tllm.llmapi.process_llm import ProcessLLM
+    from tllm.serve.http_limits import uvicorn_options
     from tllm.serve.openai_server import build_app
 
     model, llm_kwargs = llm_arguments(args)
@@ -77,7 +91,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # No lifespan events: the LLM is loaded already and shut down below. Streams still
         # open 5 s after Ctrl-C are cut (and aborted in the engine).
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    lifespan="off", timeout_graceful_shutdown=5)
+                    lifespan="off", timeout_graceful_shutdown=5, **uvicorn_options(config))
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:
@@ -99,7 +113,11 @@ def server_config(args: argparse.Namespace, model: str):
                         max_body_bytes=args.max_body_bytes,
                         chat_template=_read_chat_template(args.chat_template),
                         stuck_timeout_s=args.stuck_timeout,
-                        image_url_ttl_s=args.image_url_ttl)
+                        image_url_ttl_s=args.image_url_ttl,
+                        body_read_timeout_s=args.body_read_timeout,
+                        max_header_bytes=args.max_header_bytes,
+                        keep_alive_timeout_s=args.keep_alive_timeout,
+                        protect_metrics=args.protect_metrics)
 
 
 def _read_chat_template(value: str | None) -> str | None:

@@ -33,6 +33,10 @@ class ServerConfig:
     chat_template: str | None = None
     stuck_timeout_s: float = 120.0
     image_url_ttl_s: float = 3600.0     # images server: how long "url" files stay
+    body_read_timeout_s: float = 10.0   # 408 when a body has not all arrived by then
+    max_header_bytes: int = 16 << 10    # uvicorn/h11: larger request heads get a 400
+    keep_alive_timeout_s: int = 5       # uvicorn: idle keep-alive connections closed after
+    protect_metrics: bool = False       # with api_key: /metrics and the docs need it too
 
     @property
     def model_name(self) -> str:
@@ -92,8 +96,7 @@ def event_stream(request: Request, generation: Generation,
             except APIError as exc:
                 yield sse(exc.body())
             except Exception as exc:  # the status line is sent: report it in the stream
-                logger.exception("streamed request failed")
-                yield sse(internal_error(exc).body())
+                yield sse(internal_error(exc).body())  # (logged there, with its id)
             yield SSE_DONE
 
     return StreamingResponse(body(), media_type="text/event-stream",

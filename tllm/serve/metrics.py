@@ -1,9 +1,13 @@
 """Prometheus metrics of the server, with vLLM's names under a `tllm:` prefix. Engine gauges
 are read from `LLM.get_stats()` at scrape time; request metrics are fed by a RequestTracker
-per API request. Each server has its own registry, so several can live in one process."""
+per API request. Each server has its own registry, so several can live in one process.
+Beside the cumulative histograms, sliding windows (per-second buckets) give recent token
+rates and latency percentiles for the dashboard."""
 from __future__ import annotations
 
+import math
 import time
+from collections import deque
 from typing import Callable, Iterator
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
@@ -11,7 +15,8 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["CONTENT_TYPE_LATEST", "RequestTracker", "ServerMetrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "RequestTracker", "ServerMetrics", "WindowedCounter",
+           "WindowedQuantiles"]
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
@@ -22,6 +27,106 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                  100000, 200000)
 FINISH_REASONS = ("stop", "length", "abort")
+LATENCY_WINDOW_S = 300      # percentiles over the last 5 minutes
+RATE_WINDOW_S = 10          # token rates over the last 10 seconds
+
+
+class WindowedCounter:
+    """Counts in per-second buckets over the last window_s seconds: a recent rate."""
+
+    def __init__(self, window_s: int = RATE_WINDOW_S, clock=time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._start = clock()
+        self._buckets: deque[list] = deque()    # [second, count]
+
+    def add(self, count: float) -> None:
+        second = int(self._clock())
+        if self._buckets and self._buckets[-1][0] == second:
+            self._buckets[-1][1] += count
+        else:
+            self._buckets.append([second, count])
+        self._expire(second)
+
+    def rate(self) -> float:
+        """Per second over the window (or over the time since start, when shorter)."""
+        now = self._clock()
+        self._expire(int(now))
+        span = min(self.window_s, max(now - self._start, 1e-3))
+        return sum(count for _, count in self._buckets) / span
+
+    def _expire(self, second: int) -> None:
+        while self._buckets and self._buckets[0][0] <= second - self.window_s:
+            self._buckets.popleft()
+
+
+class WindowedQuantiles:
+    """Quantiles of the values observed in the last window_s seconds, from per-second
+    histograms with log-spaced bins (values within 3% of the truth, [1e-4, 1e4] seconds): one
+    observation costs a log and an increment, however high the rate."""
+
+    _LOW, _BINS_PER_DECADE, _DECADES = 1e-4, 40, 8
+
+    def __init__(self, window_s: int = LATENCY_WINDOW_S, clock=time.monotonic) -> None:
+        self.window_s = window_s
+        self._clock = clock
+        self._num_bins = self._BINS_PER_DECADE * self._DECADES + 1
+        self._buckets: deque[tuple[int, list[int]]] = deque()
+
+    def observe(self, value: float, count: int = 1) -> None:
+        second = int(self._clock())
+        if not self._buckets or self._buckets[-1][0] != second:
+            self._buckets.append((second, [0] * self._num_bins))
+            self._expire(second)
+        self._buckets[-1][1][self._bin(value)] += count
+
+    def quantiles(self, qs: tuple[float, ...]) -> list[float | None]:
+        """The values at these quantiles (0..1), None for each when nothing was observed."""
+        self._expire(int(self._clock()))
+        totals = [sum(column) for column in zip(*(counts for _, counts in self._buckets))]
+        num = sum(totals)
+        if not num:
+            return [None] * len(qs)
+        found, seen, index = {}, 0, 0
+        for q in sorted(set(qs)):
+            target = max(1, math.ceil(q * num))
+            while seen + totals[index] < target:
+                seen += totals[index]
+                index += 1
+            found[q] = self._value(index)
+        return [found[q] for q in qs]
+
+    def count(self) -> int:
+        self._expire(int(self._clock()))
+        return sum(sum(counts) for _, counts in self._buckets)
+
+    def _bin(self, value: float) -> int:
+        if value <= self._LOW:
+            return 0
+        index = math.ceil(math.log10(value / self._LOW) * self._BINS_PER_DECADE)
+        return min(index, self._num_bins - 1)
+
+    def _value(self, index: int) -> float:
+        """A bin's midpoint (geometric) as its value; bin 0 is everything up to _LOW."""
+        if index == 0:
+            return self._LOW
+        return self._LOW * 10 ** ((index - 0.5) / self._BINS_PER_DECADE)
+
+    def _expire(self, second: int) -> None:
+        while self._buckets and self._buckets[0][0] <= second - self.window_s:
+            self._buckets.popleft()
+
+
+class RecentActivity:
+    """The sliding windows of one server: token rates, request completions, latencies."""
+
+    def __init__(self) -> None:
+        self.prompt_tokens = WindowedCounter()
+        self.generation_tokens = WindowedCounter()
+        self.finished = WindowedCounter()
+        self.ttft = WindowedQuantiles()
+        self.itl = WindowedQuantiles()
+        self.e2e = WindowedQuantiles()
 
 
 class ServerMetrics:
@@ -52,6 +157,7 @@ class ServerMetrics:
         self.http_requests = Counter("tllm:http_requests", "HTTP responses by endpoint and "
                                      "status.", ["endpoint", "status"], registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats, model_name))
+        self.recent = RecentActivity()
 
     def _counter(self, name: str, doc: str):
         return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
@@ -63,12 +169,24 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    def samples(self) -> dict[str, float]:
+        """Every sample /metrics would show now, by name and labels other than model_name
+        (e.g. 'tllm:request_success_total{finished_reason="stop"}')."""
+        values = {}
+        for metric in self.registry.collect():
+            for sample in metric.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items())
+                                  if k != "model_name")
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
+
     def track(self, prompt_lengths: list[int], num_samples: int,
               arrival: float | None = None) -> RequestTracker:
         """Start tracking an API request: each prompt runs num_samples sequences."""
         for length in prompt_lengths:
             self.prompt_tokens.inc(length)
             self.request_prompt_tokens.observe(length)
+        self.recent.prompt_tokens.add(sum(prompt_lengths))
         return RequestTracker(self, len(prompt_lengths) * num_samples,
                               arrival if arrival is not None else time.monotonic())
 
@@ -90,15 +208,20 @@ class RequestTracker:
             return
         now = time.monotonic()
         last = self._last_token_time[seq]
+        metrics, recent = self._metrics, self._metrics.recent
         if self._is_first_token:
-            self._metrics.ttft.observe(now - self._arrival)
+            metrics.ttft.observe(now - self._arrival)
+            recent.ttft.observe(now - self._arrival)
             self._is_first_token = False
         if last is not None:
+            itl = (now - last) / num_tokens
             for _ in range(num_tokens):
-                self._metrics.itl.observe((now - last) / num_tokens)
+                metrics.itl.observe(itl)
+            recent.itl.observe(itl, num_tokens)
         self._last_token_time[seq] = now
         self._num_tokens[seq] += num_tokens
-        self._metrics.generation_tokens.inc(num_tokens)
+        metrics.generation_tokens.inc(num_tokens)
+        recent.generation_tokens.add(num_tokens)
 
     def on_finish(self, seq: int, reason: str | None) -> None:
         if seq not in self._unfinished:
@@ -107,8 +230,10 @@ class RequestTracker:
         metrics = self._metrics
         metrics.request_success[reason if reason in FINISH_REASONS else "abort"].inc()
         metrics.request_generation_tokens.observe(self._num_tokens[seq])
+        metrics.recent.finished.add(1)
         if not self._unfinished:
             metrics.e2e.observe(time.monotonic() - self._arrival)
+            metrics.recent.e2e.observe(time.monotonic() - self._arrival)
 
     def on_engine_metrics(self, engine_metrics: dict[str, float]) -> None:
         if "queue_s" in engine_metrics:

@@ -1,58 +1,85 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one LLM (one executor loop shared
-by all requests), API-key check, body size cap, Prometheus metrics, health."""
+by all requests), API-key check, body limits, Prometheus metrics, health, a live dashboard,
+and an OpenAPI schema built by FastAPI from the request and response models."""
 from __future__ import annotations
 
 import hmac
 import logging
 
 from fastapi import APIRouter, Depends, FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tllm import __version__
 from tllm.serve.chat import create_chat_completion
 from tllm.serve.completions import create_completion
 from tllm.serve.context import ServerConfig, ServingContext
-from tllm.serve.errors import (APIError, bad_request, from_validation_error,
-                               install_error_handlers, internal_error)
+from tllm.serve.dashboard import API_KEY_COOKIE, dashboard_routes
+from tllm.serve.errors import (APIError, bad_request, error_responses,
+                               from_validation_error, install_error_handlers, internal_error)
+from tllm.serve.http_limits import RequestLimits
 from tllm.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from tllm.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from tllm.serve.params import ModelLimits
+from tllm.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                 CompletionRequest, CompletionResponse,
+                                 HealthResponse, ModelCard, ModelList, VersionResponse)
 
 logger = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version",
-             "/metrics")
+             "/metrics", "/dashboard", "/dashboard/stats.json", "/openapi.json", "/docs",
+             "/redoc")
+_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent "
+                                         "Events: `data: <chunk JSON>` ..., `data: [DONE]`"}}}
 
 
 def build_app(llm, config: ServerConfig) -> FastAPI:
     """The server's ASGI app over a loaded LLM; the caller owns the LLM and shuts it down,
     and calls `app.state.ctx.close()` once the server has stopped."""
     ctx = ServingContext.create(llm, config)
-    app = FastAPI(title="tllm", version=__version__)
+    app = FastAPI(title="tllm", version=__version__, openapi_url=None, docs_url=None,
+                  redoc_url=None, description="OpenAI-compatible completions and chat "
+                  "completions, with vLLM's extra sampling fields.")
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(RequestLimits, max_bytes=config.max_body_bytes,
+                       read_timeout_s=config.body_read_timeout_s,
+                       max_header_bytes=config.max_header_bytes)
     app.add_middleware(_HttpGuard, metrics=ctx.metrics)
-    app.include_router(_api_routes(ctx))
+    app.include_router(_api_routes(ctx, ModelLimits.of(llm)))
     app.include_router(_ops_routes(ctx))
+    app.include_router(_docs_routes(app, config))
+    app.include_router(dashboard_routes(ctx, api_key_check(config.api_key,
+                                                           allow_browser=True)))
     return app
 
 
-def _api_routes(ctx: ServingContext) -> APIRouter:
+def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
     config = ctx.config
-    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(config.api_key))])
+    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(config.api_key))],
+                    responses=error_responses(401, 500))
+    with_body = [Depends(json_content_type)]
+    body_errors = error_responses(400, 404, 408, 413, 415, 429, 503)
 
-    @api.post("/completions")
-    async def completions(request: Request) -> Response:
-        body = await read_body(request, CompletionRequest, config.max_body_bytes)
+    @api.post("/completions", dependencies=with_body, summary="Create a completion",
+              responses={200: {"model": CompletionResponse, "content": _SSE,
+                               "description": "The completion; with `stream`, its chunks"},
+                         **body_errors})
+    async def completions(request: Request, body: CompletionRequest) -> Response:
+        limits.check(body)
         return await create_completion(ctx, request, body)
 
-    @api.post("/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        body = await read_body(request, ChatCompletionRequest, config.max_body_bytes)
+    @api.post("/chat/completions", dependencies=with_body, summary="Create a chat completion",
+              responses={200: {"model": ChatCompletionResponse, "content": _SSE,
+                               "description": "The chat completion; with `stream`, "
+                               "ChatCompletionChunk events"}, **body_errors})
+    async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        limits.check(body)
         return await create_chat_completion(ctx, request, body)
 
-    @api.get("/models")
+    @api.get("/models", summary="List the served model", responses={200: {"model": ModelList}})
     async def models() -> Response:
         card = ModelCard(id=config.model_name, root=config.model,
                          max_model_len=ctx.llm.max_seq_len)
@@ -62,47 +89,89 @@ def _api_routes(ctx: ServingContext) -> APIRouter:
 
 
 def _ops_routes(ctx: ServingContext) -> APIRouter:
-    ops = APIRouter()
+    ops = APIRouter(responses=error_responses(500))
+    metrics_key = api_key_check(ctx.config.api_key if ctx.config.protect_metrics else None)
 
-    @ops.get("/health")
+    @ops.get("/health", summary="Engine health",
+             responses={200: {"model": HealthResponse}, **error_responses(503)})
     async def health() -> Response:
         reason = ctx.engine.health()
         if reason is not None:
             return APIError(503, reason, code="engine_unhealthy").response()
-        return JSONResponse({"status": "ok"})
+        return JSONResponse(HealthResponse().model_dump())
 
-    @ops.get("/version")
+    @ops.get("/version", summary="Server version", responses={200: {"model": VersionResponse}})
     async def version() -> Response:
-        return JSONResponse({"version": __version__})
+        return JSONResponse(VersionResponse(version=__version__).model_dump())
 
-    @ops.get("/metrics")
+    @ops.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
+             dependencies=[Depends(metrics_key)],
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}},
+                        **error_responses(401)})
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return ops
 
 
-def api_key_check(api_key: str | None):
+def _docs_routes(app: FastAPI, config: ServerConfig) -> APIRouter:
+    """/openapi.json, /docs and /redoc, behind the API key with --protect-metrics."""
+    key = api_key_check(config.api_key if config.protect_metrics else None)
+    docs = APIRouter(dependencies=[Depends(key)], include_in_schema=False)
+
+    @docs.get("/openapi.json")
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
+
+    @docs.get("/docs")
+    async def swagger() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="tllm API")
+
+    @docs.get("/redoc")
+    async def redoc() -> Response:
+        return get_redoc_html(openapi_url="/openapi.json", title="tllm API")
+
+    return docs
+
+
+def api_key_check(api_key: str | None, allow_browser: bool = False):
+    """A dependency that answers 401 unless the request carries the key (no key: open).
+    `Authorization: Bearer KEY`; with allow_browser also `?api_key=KEY` or the cookie a
+    page answered to such a URL sets (a browser cannot send a header when it loads a page)."""
     expected = (api_key or "").encode()
+
+    def matches(token: str | None) -> bool:
+        return token is not None and hmac.compare_digest(token.strip().encode(), expected)
 
     async def check(request: Request) -> None:
         if api_key is None:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
-                                                                 expected):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer "
-                           "<key>'", code="invalid_api_key")
+        if scheme.lower() == "bearer" and matches(token):
+            return
+        if allow_browser and (matches(request.query_params.get("api_key"))
+                              or matches(request.cookies.get(API_KEY_COOKIE))):
+            return
+        hint = " (or ?api_key=<key>)" if allow_browser else ""
+        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer "
+                       f"<key>'{hint}", code="invalid_api_key")
     return check
 
 
-async def read_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
-    """Parse and validate a JSON body of at most max_bytes: 415, 413 or 400 otherwise."""
+async def json_content_type(request: Request) -> None:
+    """415 unless the body is JSON (no Content-Type at all is taken as JSON)."""
     content_type = request.headers.get("content-type")
     if content_type is not None:
         media_type = content_type.split(";")[0].strip().lower()
         if media_type != "application/json" and not media_type.endswith("+json"):
             raise APIError(415, f"Content-Type must be application/json, got {content_type!r}")
+
+
+async def read_body(request: Request, model: type[BaseModel], max_bytes: int) -> BaseModel:
+    """Parse and validate a JSON body of at most max_bytes: 415, 413 or 400 otherwise (for
+    routes that parse their body themselves; the text routes let FastAPI do it)."""
+    await json_content_type(request)
     declared = request.headers.get("content-length")
     if declared is not None and not declared.isdigit():
         raise bad_request(f"invalid Content-Length {declared!r}")
@@ -125,8 +194,9 @@ def _too_large(max_bytes: int) -> APIError:
 
 
 class _HttpGuard:
-    """Answers an internal error with a 500 in OpenAI's shape instead of letting it reach
-    uvicorn (which would drop the connection), and counts responses by endpoint and status
+    """Answers an internal error with a 500 in OpenAI's shape (a request id, no exception
+    text; the log has the exception under that id) instead of letting it reach uvicorn
+    (which would drop the connection), and counts responses by endpoint and status
     (unknown paths count as 'other', so random URLs cannot blow up the label set)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
@@ -150,7 +220,6 @@ class _HttpGuard:
         except Exception as exc:
             if status is not None:
                 raise  # the response has begun: nothing left to answer with
-            logger.exception("internal error on %s %s", scope["method"], scope["path"])
             await internal_error(exc).response()(scope, receive, send_and_record)
         finally:
             endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"

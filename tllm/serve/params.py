@@ -1,14 +1,66 @@
 """From a request body to the engine's SamplingParams, plus the checks the engine leaves to
-the server: the context length (the engine would silently shorten max_tokens) and
-logit_bias."""
+the server: every integer that becomes a tensor index or size against the model (vocabulary),
+the context length (the engine would silently shorten max_tokens) and logit_bias."""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tllm.sampling_params import SamplingParams
 from tllm.serve.errors import APIError, bad_request, from_value_error
-from tllm.serve.protocol import _SamplingRequest
+from tllm.serve.protocol import INT64_MAX, CompletionRequest, _SamplingRequest
 
 # Below this temperature sampling is greedy (as in vLLM): dividing logits by it overflows.
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the model accepts beyond the protocol's own bounds: token ids and top_k within
+    the vocabulary. vocab_size None (a model without a known vocabulary) checks against the
+    64-bit range the engine's tensors hold."""
+
+    vocab_size: int | None
+
+    @classmethod
+    def of(cls, llm) -> ModelLimits:
+        """The LLM's vocabulary: its own `vocab_size` if it has one, else its tokenizer's."""
+        vocab_size = getattr(llm, "vocab_size", None)
+        if not isinstance(vocab_size, int):
+            vocab_size = getattr(getattr(llm, "tokenizer", None), "vocab_size", None)
+        return cls(vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else None)
+
+    @property
+    def max_token_id(self) -> int:
+        return INT64_MAX if self.vocab_size is None else self.vocab_size - 1
+
+    def check(self, body: _SamplingRequest) -> None:
+        """400 naming the field for an integer the engine could not index or size with."""
+        top_k = body.top_k
+        if top_k is not None and top_k > self.max_token_id + 1:
+            raise bad_request(f"top_k must be -1 or 0 (disabled) or at most the vocabulary "
+                              f"size ({self.max_token_id + 1}), got {top_k}", param="top_k")
+        for token in body.stop_token_ids or ():
+            self._check_token(token, "stop_token_ids")
+        for key in body.logit_bias or {}:
+            self._check_token(_token_key(key), "logit_bias")
+        if isinstance(body, CompletionRequest):
+            for prompt in body.prompts():
+                for token in prompt if not isinstance(prompt, str) else ():
+                    self._check_token(token, "prompt")
+
+    def _check_token(self, token: int, param: str) -> None:
+        if not 0 <= token <= self.max_token_id:
+            where = ("the vocabulary" if self.vocab_size is None
+                     else f"the vocabulary [0, {self.vocab_size})")
+            raise bad_request(f"{param}: token id {token} is outside {where}", param=param)
+
+
+def _token_key(key: str) -> int:
+    """A logit_bias key as a token id: ASCII digits only (int() also takes "²", "٣", " 5")."""
+    if not (key.isascii() and key.isdigit()):
+        raise bad_request(f"logit_bias keys must be token ids (decimal digits), got {key!r}",
+                          param="logit_bias")
+    return int(key)
 
 
 def max_new_tokens(prompt_len: int, requested: int | None, max_seq_len: int,
@@ -29,14 +81,11 @@ def check_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
     """The OpenAI map (token id strings -> bias) as the engine's {int: float}."""
     if not logit_bias:
         return None
-    for key, bias in logit_bias.items():
-        if not key.isdigit():
-            raise bad_request(f"logit_bias keys must be token ids, got {key!r}",
-                              param="logit_bias")
+    for bias in logit_bias.values():
         if not -100 <= bias <= 100:
             raise bad_request(f"logit_bias values must be in [-100, 100], got {bias}",
                               param="logit_bias")
-    return {int(key): float(bias) for key, bias in logit_bias.items()}
+    return {_token_key(key): float(bias) for key, bias in logit_bias.items()}
 
 
 def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | None = None,

@@ -4,17 +4,31 @@ plain models serialised as they are."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema,
+                      field_validator, model_validator)
 
-MAX_N = 128             # OpenAI's own cap on n
-MAX_LOGPROBS = 20       # top logprobs per position (completions `logprobs`, chat `top_logprobs`)
+MAX_N = 128             # OpenAI's own cap on n (and on best_of)
+# Top logprobs per position, completions `logprobs` and chat `top_logprobs` alike: OpenAI caps
+# completions at 5 and chat at 20; 20 for both keeps evaluation harnesses that ask for more
+# than 5 on completions working.
+MAX_LOGPROBS = 20
 MAX_STOP = 16           # stop strings per request
 MAX_STOP_TOKEN_IDS = 256
+# Seeds are signed 64-bit, as in OpenAI's schema; torch's manual_seed takes
+# [-2**63, 2**64 - 1], so seed + sample index (< MAX_N) always fits.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16     # OpenAI's default for /v1/completions
 
 TokenIds = list[int]
+_TOKEN_IDS_SCHEMA = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+# What the prompt may be, for the schema; the validator below checks it with one message.
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
+    _TOKEN_IDS_SCHEMA, {"type": "array", "minItems": 1, "items": _TOKEN_IDS_SCHEMA}],
+    "title": "Prompt", "description": "text, a batch of texts, token ids, or a batch of "
+    "token id lists"}
 
 
 class _Body(BaseModel):
@@ -22,31 +36,40 @@ class _Body(BaseModel):
 
 
 class StreamOptions(_Body):
+    """Options of a streamed response (`stream: true` only)."""
+
     include_usage: bool = False
+    # vLLM's: usage in every chunk, not only in a last chunk of its own
+    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(_Body):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
 
     model: Optional[str] = None
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: int = Field(1, ge=1, le=MAX_N, description=f"choices per prompt, at most {MAX_N}")
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[str | list[str]] = None
-    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    seed: Optional[int] = Field(None, ge=INT64_MIN, le=INT64_MAX,
+                                description="a signed 64-bit integer")
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = Field(
+        None, description="token id (a decimal string, within the vocabulary) -> bias in "
+        "[-100, 100]")
     user: Optional[str] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # vLLM's extra sampling fields
-    top_k: Optional[int] = None
+    top_k: Optional[int] = Field(None, description="-1 or 0 (disabled), or 1 to the "
+                                 "vocabulary size")
     min_p: Optional[float] = None
     repetition_penalty: Optional[float] = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = Field(None, max_length=MAX_STOP_TOKEN_IDS)
+    stop_token_ids: Optional[list[int]] = Field(
+        None, max_length=MAX_STOP_TOKEN_IDS, description="token ids within the vocabulary")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -57,16 +80,29 @@ class _SamplingRequest(_Body):
             raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(stop)}")
         return stop
 
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options, info: ValidationInfo):
+        if options is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true")
+        return options
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage_stats(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):
     """POST /v1/completions."""
 
-    prompt: str | list[Any]
-    max_tokens: Optional[int] = Field(16, ge=0)
+    prompt: Annotated[str | list[Any], WithJsonSchema(_PROMPT_SCHEMA)]
+    max_tokens: Optional[int] = Field(
+        COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0,
+        description=f"absent or null: {COMPLETIONS_DEFAULT_MAX_TOKENS}, as OpenAI's")
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
@@ -79,6 +115,11 @@ class CompletionRequest(_SamplingRequest):
             return prompt
         raise ValueError("must be a string, a list of strings, a list of token ids, or a "
                          "list of lists of token ids")
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_default(cls, max_tokens):
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
 
     def prompts(self) -> list[str | TokenIds]:
         """The prompt as a list of prompts, each text or token ids."""
@@ -284,3 +325,11 @@ class ErrorInfo(_Response):
 
 class ErrorResponse(_Response):
     error: ErrorInfo
+
+
+class HealthResponse(_Response):
+    status: Literal["ok"] = "ok"
+
+
+class VersionResponse(_Response):
+    version: str

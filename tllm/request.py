@@ -58,7 +58,6 @@ class Request:
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    block_ids: list[int] = field(default_factory=list)
     output_logprobs: list[PositionLogprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
@@ -66,7 +65,6 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
-    in_pipeline: bool = False  # a micro-batch holding it is still in the pipeline stages
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

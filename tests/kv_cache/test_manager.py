@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from tllm.request import Request
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.request import Request
 from tllm.sampling_params import SamplingParams
+from tllm.scheduler.interface import ScheduledBatch
 
 
 def make_manager(num_blocks=8, block=4, reuse=True) -> KVCacheManager:
@@ -13,25 +16,40 @@ def make_manager(num_blocks=8, block=4, reuse=True) -> KVCacheManager:
                           enable_block_reuse=reuse)
 
 
+_ids = itertools.count()  # the manager keys its state by request id
+
+
 def make_request(prompt, max_new=4, **params) -> Request:
-    return Request("r", list(prompt), SamplingParams(**params), max_new_tokens=max_new)
+    return Request(f"r{next(_ids)}", list(prompt), SamplingParams(**params),
+                   max_new_tokens=max_new)
+
+
+def admit(manager, request) -> bool:
+    """Admission as the scheduler does it: the manager answers, the scheduler writes."""
+    admission = manager.try_admit(request)
+    if admission is not None:
+        request.num_computed_tokens = admission.num_computed_tokens
+    return admission is not None
 
 
 def compute(manager, request, num_tokens):
-    manager.allocate_slots(request, num_tokens)
+    """One step of `num_tokens` through the resource-manager hooks."""
+    batch = ScheduledBatch([request], [num_tokens])
+    assert manager.try_grow(request, num_tokens)
+    manager.prepare(batch)
     request.num_computed_tokens += num_tokens
-    manager.cache_computed_blocks(request)
+    manager.update(batch)
 
 
 def test_admission_reserves_the_whole_generation():
     manager = make_manager(num_blocks=4)
     first = make_request(range(6), max_new=6)      # 12 tokens -> 3 blocks
     second = make_request(range(100, 106), max_new=6)
-    assert manager.try_admit(first)
+    assert admit(manager, first)
     compute(manager, first, 6)                     # holds 2 blocks, 1 more reserved
-    assert not manager.try_admit(second)           # 1 unreserved block left, needs 3
+    assert not admit(manager, second)           # 1 unreserved block left, needs 3
     manager.free(first)
-    assert manager.try_admit(second)
+    assert admit(manager, second)
     manager.free(second)
     assert manager.num_free_blocks == 4
 
@@ -39,11 +57,11 @@ def test_admission_reserves_the_whole_generation():
 def test_prefix_blocks_are_reused():
     manager = make_manager()
     first = make_request(range(10))
-    manager.try_admit(first)
+    admit(manager, first)
     compute(manager, first, 10)
     second = make_request(list(range(8)) + [50, 51, 52])
-    assert manager.try_admit(second)
-    assert second.num_computed_tokens == 8 and second.block_ids == first.block_ids[:2]
+    assert admit(manager, second)
+    assert second.num_computed_tokens == 8 and manager.block_ids(second) == manager.block_ids(first)[:2]
     manager.free(first)
     manager.free(second)
     assert manager.num_free_blocks == manager.num_blocks
@@ -52,20 +70,20 @@ def test_prefix_blocks_are_reused():
 def test_last_prompt_token_is_always_recomputed():
     manager = make_manager()
     first = make_request(range(8))
-    manager.try_admit(first)
+    admit(manager, first)
     compute(manager, first, 8)
     same = make_request(range(8))
-    manager.try_admit(same)
+    admit(manager, same)
     assert same.num_computed_tokens == 4  # the block holding the last token is recomputed
 
 
 def test_prompt_logprobs_skip_the_cache():
     manager = make_manager()
     first = make_request(range(10))
-    manager.try_admit(first)
+    admit(manager, first)
     compute(manager, first, 10)
     wants = make_request(range(10), prompt_logprobs=1)
-    manager.try_admit(wants)
+    admit(manager, wants)
     assert wants.num_computed_tokens == 0
 
 

@@ -2,6 +2,7 @@
 against the KV cache manager keep its invariants."""
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import torch
@@ -9,11 +10,13 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tllm.request import Request
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.request import Request
 from tllm.sampling_params import SamplingParams
+from tllm.scheduler.interface import ScheduledBatch
 
 BLOCK = 4
+_ids = itertools.count()  # the manager keys its state by request id
 PROMPTS = st.lists(st.integers(0, 3), min_size=1, max_size=20)  # few tokens: many shared prefixes
 
 
@@ -26,13 +29,16 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.live: list[Request] = []
         self.swapped: list[Request] = []
 
-    def _admit(self, request: Request) -> None:
-        if self.kv.try_admit(request):
+    def _admit(self, request: Request) -> bool:
+        admission = self.kv.try_admit(request)
+        if admission is not None:
+            request.num_computed_tokens = admission.num_computed_tokens
             self.live.append(request)
+        return admission is not None
 
     @rule(prompt=PROMPTS, max_new=st.integers(1, 8))
     def admit(self, prompt, max_new):
-        self._admit(Request("r", prompt, SamplingParams(), max_new_tokens=max_new))
+        self._admit(Request(f"r{next(_ids)}", prompt, SamplingParams(), max_new_tokens=max_new))
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100), num=st.integers(1, 9), token=st.integers(0, 3))
@@ -41,16 +47,17 @@ class KVCacheMachine(RuleBasedStateMachine):
         num = min(num, request.num_tokens - request.num_computed_tokens) or 1
         if request.num_computed_tokens + num > request.num_tokens:
             request.append_token(token)  # a sampled token to compute next
-        if self.kv.can_allocate(request, num):
-            self.kv.allocate_slots(request, num)
+        if self.kv.try_grow(request, num):
+            batch = ScheduledBatch([request], [num])
+            self.kv.prepare(batch)
             request.num_computed_tokens += num
-            self.kv.cache_computed_blocks(request)
+            self.kv.update(batch)
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))
     def fork(self, index):  # a parallel sample of the same prompt reuses the cached blocks
         leader = self.live[index % len(self.live)]
-        self._admit(Request("s", leader.prompt_token_ids, SamplingParams(), max_new_tokens=4))
+        self._admit(Request(f"s{next(_ids)}", leader.prompt_token_ids, SamplingParams(), max_new_tokens=4))
 
     @precondition(lambda self: self.live)
     @rule(index=st.integers(0, 100))
@@ -69,22 +76,22 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule()
     def swap_in(self):
         request = self.swapped[0]
-        if self.kv.try_admit(request):
+        if self._admit(request):
             self.swapped.pop(0)
-            self.live.append(request)
 
     @invariant()
     def ref_counts_equal_live_references(self):
-        held = Counter(b for r in self.live for b in r.block_ids)
+        held = Counter(b for r in self.live for b in self.kv.block_ids(r))
         for block in self.kv.pool.blocks:
             assert block.ref_count == held.get(block.block_id, 0)
             assert self.kv.pool.is_free(block.block_id) == (block.ref_count == 0)
-        assert all(len(set(r.block_ids)) == len(r.block_ids) for r in self.live)
+        tables = [self.kv.block_ids(r) for r in self.live]
+        assert all(len(set(t)) == len(t) for t in tables)
 
     @invariant()
     def block_tables_cover_computed_tokens(self):
         for r in self.live:
-            assert len(r.block_ids) * BLOCK >= r.num_computed_tokens
+            assert len(self.kv.block_ids(r)) * BLOCK >= r.num_computed_tokens
 
     def teardown(self):
         for request in self.live + self.swapped:

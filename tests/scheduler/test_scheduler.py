@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from tllm.request import Request
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.request import Request
 from tllm.sampling_params import SamplingParams
 from tllm.scheduler.scheduler import Scheduler
 
@@ -24,9 +24,10 @@ def make_request(rid, num_prompt, leader=None) -> Request:
 def step(scheduler):
     """Schedule, then pretend the model ran and every finished prompt sampled a token."""
     batch = scheduler.schedule()
-    for request, n in zip(batch.requests, batch.num_scheduled_tokens):
-        request.num_computed_tokens += n
-        scheduler.kv_cache.cache_computed_blocks(request)
+    scheduler.kv_cache.prepare(batch)
+    scheduler.advance(batch)
+    scheduler.kv_cache.update(batch)
+    for request in batch.requests:
         if request.num_computed_tokens == request.num_tokens:
             request.append_token(7)
     return {r.request_id: n for r, n in zip(batch.requests, batch.num_scheduled_tokens)}
@@ -52,7 +53,9 @@ def test_batch_size_limit_queues_requests():
         scheduler.add_request(make_request(f"r{i}", 4))
     assert set(step(scheduler)) == {"r0", "r1"}
     assert len(scheduler.waiting) == 1
-    scheduler.finish(scheduler.running[0])
+    finished = scheduler.running[0]
+    scheduler.finish(finished)
+    scheduler.kv_cache.free(finished)
     assert "r2" in step(scheduler)
 
 
@@ -84,4 +87,5 @@ def test_finish_returns_all_blocks():
     step(scheduler)
     for request in list(scheduler.running) + list(scheduler.waiting):
         scheduler.finish(request)
+        scheduler.kv_cache.free(request)
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks

@@ -1,5 +1,11 @@
 """The executor loop: one background thread that repeatedly fetches new requests, schedules,
-runs the model, samples, and updates, streams and frees requests."""
+runs the model, samples, and updates, streams and frees requests.
+
+There is one loop. How far it runs ahead of the host is its strategy (`StepOverlap`): each
+step ends on the host before the next is scheduled (SYNC); step N+1 is launched before step
+N's tokens reach the host (OVERLAP, the default); or, under pipeline parallelism, up to one
+step per stage is in flight over disjoint requests, sampled on the last stage (`pipelined`).
+Resource managers (the KV cache first) are called in order around every step."""
 from __future__ import annotations
 
 import atexit
@@ -7,17 +13,47 @@ import logging
 import queue
 import threading
 import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
-from tllm.request import PLACEHOLDER, FinishReason, Request, RequestState
+from tllm.executor.postprocess import Postprocessor
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.runner.model_runner import ModelRunner, StepOutput
-from tllm.sampling.sampler import SampledBatch, Sampler, SamplerOutput, prompt_logprobs
-from tllm.scheduler.scheduler import ScheduledBatch, Scheduler
+from tllm.sampling.sampler import SampledBatch, Sampler
+from tllm.scheduler.interface import ResourceManager, ScheduledBatch
+from tllm.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 _SHUTDOWN = object()
 _live_executors: weakref.WeakSet[PyExecutor] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class StepOverlap:
+    """How many steps the loop keeps in flight (launched, tokens not yet processed on the
+    host), and whether the host samples each one as soon as it is launched (its tokens then
+    stay on the device and feed the next step) or a later pipeline stage does."""
+
+    max_in_flight: int
+    samples_at_launch: bool = True
+
+
+SYNC = StepOverlap(1)
+OVERLAP = StepOverlap(2)
+
+
+def pipelined(num_micro_batches: int) -> StepOverlap:
+    """A step per pipeline stage in flight; a request sits out while its step is in one."""
+    return StepOverlap(num_micro_batches, samples_at_launch=False)
+
+
+@dataclass
+class InFlightStep:
+    batch: ScheduledBatch
+    output: StepOutput | None = None
+    sampled: SampledBatch | None = None   # its tokens, still on the device
 
 
 class PyExecutor:
@@ -25,18 +61,16 @@ class PyExecutor:
     Other threads talk to it through `submit`, `abort` and `shutdown`."""
 
     def __init__(self, scheduler: Scheduler, kv_cache: KVCacheManager, runner: ModelRunner,
-                 sampler: Sampler, overlap: bool = True) -> None:
+                 sampler: Sampler, overlap: StepOverlap = OVERLAP) -> None:
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.runner = runner
-        self.sampler = sampler
+        self.strategy = overlap
+        self.resource_managers: list[ResourceManager] = [kv_cache, *runner.resource_managers]
+        self.postprocess = Postprocessor(sampler, self._finish, self._fail)
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[str, Request] = {}
-        # Overlap scheduler: step N's sampled tokens stay on the device and feed step N+1,
-        # which is launched before the host looks at them; stop checks lag one step.
-        self.overlap = overlap
-        self._in_flight: SampledBatch | None = None
-        self._in_flight_batch: list[Request] = []
+        self._in_flight: deque[InFlightStep] = deque()
         self._thread = threading.Thread(target=self._run, name="tllm-executor", daemon=True)
         self._stopped = False
         self.num_steps = 0
@@ -114,58 +148,84 @@ class PyExecutor:
         finally:  # even if the loop itself dies, every open result gets its end
             self._abort_all()
 
+    def _is_idle(self) -> bool:
+        return not self.scheduler.has_unfinished and not self._in_flight
+
     def _iteration(self) -> None:
-        batch = self.scheduler.schedule()
-        if not batch.requests:
-            self._complete_in_flight()
-            return
-        self.num_steps += 1
+        """Launch what the strategy allows, bring the oldest step's tokens to the host when
+        it must, then sample what was launched (with overlap, after the host has seen the
+        previous step's tokens: penalties and stop checks need them)."""
         try:
-            self._step(batch)
+            num_launched = self._launch_steps()
+            keep = self.strategy.max_in_flight - 1
+            if self._in_flight and (num_launched == 0 or len(self._in_flight) > keep):
+                self._complete_oldest()
+            if self.strategy.samples_at_launch:
+                for step in self._in_flight:
+                    if step.sampled is None:
+                        self._sample(step)
         except Exception as exc:  # a failed step fails its requests, not the loop
             logger.exception("executor step failed")
-            in_flight = self._in_flight.requests if self._in_flight else []
-            self._in_flight = None
-            self._fail(batch.requests + in_flight, self.health_check() or exc)
+            self._fail_in_flight(self.health_check() or exc)
 
-    def _is_idle(self) -> bool:
-        return not self.scheduler.has_unfinished and self._in_flight is None
+    def _launch_steps(self) -> int:
+        # Sampling at launch gives the next step its inputs, so such strategies launch one
+        # step per iteration; pipeline stages take a step each over disjoint requests.
+        limit = 1 if self.strategy.samples_at_launch else self.strategy.max_in_flight
+        num_launched = 0
+        while num_launched < limit and len(self._in_flight) < self.strategy.max_in_flight:
+            batch = self.scheduler.schedule()
+            if not batch.requests:
+                break
+            self._launch(batch)
+            num_launched += 1
+        return num_launched
 
-    def _step(self, batch: ScheduledBatch) -> None:
-        """Launch step N+1; with overlap, finish step N on the CPU while the GPU runs it."""
-        step = self.runner.execute(batch, self._in_flight)
-        for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
-            request.num_computed_tokens += num_new
-        if self.overlap:
-            self._complete_in_flight()
-        self._record_prompt_logprobs(step)
-        self._sample(step, batch.requests)
-        if not self.overlap:
-            self._complete_in_flight()
+    def _launch(self, batch: ScheduledBatch) -> None:
+        """Resources ready, the step launched, progress advanced, new full blocks published."""
+        previous = self._in_flight[-1].sampled if self._in_flight else None
+        step = InFlightStep(batch)
+        self._in_flight.append(step)  # so that a failure below fails these too
+        self.num_steps += 1
+        for manager in self.resource_managers:
+            manager.prepare(batch)
+        step.output = self.runner.execute(batch, previous)
+        self.scheduler.advance(batch, hold=not self.strategy.samples_at_launch)
+        for manager in self.resource_managers:
+            manager.update(batch)
 
-    def _sample(self, step: StepOutput, computed: list[Request]) -> None:
-        """Sample the step's logits; the tokens stay on the device (in flight) and the
-        requests get placeholders until `_complete_in_flight` brings them to the host."""
-        # rows of requests that finished meanwhile were computed in vain: drop them
-        live = [i for i, r in enumerate(step.sample_requests) if not r.is_finished]
-        requests = [step.sample_requests[i] for i in live]
-        logits = (step.sample_logits if len(live) == len(step.sample_requests)
-                  else step.sample_logits[live])
-        self._in_flight = self.sampler.sample(logits, requests)
-        self._in_flight_batch = computed
-        for request in requests:
-            request.append_token(PLACEHOLDER)
+    def _sample(self, step: InFlightStep) -> None:
+        """The step's tokens, kept on the device (in flight); its requests get placeholders
+        until `_complete_oldest` brings the tokens to the host."""
+        output = step.output.wait()
+        self.postprocess.record_prompt_logprobs(output)
+        if output.sampled is not None:  # the last pipeline stage sampled every row
+            step.sampled = output.sampled
+        else:
+            step.sampled = self.postprocess.sample(output)
+        for request in step.sampled.requests:
+            if not request.is_finished:
+                request.append_token(PLACEHOLDER)
 
-    def _complete_in_flight(self) -> None:
-        """Bring the last step's tokens to the host: fill placeholders, stream, stop."""
-        if self._in_flight is None:
-            return
-        sampled, computed = self._in_flight, self._in_flight_batch
-        self._in_flight, self._in_flight_batch = None, []
-        self._process_samples(sampled.requests, sampled.host())
-        for request in computed:  # preempted ones are skipped: their blocks are gone
-            if request.state is RequestState.RUNNING:
-                self.kv_cache.cache_computed_blocks(request)
+    def _complete_oldest(self) -> None:
+        """Bring the oldest step's tokens to the host: fill placeholders, stream, stop."""
+        step = self._in_flight[0]
+        if step.sampled is None:
+            self._sample(step)
+        self.scheduler.release(step.batch)
+        self.postprocess.process(step.sampled.requests, step.sampled.host())
+        self._in_flight.popleft()
+
+    def _fail_in_flight(self, error: Exception) -> None:
+        """Fail what the in-flight steps still owe: a sampled step its tokens, an unsampled
+        one its whole batch."""
+        steps, self._in_flight = list(self._in_flight), deque()
+        failed: dict[int, Request] = {}
+        for step in steps:
+            self.scheduler.release(step.batch)
+            owed = step.sampled.requests if step.sampled is not None else step.batch.requests
+            failed.update((id(r), r) for r in owed)
+        self._fail(list(failed.values()), error)
 
     def _fetch_requests(self, block: bool) -> bool:
         """Drain the inbox; False once shutdown was asked for."""
@@ -189,55 +249,13 @@ class PyExecutor:
             except queue.Empty:
                 return True
 
-    def _record_prompt_logprobs(self, step: StepOutput) -> None:
-        if step.prompt_logits is None:
-            return
-        by_request: dict[Request, list[int]] = {}
-        for row, (request, _) in enumerate(step.prompt_targets):
-            by_request.setdefault(request, []).append(row)
-        for request, rows in by_request.items():
-            if not request.prompt_logprobs:
-                request.prompt_logprobs.append(None)  # the first token has no context
-            targets = [step.prompt_targets[r][1] for r in rows]
-            request.prompt_logprobs.extend(prompt_logprobs(
-                step.prompt_logits[rows], targets, request.sampling_params.prompt_logprobs))
-
-    def _process_samples(self, requests: list[Request], sampled: SamplerOutput) -> None:
-        for i, request in enumerate(requests):
-            if request.is_finished:  # aborted while its token was in flight
-                continue
-            token = sampled.token_ids[i]
-            request.fill_placeholder(token)
-            if sampled.logprobs[i] is not None:
-                request.output_logprobs.append(sampled.logprobs[i])
-                request.cumulative_logprob += sampled.sampled_logprobs[i]
-            reason, stop_reason = self._check_stop(request, token)
-            if reason is not None:
-                self._finish(request, reason, stop_reason)
-            elif request.on_update is not None:
-                request.on_update(request)
-
-    @staticmethod
-    def _check_stop(request: Request, token: int):
-        params = request.sampling_params
-        if token in params.stop_token_ids:
-            return FinishReason.STOP, token
-        if not params.ignore_eos and token in request.eos_token_ids:
-            return FinishReason.STOP, None
-        if request.detokenizer is not None:
-            stop = request.detokenizer.add_token(
-                token, check_stop=request.num_output_tokens >= params.min_tokens)
-            if stop is not None:
-                return FinishReason.STOP, stop
-        if request.num_output_tokens >= request.max_new_tokens:
-            return FinishReason.LENGTH, None
-        return None, None
-
     def _finish(self, request: Request, reason: FinishReason, stop_reason=None) -> None:
         if request.state is RequestState.FINISHED:
             return
         request.finish(reason, stop_reason)
         self.scheduler.finish(request)
+        for manager in self.resource_managers:
+            manager.free(request)
         self._requests.pop(request.request_id, None)
         if request.detokenizer is not None:
             request.detokenizer.finalize()

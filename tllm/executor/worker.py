@@ -15,7 +15,7 @@ from tllm.distributed.mapping import Mapping
 from tllm.distributed.rendezvous import RENDEZVOUS_TIMEOUT, ready_key
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.runner.build import build_rank
-from tllm.runner.step import STOP, plan_tensors, run_plan
+from tllm.runner.step import STOP, RankModel
 from tllm.sampling.last_stage import LastStageSampler
 
 
@@ -55,19 +55,14 @@ def run_worker(args: LlmArgs, device: torch.device) -> None:
 @torch.inference_mode()
 def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int) -> None:
     mapping = comm.mapping()
+    rank = RankModel(model, kv_cache.kv_caches, graphs, device, kv_cache.tokens_per_block)
     # with pipeline parallelism the last stage samples and sends rank 0 the tokens
     sampler = (LastStageSampler(seed, device)
                if mapping.pp_size > 1 and mapping.is_last_stage and mapping.tp_rank == 0
                else None)
     pending: list = []  # the previous step's sends, kept alive until they complete
-    while True:
-        plan = comm.broadcast_object()
-        if plan == STOP:
-            break
-        input_ids, metadata = plan_tensors(plan, device, kv_cache.tokens_per_block)
-        if plan.ids_from_driver and mapping.is_first_stage:
-            comm.tp_broadcast_from_driver(input_ids)
-        logits = run_plan(model, kv_cache.kv_caches, graphs, plan, input_ids, metadata)
+    while (plan := comm.broadcast_object()) != STOP:
+        logits = rank.run(plan)
         if sampler is not None:
             for _, work in pending:
                 work.wait()

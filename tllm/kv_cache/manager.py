@@ -1,15 +1,21 @@
 """KV cache manager: the paged K/V tensors, per-request block tables, prefix reuse across
 device/host/disk tiers, swapping for preemption, and admission under the capacity policy.
-It is the executor's one resource manager for now."""
+
+It is a resource manager (tllm.scheduler.interface): the scheduler asks it to admit a request
+(`try_admit`, which answers with the tokens it already holds) and to make room for a step's
+tokens (`try_grow`); the loop then calls `prepare(batch)` (blocks are allocated), `update(batch)`
+(newly full blocks become reusable) and `free(request)`. Its state is keyed by request id; it
+reads requests and never writes them."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tllm.request import Request
 from tllm.kv_cache.block_pool import BlockPool
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
+from tllm.request import PLACEHOLDER, Request
+from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
 
 def cdiv(a: int, b: int) -> int:
@@ -30,6 +36,13 @@ class KVCacheStats:
         return self.blocks_reused / self.blocks_needed if self.blocks_needed else 0.0
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What admitting a request decided: how many of its tokens already have their keys and
+    values in the blocks it now holds (a cached prefix, or what it had before a swap)."""
+    num_computed_tokens: int
+
+
 @dataclass
 class _PrefixHit:
     block_hash: int
@@ -37,13 +50,28 @@ class _PrefixHit:
     data: torch.Tensor | None = None     # contents from the host or disk tier
 
 
-class KVCacheManager:
+@dataclass
+class _BlockTable:
+    """One admitted request's blocks."""
+    block_ids: list[int]
+    block_hashes: list[int] = field(default_factory=list)  # of its first published blocks
+    reserved: int = 0      # blocks promised to it and not allocated yet
+    num_pending: int = 0   # of those, blocks this step's prepare() allocates
+
+
+@dataclass
+class _Swapped:
+    data: list[torch.Tensor]             # block contents in host memory
+    num_computed_tokens: int
+
+
+class KVCacheManager(ResourceManager):
     """Owns one (key, value) pair of tensors per layer, each shaped
     [num_blocks, tokens_per_block, num_kv_heads, head_dim].
 
     With `reserve_full_generation` (GUARANTEED_NO_EVICT) admission reserves every block a
     request could need, so a running request never runs out; without it (MAX_UTILIZATION)
-    requests are admitted greedily and the scheduler preempts when `can_allocate` fails.
+    requests are admitted greedily and the scheduler preempts when `try_grow` fails.
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
@@ -64,10 +92,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching=enable_block_reuse,
                               on_evict=self._offload if self.host_store is not None else None)
         self.stats = KVCacheStats()
-        self._reserved: dict[Request, int] = {}  # blocks each admitted request may still take
+        self._tables: dict[str, _BlockTable] = {}
         self._num_reserved = 0
-        self._block_hashes: dict[Request, list[int]] = {}
-        self._swapped: dict[Request, list[torch.Tensor]] = {}
+        self._swapped: dict[str, _Swapped] = {}
+
+    # ---- capacity queries ----
 
     @property
     def num_blocks(self) -> int:
@@ -83,105 +112,131 @@ class KVCacheManager:
     def fits_ever(self, request: Request) -> bool:
         return self.max_blocks(request) <= self.pool.num_blocks
 
-    # ---- admission and growth ----
+    def block_ids(self, request: Request) -> list[int]:
+        """The request's block table (the model runner reads it; do not modify)."""
+        return self._tables[request.request_id].block_ids
 
-    def try_admit(self, request: Request) -> bool:
+    # ---- admission and growth (the scheduler asks) ----
+
+    def try_admit(self, request: Request) -> Admission | None:
         """Attach the longest cached prefix (or swapped-out blocks) and, under
-        GUARANTEED_NO_EVICT, reserve blocks for the request's whole life."""
-        if request in self._swapped:
+        GUARANTEED_NO_EVICT, reserve blocks for the request's whole life; None when there is
+        no room."""
+        if request.request_id in self._swapped:
             return self._swap_in(request)
+        if request.request_id in self._tables:
+            raise RuntimeError(f"request id {request.request_id!r} is already admitted")
         hits = self._find_cached_prefix(request)
         on_device = [h.block_id for h in hits if h.block_id is not None]
         num_cached_free = sum(1 for b in on_device if self.pool.is_free(b))
         total = (self.max_blocks(request) if self.reserve_full_generation
                  else cdiv(request.num_tokens, self.tokens_per_block))
         if self._available() < total - len(on_device) + num_cached_free:
-            return False
+            return None
         self.stats.blocks_needed += (request.num_tokens - 1) // self.tokens_per_block
         self.stats.blocks_reused += len(hits)
-        request.block_ids = self._attach_prefix(hits)
-        request.num_computed_tokens = len(hits) * self.tokens_per_block
-        self._block_hashes[request] = [h.block_hash for h in hits]
+        table = _BlockTable(self._attach_prefix(hits), [h.block_hash for h in hits])
+        self._tables[request.request_id] = table
         reserve = self.max_blocks(request) - len(hits) if self.reserve_full_generation else 0
-        self._set_reserved(request, reserve)
+        self._set_reserved(table, reserve)
+        return Admission(len(hits) * self.tokens_per_block)
+
+    def try_grow(self, request: Request, num_new_tokens: int) -> bool:
+        """Room for the request's next `num_new_tokens` tokens this step: promised now (from
+        its own reservation first), allocated by prepare(); False when there is none."""
+        table = self._tables[request.request_id]
+        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.tokens_per_block)
+        num_new = max(0, needed - len(table.block_ids) - table.num_pending)
+        extra = max(0, num_new - (table.reserved - table.num_pending))
+        if extra > self._available():
+            return False
+        self._set_reserved(table, table.reserved + extra)
+        table.num_pending += num_new
         return True
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        own = self._reserved.get(request, 0)
-        return self._num_new_blocks(request, num_new_tokens) <= self._available() + own
+    # ---- the resource-manager hooks (the loop calls) ----
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> None:
-        """Make the block table cover the tokens about to be computed."""
-        num_new_blocks = self._num_new_blocks(request, num_new_tokens)
-        if num_new_blocks > 0:
-            request.block_ids.extend(self.pool.allocate(num_new_blocks))
-            self._set_reserved(request, max(0, self._reserved[request] - num_new_blocks))
+    def prepare(self, batch: ScheduledBatch) -> None:
+        """Allocate the blocks promised for this step."""
+        for request in batch.requests:
+            table = self._tables[request.request_id]
+            if table.num_pending:
+                table.block_ids.extend(self.pool.allocate(table.num_pending))
+                self._set_reserved(table, table.reserved - table.num_pending)
+                table.num_pending = 0
 
-    def cache_computed_blocks(self, request: Request) -> None:
-        """After a step: publish the request's newly filled blocks for prefix reuse."""
-        hashes = self._block_hashes.setdefault(request, [])
-        bs = self.tokens_per_block
-        num_full = min(request.num_computed_tokens, request.num_tokens) // bs
-        for i in range(len(hashes), num_full):
-            block_hash = self._chain_hash(request, hashes[-1] if hashes else None, i)
-            hashes.append(block_hash)
-            self.pool.cache_full_block(request.block_ids[i], block_hash)
+    def update(self, batch: ScheduledBatch) -> None:
+        """The step's tokens are computed: publish newly full blocks for prefix reuse, at
+        once, whatever the request does next (it may finish in this very step)."""
+        for request in batch.requests:
+            if request.request_id in self._tables:
+                self._publish(request, request.num_computed_tokens)
 
     def free(self, request: Request) -> None:
-        self._swapped.pop(request, None)
-        if request not in self._reserved:  # never admitted
+        """Release the request's blocks; the full ones it computed stay reusable (unless it
+        failed: a failed step may have left them half written)."""
+        self._swapped.pop(request.request_id, None)
+        if request.request_id not in self._tables:  # never admitted
             return
-        self.pool.free(request.block_ids)
-        request.block_ids = []
-        self._set_reserved(request, 0)
-        del self._reserved[request]
-        self._block_hashes.pop(request, None)
+        if request.error is None:
+            self._publish(request, request.num_computed_tokens)
+        table = self._tables.pop(request.request_id)
+        self.pool.free(table.block_ids)
+        self._set_reserved(table, 0)
 
     # ---- preemption ----
 
     def swap_out(self, request: Request) -> bool:
         """Move a request's blocks to host memory and free them on the device; False when the
         host tier has no room (the caller then recomputes instead)."""
-        num_swapped = sum(len(blocks) for blocks in self._swapped.values())
-        if num_swapped + len(request.block_ids) > self.host_capacity_blocks:
+        block_ids = self.block_ids(request)
+        num_swapped = sum(len(s.data) for s in self._swapped.values())
+        if num_swapped + len(block_ids) > self.host_capacity_blocks:
             return False
-        data = [self._read_block(b).to("cpu") for b in request.block_ids]
-        num_computed = request.num_computed_tokens
+        data = [self._read_block(b).to("cpu") for b in block_ids]
         self.free(request)
-        request.num_computed_tokens = num_computed
-        self._swapped[request] = data
+        self._swapped[request.request_id] = _Swapped(data, request.num_computed_tokens)
         self.stats.blocks_swapped_out += len(data)
         return True
 
-    def _swap_in(self, request: Request) -> bool:
-        data = self._swapped[request]
-        reserve = self.max_blocks(request) - len(data) if self.reserve_full_generation else 0
+    def _swap_in(self, request: Request) -> Admission | None:
+        swapped = self._swapped[request.request_id]
+        num_blocks = len(swapped.data)
+        reserve = self.max_blocks(request) - num_blocks if self.reserve_full_generation else 0
         # without a reservation, room for the tokens it computes next must be there now
-        room = reserve or max(0, cdiv(request.num_tokens, self.tokens_per_block) - len(data))
-        if self._available() < len(data) + room:
-            return False
-        del self._swapped[request]
-        request.block_ids = self.pool.allocate(len(data))
-        for block_id, contents in zip(request.block_ids, data):
+        room = reserve or max(0, cdiv(request.num_tokens, self.tokens_per_block) - num_blocks)
+        if self._available() < num_blocks + room:
+            return None
+        del self._swapped[request.request_id]
+        table = _BlockTable(self.pool.allocate(num_blocks))
+        for block_id, contents in zip(table.block_ids, swapped.data):
             self._write_block(block_id, contents)
-        self._set_reserved(request, reserve)
-        self._block_hashes[request] = []
-        self.cache_computed_blocks(request)
-        self.stats.blocks_swapped_in += len(data)
-        return True
+        self._tables[request.request_id] = table
+        self._set_reserved(table, reserve)
+        self._publish(request, swapped.num_computed_tokens)
+        self.stats.blocks_swapped_in += num_blocks
+        return Admission(swapped.num_computed_tokens)
 
     # ---- internals ----
 
     def _available(self) -> int:
         return self.pool.num_free_blocks - self._num_reserved
 
-    def _num_new_blocks(self, request: Request, num_new_tokens: int) -> int:
-        needed = cdiv(request.num_computed_tokens + num_new_tokens, self.tokens_per_block)
-        return max(0, needed - len(request.block_ids))
+    def _set_reserved(self, table: _BlockTable, num_blocks: int) -> None:
+        self._num_reserved += num_blocks - table.reserved
+        table.reserved = num_blocks
 
-    def _set_reserved(self, request: Request, num_blocks: int) -> None:
-        self._num_reserved += num_blocks - self._reserved.get(request, 0)
-        self._reserved[request] = num_blocks
+    def _publish(self, request: Request, num_computed_tokens: int) -> None:
+        """Hash and publish the request's full blocks of computed tokens not published yet.
+        A token sampled but not yet on the host (a placeholder) ends what is known."""
+        table = self._tables[request.request_id]
+        num_known = request.num_tokens - int(request.token_ids[-1] == PLACEHOLDER)
+        num_full = min(num_computed_tokens, num_known) // self.tokens_per_block
+        hashes = table.block_hashes
+        for i in range(len(hashes), num_full):
+            block_hash = self._chain_hash(request, hashes[-1] if hashes else None, i)
+            hashes.append(block_hash)
+            self.pool.cache_full_block(table.block_ids[i], block_hash)
 
     def _chain_hash(self, request: Request, parent: int | None, index: int) -> int:
         if parent is None and request.cache_salt is not None:

@@ -12,8 +12,7 @@ from tllm.device import pick_device
 from tllm.distributed.launch import WorkerEntry, WorkerGroup, launch_workers, torchrun_env
 from tllm.distributed.mapping import Mapping
 from tllm.executor import worker
-from tllm.executor.pipelined import PipelinedExecutor
-from tllm.executor.py_executor import PyExecutor
+from tllm.executor.py_executor import OVERLAP, SYNC, PyExecutor, pipelined
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.runner.build import RankParts, build_rank
@@ -91,7 +90,7 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
     runner = ModelRunner(parts.model, parts.kv_cache, parts.device, parts.graphs)
     sampler = Sampler(args.seed, parts.device)
     if pp_size > 1:
-        return PipelinedExecutor(scheduler, parts.kv_cache, runner, sampler,
-                                 num_micro_batches=pp_size)
-    return PyExecutor(scheduler, parts.kv_cache, runner, sampler,
-                      overlap=not args.disable_overlap_scheduler)
+        overlap = pipelined(pp_size)
+    else:
+        overlap = SYNC if args.disable_overlap_scheduler else OVERLAP
+    return PyExecutor(scheduler, parts.kv_cache, runner, sampler, overlap)

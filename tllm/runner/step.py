@@ -1,13 +1,15 @@
 """One step as every rank sees it: a host-only `StepPlan` (what rank 0 decided), the device
 tensors built from it, and the forward pass of this rank's part of the model.
 
-Rank 0 builds the plan from its ScheduledBatch and, with several ranks, sends it to the
-others; every rank then runs `run_plan` on its own shard and KV cache. Keeping the plan
-free of Request objects is what lets it cross process boundaries."""
+Rank 0 builds the plan from its ScheduledBatch and, with several ranks, broadcasts it to the
+others; every rank then runs `RankModel.run` on its own shard and KV cache, which holds the
+one order of collectives all ranks follow. Keeping the plan free of Request objects is what
+lets it cross process boundaries."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -80,6 +82,30 @@ def run_plan(model: nn.Module, kv_caches, graphs, plan: StepPlan, input_ids: tor
         return None
     rows = torch.tensor(plan.logit_rows, dtype=torch.long).to(out.device, non_blocking=True)
     return model.compute_logits(out[rows])
+
+
+@dataclass
+class RankModel:
+    """This rank's model shard with its KV cache tensors and graphs: what runs a step."""
+
+    model: nn.Module
+    kv_caches: list
+    graphs: object | None      # a CudaGraphRunner, or None
+    device: torch.device
+    tokens_per_block: int
+
+    def run(self, plan: StepPlan,
+            fill_placeholders: Callable[[torch.Tensor], None] | None = None
+            ) -> torch.Tensor | None:
+        """This rank's part of a step whose plan every rank has (rank 0 broadcast it): the
+        input tensors; rank 0 fills the ids still on its device and, when asked, sends them
+        to its tensor-parallel peers; then the forward (pipeline sends/receives inside)."""
+        input_ids, metadata = plan_tensors(plan, self.device, self.tokens_per_block)
+        if fill_placeholders is not None:
+            fill_placeholders(input_ids)
+        if plan.ids_from_driver and comm.mapping().is_first_stage:
+            comm.tp_broadcast_from_driver(input_ids)
+        return run_plan(self.model, self.kv_caches, self.graphs, plan, input_ids, metadata)
 
 
 def _dtype_of(model: nn.Module) -> torch.dtype:

@@ -4,16 +4,22 @@ logits samples them and sends rank 0 only the tokens (and logprobs when asked), 
 
 The last stage holds a shadow `Request` per live request, made from what rank 0 puts in the
 step plan the first time the request is sampled (prompt, parameters, seed), and keeps its
-token history itself, for penalties and min_tokens; rank 0 says when to forget one."""
+token history itself, for penalties and min_tokens; rank 0 says when to forget one.
+
+Both ends live here: `LastStageSampler` and the tensors it sends (the last stage),
+`LastStageShadows` and `receive_from_last_stage` (rank 0), so their order is written once."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
+from tllm.distributed import comm
 from tllm.request import PLACEHOLDER, Request
 from tllm.sampling.sampler import SampledBatch, Sampler
 from tllm.sampling_params import SamplingParams
+from tllm.scheduler.interface import ResourceManager
 
 
 @dataclass
@@ -91,3 +97,53 @@ class LastStageSampler:
             sampled, self._unfilled = self._unfilled, None
             for request, token in zip(sampled.requests, sampled.host_token_ids()):
                 request.fill_placeholder(token)
+
+
+class LastStageShadows(ResourceManager):
+    """Rank 0's record of the shadows the last stage holds: a new request's spec goes with
+    the first plan that samples it; a finished one is forgotten with the next plan."""
+
+    def __init__(self) -> None:
+        self._shadowed: set[str] = set()
+        self._forget: list[str] = []
+
+    def sampling_plan(self, requests: list[Request]) -> SamplingPlan:
+        plan = SamplingPlan([r.request_id for r in requests], forget=self._forget)
+        self._forget = []
+        for request in requests:
+            if request.request_id not in self._shadowed:
+                self._shadowed.add(request.request_id)
+                plan.new_requests.append(ShadowSpec.of(request))
+        return plan
+
+    def free(self, request: Request) -> None:
+        if request.request_id in self._shadowed:
+            self._shadowed.discard(request.request_id)
+            self._forget.append(request.request_id)
+
+
+def receive_from_last_stage(requests: list[Request], num_prompt_rows: int, vocab_size: int,
+                            logits_dtype: torch.dtype, device: torch.device
+                            ) -> Callable[[], tuple[SampledBatch, torch.Tensor | None]]:
+    """Post the receives of what the last stage sends rank 0 for one step, in its order:
+    tokens, logprob tensors (when any row asked), prompt-logprob logits; returns the wait,
+    which gives (sampled batch, prompt logits or None)."""
+    n = len(requests)
+    shapes: list[tuple[tuple[int, ...], torch.dtype]] = [((n,), torch.long)] if n else []
+    width = logprob_width(requests)
+    if n and width is not None:
+        shapes += [((n,), torch.float32), ((n,), torch.long), ((n, width), torch.float32),
+                   ((n, width), torch.long)]
+    if num_prompt_rows:
+        shapes.append(((num_prompt_rows, vocab_size), logits_dtype))
+    received = [comm.recv_from_last_stage(shape, dtype) for shape, dtype in shapes]
+
+    def wait() -> tuple[SampledBatch, torch.Tensor | None]:
+        for _, work in received:
+            work.wait()
+        tensors = [t for t, _ in received]
+        token_ids = tensors[0] if n else torch.empty(0, dtype=torch.long, device=device)
+        logprobs = tuple(tensors[1:5]) if n and width is not None else None
+        return (SampledBatch(requests, token_ids, logprobs),
+                tensors[-1] if num_prompt_rows else None)
+    return wait

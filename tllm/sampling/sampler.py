@@ -77,6 +77,25 @@ class Sampler:
         return SampledBatch(requests, token_ids, _logprob_tensors(raw_logprobs, token_ids,
                                                                   requests))
 
+    def failing_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
+        """The rows whose request makes sampling fail on its own (after the batch failed).
+        Random state is restored, so the probe changes no later sample."""
+        states = [self.generator.get_state()] + [
+            r.generator.get_state() for r in requests if r.generator is not None]
+        failing = []
+        try:
+            for i, request in enumerate(requests):
+                try:
+                    self.sample(logits[i:i + 1], [request])
+                except Exception:
+                    failing.append(i)
+        finally:
+            self.generator.set_state(states[0])
+            seeded = (r.generator for r in requests if r.generator is not None)
+            for generator, state in zip(seeded, states[1:]):
+                generator.set_state(state)
+        return failing
+
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         rows, cols, values = [], [], []
@@ -128,8 +147,9 @@ class Sampler:
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
         logits = logits / temperature[:, None]
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else logits.shape[1] for p in params],
+        vocab = logits.shape[1]
+        if any(0 < p.top_k < vocab for p in params):  # top_k >= vocab keeps every token
+            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
                                  device=device)
             logits = P.apply_top_k(logits, top_k)
         if any(p.top_p < 1.0 for p in params):

@@ -1,4 +1,6 @@
-"""The scheduler: which requests run this step, and how many new tokens each computes.
+"""The scheduler: which requests run this step, and how many new tokens each computes. It
+alone moves a request's progress (`num_computed_tokens`): forward after a step, back to what
+the KV cache still holds on preemption, back by the rejected tokens of a speculative step.
 
 There are no prefill and decode phases. A request has `num_computed_tokens` and
 `num_tokens`; each step gives it up to the difference, within the token budget
@@ -8,34 +10,20 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tllm.request import Request, RequestState
-from tllm.kv_cache.manager import KVCacheManager
+from tllm.scheduler.interface import ScheduledBatch
 
+if TYPE_CHECKING:
+    from tllm.kv_cache.manager import KVCacheManager
 
-@dataclass
-class ScheduledBatch:
-    """The requests of one step, each with the number of tokens it computes."""
-
-    requests: list[Request] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-
-    def add(self, request: Request, num_tokens: int) -> None:
-        self.requests.append(request)
-        self.num_scheduled_tokens.append(num_tokens)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens)
-
-    def __len__(self) -> int:
-        return len(self.requests)
+__all__ = ["ScheduledBatch", "Scheduler"]
 
 
 class Scheduler:
     """FCFS scheduling. Capacity is the KV cache manager's business: under
-    GUARANTEED_NO_EVICT it reserves at admission and allocation never fails; under
+    GUARANTEED_NO_EVICT it reserves at admission and growth never fails; under
     MAX_UTILIZATION, when a running request cannot grow, the newest running requests are
     preempted (recomputed later, or swapped to host memory) until it can."""
 
@@ -48,10 +36,11 @@ class Scheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.preemption_mode = preemption_mode
         # Pipeline parallelism keeps several micro-batches in flight: each step takes a
-        # share of the requests and skips those still in the pipeline.
+        # share of the requests and skips those still in the pipeline (held).
         self.num_micro_batches = num_micro_batches
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._held: set[Request] = set()
         self.num_preemptions = 0
 
     def add_request(self, request: Request) -> None:
@@ -60,6 +49,37 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    # ---- progress ----
+
+    def advance(self, batch: ScheduledBatch, hold: bool = False) -> None:
+        """The batch's tokens are computed (or launched); with `hold`, its requests sit out
+        scheduling until `release` (their next token comes back with the step)."""
+        for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
+            request.num_computed_tokens += num_new
+        if hold:
+            self._held.update(batch.requests)
+
+    def release(self, batch: ScheduledBatch) -> None:
+        self._held.difference_update(batch.requests)
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Forget the last `num_tokens` computed tokens (speculative tokens the target
+        rejected); their KV entries are overwritten when those positions are computed again."""
+        if not 0 <= num_tokens <= request.num_computed_tokens:
+            raise ValueError(f"cannot roll back {num_tokens} of "
+                             f"{request.num_computed_tokens} computed tokens")
+        request.num_computed_tokens -= num_tokens
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished or aborted request (the loop frees its resources)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._held.discard(request)
+
+    # ---- one step ----
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -78,13 +98,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and len(batch) < self._step_limit:
             request = self.running[i]
-            num_new = 0 if request.in_pipeline else self._num_new_tokens(request, budget)
+            num_new = 0 if request in self._held else self._num_new_tokens(request, budget)
             if num_new == 0:
                 i += 1
                 continue
             if not self._make_room(request, num_new):
                 break  # the request preempted itself: it was the newest
-            self.kv_cache.allocate_slots(request, num_new)
             batch.add(request, num_new)
             budget -= num_new
             i += 1
@@ -93,8 +112,8 @@ class Scheduler:
     def _make_room(self, request: Request, num_new: int) -> bool:
         """Preempt the newest running requests until `request` can grow; False if it had to
         preempt `request` itself."""
-        while not self.kv_cache.can_allocate(request, num_new):
-            victims = [r for r in self.running if not r.in_pipeline or r is request]
+        while not self.kv_cache.try_grow(request, num_new):
+            victims = [r for r in self.running if r not in self._held or r is request]
             victim = victims[-1]
             self._preempt(victim)
             if victim is request:
@@ -118,22 +137,31 @@ class Scheduler:
             if not self._leader_ready(request):
                 skipped.append(self.waiting.popleft())
                 continue
-            if not self.kv_cache.try_admit(request):
-                break
-            num_new = self._num_new_tokens(request, budget)
-            if num_new == 0:  # whole prompt does not fit the budget (no chunking)
-                self.kv_cache.free(request)
-                request.num_computed_tokens = 0
+            num_new = self._try_admit(request, budget)
+            if num_new == 0:
                 break
             self.waiting.popleft()
             request.state = RequestState.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             self.running.append(request)
-            self.kv_cache.allocate_slots(request, num_new)
             batch.add(request, num_new)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _try_admit(self, request: Request, budget: int) -> int:
+        """Admit the request with room for what it computes this step; returns how many
+        tokens that is, or 0 when it stays waiting (its admission undone)."""
+        admission = self.kv_cache.try_admit(request)
+        if admission is None:
+            return 0
+        request.num_computed_tokens = admission.num_computed_tokens
+        num_new = self._num_new_tokens(request, budget)
+        if num_new and self.kv_cache.try_grow(request, num_new):
+            return num_new
+        self.kv_cache.free(request)  # the whole prompt does not fit the budget (no chunking)
+        request.num_computed_tokens = 0
+        return 0
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
         if request.num_output_tokens >= request.max_new_tokens:
@@ -147,11 +175,3 @@ class Scheduler:
     def _leader_ready(request: Request) -> bool:
         leader = request.prefix_leader
         return leader is None or leader.is_prompt_done or leader.is_finished
-
-    def finish(self, request: Request) -> None:
-        """Remove a finished or aborted request and return its blocks."""
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        self.kv_cache.free(request)

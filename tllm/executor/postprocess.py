@@ -1,0 +1,109 @@
+"""What the loop does with a step's logits and tokens, one request at a time where it can:
+sampling (a request whose parameters make the sampler fail is failed alone, and the rest of
+the batch is sampled without it), prompt logprobs, and the host-side update of each request
+(its token, logprobs, stop checks, streaming). One request's failure never fails another's."""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from tllm.request import FinishReason, Request
+from tllm.runner.model_runner import StepOutput
+from tllm.sampling.sampler import SampledBatch, Sampler, SamplerOutput, prompt_logprobs
+
+logger = logging.getLogger(__name__)
+
+FinishFn = Callable[..., None]                       # (request, reason, stop_reason=None)
+FailFn = Callable[[list[Request], Exception], None]
+
+
+class Postprocessor:
+    def __init__(self, sampler: Sampler, finish: FinishFn, fail: FailFn) -> None:
+        self.sampler = sampler
+        self._finish = finish
+        self._fail = fail
+
+    # ---- sampling ----
+
+    def sample(self, step: StepOutput) -> SampledBatch:
+        """Sample the step's rows; rows of requests that finished meanwhile were computed in
+        vain and are dropped."""
+        live = [i for i, r in enumerate(step.sample_requests) if not r.is_finished]
+        requests = [step.sample_requests[i] for i in live]
+        logits = (step.sample_logits if len(live) == len(step.sample_requests)
+                  else step.sample_logits[live])
+        try:
+            return self.sampler.sample(logits, requests)
+        except Exception as exc:
+            failing = self.sampler.failing_rows(logits, requests)
+            if not failing:  # not any one request's doing: the step fails
+                raise
+            self._fail_each([requests[i] for i in failing], exc)
+            keep = [i for i in range(len(requests)) if i not in set(failing)]
+            return self.sampler.sample(logits[keep], [requests[i] for i in keep])
+
+    def record_prompt_logprobs(self, step: StepOutput) -> None:
+        if step.prompt_logits is None:
+            return
+        by_request: dict[Request, list[int]] = {}
+        for row, (request, _) in enumerate(step.prompt_targets):
+            by_request.setdefault(request, []).append(row)
+        for request, rows in by_request.items():
+            try:
+                self._record_rows(step, request, rows)
+            except Exception as exc:
+                self._fail_each([request], exc)
+
+    @staticmethod
+    def _record_rows(step: StepOutput, request: Request, rows: list[int]) -> None:
+        if not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # the first token has no context
+        targets = [step.prompt_targets[r][1] for r in rows]
+        request.prompt_logprobs.extend(prompt_logprobs(
+            step.prompt_logits[rows], targets, request.sampling_params.prompt_logprobs))
+
+    # ---- the host side of each request ----
+
+    def process(self, requests: list[Request], sampled: SamplerOutput) -> None:
+        for i, request in enumerate(requests):
+            if request.is_finished:  # aborted (or failed) while its token was in flight
+                continue
+            try:
+                self._process_one(request, sampled, i)
+            except Exception as exc:
+                self._fail_each([request], exc)
+
+    def _process_one(self, request: Request, sampled: SamplerOutput, row: int) -> None:
+        token = sampled.token_ids[row]
+        request.fill_placeholder(token)
+        if sampled.logprobs[row] is not None:
+            request.output_logprobs.append(sampled.logprobs[row])
+            request.cumulative_logprob += sampled.sampled_logprobs[row]
+        reason, stop_reason = check_stop(request, token)
+        if reason is not None:
+            self._finish(request, reason, stop_reason)
+        elif request.on_update is not None:
+            request.on_update(request)
+
+    def _fail_each(self, requests: list[Request], exc: Exception) -> None:
+        for request in requests:
+            logger.error("request %s failed: %s: %s", request.request_id,
+                         type(exc).__name__, exc)
+        self._fail(requests, exc)
+
+
+def check_stop(request: Request, token: int) -> tuple[FinishReason | None, int | str | None]:
+    """Whether the request ends with this new token, and why."""
+    params = request.sampling_params
+    if token in params.stop_token_ids:
+        return FinishReason.STOP, token
+    if not params.ignore_eos and token in request.eos_token_ids:
+        return FinishReason.STOP, None
+    if request.detokenizer is not None:
+        stop = request.detokenizer.add_token(
+            token, check_stop=request.num_output_tokens >= params.min_tokens)
+        if stop is not None:
+            return FinishReason.STOP, stop
+    if request.num_output_tokens >= request.max_new_tokens:
+        return FinishReason.LENGTH, None
+    return None, None

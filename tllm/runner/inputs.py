@@ -1,0 +1,66 @@
+"""A ScheduledBatch flattened into one step's inputs: the token ids, positions, KV slots and
+block tables of every scheduled token, and which rows' logits the step needs (the last token
+of each request that samples, and prompt positions whose logprobs were asked for)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from tllm.request import PLACEHOLDER, Request
+from tllm.runner.step import StepPlan
+from tllm.scheduler.interface import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    plan: StepPlan
+    # rows of the flat token dimension whose logits are needed, in this order:
+    sample_rows: list[int] = field(default_factory=list)      # last token of a request
+    sample_requests: list[Request] = field(default_factory=list)
+    prompt_rows: list[int] = field(default_factory=list)      # prompt positions (logprobs)
+    prompt_targets: list[tuple[Request, int]] = field(default_factory=list)  # (req, next id)
+    # rows whose token was sampled last step and is still only on the device
+    placeholder_rows: list[int] = field(default_factory=list)
+    placeholder_requests: list[Request] = field(default_factory=list)
+
+
+def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[int]],
+                   tokens_per_block: int) -> StepInputs:
+    """`block_ids(request)` is the request's block table (from the KV cache manager)."""
+    bs = tokens_per_block
+    ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+    inputs = StepInputs(None)  # type: ignore[arg-type]
+    for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
+        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
+        first_row = len(ids)
+        ids.extend(request.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = block_ids(request)
+        tables.append(table)
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        query_lens.append(num_new)
+        seq_lens.append(end)
+        if end == request.num_tokens:
+            inputs.sample_rows.append(first_row + num_new - 1)
+            inputs.sample_requests.append(request)
+            if request.token_ids[-1] == PLACEHOLDER:
+                ids[-1] = 0
+                inputs.placeholder_rows.append(first_row + num_new - 1)
+                inputs.placeholder_requests.append(request)
+        if request.wants_prompt_logprobs:
+            _add_prompt_rows(inputs, request, start, end, first_row)
+    # one padded table: a tensor per request costs ~5 us each at batch 256
+    width = max(len(t) for t in tables)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    inputs.plan = StepPlan(ids, positions, slots, query_lens, seq_lens, padded,
+                           inputs.sample_rows + inputs.prompt_rows)
+    return inputs
+
+
+def _add_prompt_rows(inputs: StepInputs, request: Request, start: int, end: int,
+                     first_row: int) -> None:
+    # after a preemption the prompt is computed again: skip what was recorded
+    recorded = max(0, len(request.prompt_logprobs) - 1)
+    for p in range(max(start, recorded), min(end, request.num_prompt_tokens - 1)):
+        inputs.prompt_rows.append(first_row + p - start)
+        inputs.prompt_targets.append((request, request.token_ids[p + 1]))

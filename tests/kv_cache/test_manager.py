@@ -91,3 +91,35 @@ def test_free_of_a_never_admitted_request_is_harmless():
     manager = make_manager()
     manager.free(make_request(range(3)))
     assert manager.num_free_blocks == manager.num_blocks
+
+
+def test_growth_is_promised_by_try_grow_and_allocated_by_prepare():
+    manager = KVCacheManager(num_layers=1, num_kv_heads=1, head_dim=4, num_blocks=3,
+                             tokens_per_block=4, dtype=torch.float32, device="cpu",
+                             reserve_full_generation=False)
+    first, second = make_request(range(4)), make_request(range(10, 14))
+    assert admit(manager, first) and admit(manager, second)
+    assert manager.try_grow(first, 4) and manager.try_grow(second, 4)   # 2 of 3 blocks
+    assert manager.num_free_blocks == 3                                 # nothing allocated
+    manager.prepare(ScheduledBatch([first, second], [4, 4]))
+    assert manager.num_free_blocks == 1
+    first.num_computed_tokens = second.num_computed_tokens = 4
+    third = make_request(range(20, 23))
+    assert admit(manager, third)
+    assert manager.try_grow(third, 3)                                   # promised the last
+    assert not manager.try_grow(first, 1)                               # none left for this
+    manager.prepare(ScheduledBatch([third], [3]))
+    assert len(manager.block_ids(third)) == 1 and manager.num_free_blocks == 0
+
+
+def test_the_manager_reads_requests_and_never_writes_them():
+    manager = make_manager()
+    request = make_request(range(10))
+    before = dict(vars(request))
+    admission = manager.try_admit(request)
+    manager.try_grow(request, 10)
+    batch = ScheduledBatch([request], [10])
+    manager.prepare(batch)
+    manager.update(batch)
+    manager.free(request)
+    assert admission.num_computed_tokens == 0 and vars(request) == before

@@ -48,3 +48,30 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     finished: bool = False
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What is new in one generated sequence since its previous delta.
+
+    The engine builds one per update of a sequence, once (on the executor thread), and hands
+    it over unchanged: `GenerationResult.deltas()` yields these as they come, and the cumulative
+    RequestOutputs of `await` / `async for` are folded from them on the caller's side. The
+    final delta of a sequence has `finish_reason` set (and `error`, if the engine failed it).
+    """
+
+    index: int                                    # the sample index within its prompt
+    token_ids: list[int]
+    text: str
+    logprobs: list[PositionLogprobs] | None = None    # None unless logprobs were asked for
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None       # with the final delta, if logprobs asked
+    # The prompt's logprobs, once per prompt: with sample 0's first delta after its prompt.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    error: Exception | None = None
+    metrics: dict[str, float] = field(default_factory=dict)    # with the final delta
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -203,3 +203,47 @@ def test_logit_bias_steers_greedy_choice(llm):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=4, temperature=0,
                                               logit_bias={forced: 100.0}), use_tqdm=False)
     assert tokens(out) == [forced] * 4
+
+
+def test_raw_deltas_match_generate_and_build_no_request_output(llm, monkeypatch):
+    import tllm.llmapi.result as result_module
+    params = SamplingParams(max_tokens=10, temperature=1.0, n=2, seed=3, logprobs=1,
+                            ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:3]]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    made = []
+    real = result_module.RequestOutput
+    monkeypatch.setattr(result_module, "RequestOutput",
+                        lambda *a, **kw: made.append(1) or real(*a, **kw))
+
+    async def collect(result):
+        return [delta async for delta in result.deltas()]
+
+    async def run_both():
+        results = await llm.submit_batch(prompts, [params] * 2, streaming=True)
+        return await asyncio.gather(*(collect(r) for r in results))
+
+    per_prompt = asyncio.run(run_both())
+    assert made == []
+    for deltas, output in zip(per_prompt, expected):
+        for sample in output.outputs:
+            mine = [d for d in deltas if d.index == sample.index]
+            assert sum((d.token_ids for d in mine), []) == sample.token_ids
+            assert sum((d.logprobs for d in mine), []) == sample.logprobs
+            assert [d.finish_reason for d in mine].count("length") == 1
+            assert mine[-1].finish_reason == "length"
+
+
+def test_abort_through_raw_deltas_frees_blocks(llm):
+    async def abort_midway():
+        result = llm.generate_async(PROMPT, SamplingParams(max_tokens=100, temperature=0,
+                                                           ignore_eos=True), streaming=True)
+        deltas = []
+        async for delta in result.deltas():
+            deltas.append(delta)
+            result.abort()
+        return deltas
+
+    deltas = asyncio.run(abort_midway())
+    assert deltas[-1].finish_reason == "abort"
+    assert sum(len(d.token_ids) for d in deltas) < 100

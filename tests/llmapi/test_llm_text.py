@@ -62,3 +62,22 @@ def test_text_prompt_is_tokenized_like_hf(llm):
     out = llm.generate(PROMPT, greedy(max_tokens=1), use_tqdm=False)
     assert out.prompt == PROMPT
     assert out.prompt_token_ids == llm.tokenizer.hf(PROMPT).input_ids
+
+
+def test_raw_deltas_carry_the_generated_text(llm):
+    params = SamplingParams(max_tokens=16, temperature=0.8, n=2, seed=5, logprobs=0)
+    prompts = [PROMPT, "日本の首都は"]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+
+    async def collect(result):
+        return [delta async for delta in result.deltas()]
+
+    async def stream():
+        results = await llm.submit_batch(prompts, [params] * 2, streaming=True)
+        return await asyncio.gather(*(collect(r) for r in results))
+
+    for deltas, output in zip(asyncio.run(stream()), expected):
+        for sample in output.outputs:
+            mine = [d for d in deltas if d.index == sample.index]
+            assert "".join(d.text for d in mine) == sample.text
+            assert sum((d.token_ids for d in mine), []) == sample.token_ids

@@ -130,3 +130,37 @@ def test_a_caller_cancelled_while_submitting_leaves_nothing_running(process_llm)
     wait_until_idle(process_llm)
     time.sleep(3 * HEARTBEAT_S)     # the stats that follow the last step
     assert process_llm.get_stats()["num_steps"] - steps_before < 50   # not 100 decode steps
+
+
+def test_light_handles_relay_the_engines_deltas(process_llm):
+    from tllm.llmapi.result import DeltaStream, GenerationResult
+    params = SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=2, logprobs=1,
+                            ignore_eos=True)
+
+    async def stream():
+        results = await process_llm.submit_batch([{"prompt_token_ids": p} for p in PROMPTS[:2]],
+                                                 [params] * 2, streaming=True)
+        assert all(type(r) is DeltaStream and not isinstance(r, GenerationResult)
+                   for r in results)
+
+        async def collect(result):
+            return [delta async for delta in result.deltas()]
+
+        per_prompt = await asyncio.gather(*(collect(r) for r in results))
+        return per_prompt, results
+
+    per_prompt, results = run(stream())
+    assert all(r.finished for r in results)
+    assert not process_llm._streams         # every finished handle is forgotten
+    for deltas in per_prompt:
+        for index in range(2):
+            mine = [d for d in deltas if d.index == index]
+            assert sum(len(d.token_ids) for d in mine) == 5
+            assert sum(len(d.logprobs) for d in mine) == 5
+            assert mine[-1].finish_reason == "length"
+            assert mine[-1].metrics["num_output_tokens"] == 5
+    wait_until_idle(process_llm)
+
+
+def test_a_model_without_a_tokenizer_has_none_here(process_llm):
+    assert process_llm.tokenizer is None        # (the engine sent None, pickled)

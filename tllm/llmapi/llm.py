@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import queue
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -11,9 +11,9 @@ from tqdm.auto import tqdm
 from tllm.request import Request
 from tllm.llmapi.engine import build_engine
 from tllm.llmapi.llm_args import LlmArgs
-from tllm.llmapi.result import GenerationResult
+from tllm.llmapi.result import GenerationResult, bind_deltas
 from tllm.loader import DEFAULT_MODEL
-from tllm.outputs import RequestOutput
+from tllm.outputs import CompletionDelta, RequestOutput
 from tllm.sampling_params import SamplingParams
 from tllm.tokenizer import IncrementalDetokenizer
 
@@ -28,8 +28,19 @@ class LLM:
     max_batch_size=64, kv_cache_config=KvCacheConfig(max_tokens=65536))`."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
-        self.args = LlmArgs(model=model, **kwargs)
-        self._engine = build_engine(self.args)
+        self._build(LlmArgs(model=model, **kwargs))
+
+    @classmethod
+    def from_args(cls, args: LlmArgs) -> LLM:
+        """An LLM from arguments validated already (ProcessLLM validates them in the server
+        process, where a bad one fails at once, and builds the engine process's LLM so)."""
+        llm = cls.__new__(cls)
+        llm._build(args)
+        return llm
+
+    def _build(self, args: LlmArgs) -> None:
+        self.args = args
+        self._engine = build_engine(args)
         self._ids = itertools.count()
         self._closed = False
 
@@ -71,7 +82,7 @@ class LLM:
         with tqdm(total=len(results), disable=not use_tqdm, desc="Generating") as bar:
             while num_unfinished:
                 result, delta = sink.get()
-                if result._apply(delta).finished:
+                if result.apply(delta).finished:
                     num_unfinished -= 1
                     bar.update(1)
         outputs = [r.result() for r in results]
@@ -122,26 +133,51 @@ class LLM:
 
     # ---- requests ----
 
+    def add_request(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+                    on_delta: Callable[[CompletionDelta], None]) -> Callable[[], None]:
+        """Submit one prompt (n samples) whose deltas go straight to on_delta, on the executor
+        thread, with no result object (for relays such as the engine process); returns its
+        abort. Raises ValueError, submitting nothing, if the prompt is refused."""
+        self._check_open()
+        requests = self._new_requests(prompt, params, request_id)[2]
+        self._start(requests, on_delta)
+        return self._aborter(requests)
+
     def _submit(self, prompt: PromptInput, params: SamplingParams, streaming: bool,
-                sink: queue.Queue | None = None,
-                request_id: str | None = None) -> GenerationResult:
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down")
+                sink: queue.Queue | None = None) -> GenerationResult:
+        self._check_open()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids))
+        text, token_ids, requests = self._new_requests(prompt, params, request_id)
+        result = GenerationResult(request_id, text, token_ids, params, streaming, sink,
+                                  abort=self._aborter(requests))
+        self._start(requests, result.post)
+        return result
+
+    def _new_requests(self, prompt: PromptInput, params: SamplingParams,
+                      request_id: str) -> tuple[str | None, list[int], list[Request]]:
+        """(prompt text, prompt token ids, one Request per sample), validated."""
         text, token_ids = self._tokenize(prompt)
-        request_id = request_id or str(next(self._ids))
         requests = self._make_requests(request_id, token_ids, params)
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             for request in requests:
                 request.cache_salt = str(prompt["cache_salt"])
-        result = GenerationResult(request_id, text, token_ids,
-                                  params.n, params.logprobs is not None, streaming, sink)
-        executor = self._engine.executor
-        result.bind(requests, abort=lambda: [executor.abort(r.request_id) for r in requests])
+        return text, token_ids, requests
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+
+    def _start(self, requests: list[Request],
+               on_delta: Callable[[CompletionDelta], None]) -> None:
+        bind_deltas(requests, on_delta)
         for request in requests:
-            executor.submit(request)
-        return result
+            self._engine.executor.submit(request)
+
+    def _aborter(self, requests: list[Request]) -> Callable[[], None]:
+        executor = self._engine.executor
+        return lambda: [executor.abort(r.request_id) for r in requests]
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -5,16 +5,20 @@ and the loop gets only part of it (the H200 server delivered 44% of the offline 
 Here the server process keeps HTTP, JSON and tokenization; a spawned engine process runs
 `LLM` (executor loop, detokenization) and talks to it over two pipes:
 
-    server -> engine  ("submit", batch_id, [(request_id, inputs, params)], streaming)
-                      ("abort", request_id) | ("shutdown",)
+    server -> engine  ("submit", batch_id, [(request_id, inputs, params)]) | ("abort", request_id)
+                      | ("shutdown",)
     engine -> server  ("ready", info) | ("failed", exception)       once, at start
                       ("accepted", batch_id) | ("rejected", batch_id, ValueError)
-                      ("deltas", [(request_id, delta)], done_ids, stats)
+                      ("deltas", [(request_id, CompletionDelta)], stats)
 
-Request ids are chosen by the server side, so results exist before their first delta. The
-engine batches every delta ready since its last send into one message (and sends stats at
-least every HEARTBEAT_S); the server side applies one message per event-loop callback.
-Validation stays where it is (LLM._submit): a refused prompt comes back as the ValueError.
+The LLM arguments are validated once, here (a bad one fails at once), and the engine builds
+its LLM from them; its tokenizer comes back in "ready" (pickled), so it is loaded once. Request
+ids are chosen by the server side, so handles exist before their first delta. The engine
+builds no result objects: each request's updates become CompletionDeltas on the executor
+thread (LLM.add_request), which a sender thread batches into one message per send (stats at
+least every HEARTBEAT_S). The server side holds a DeltaStream per request and hands it the
+deltas as they are, one message per event-loop callback. Validation stays where it is (the
+engine's LLM): a refused prompt comes back as the ValueError.
 """
 from __future__ import annotations
 
@@ -22,13 +26,15 @@ import asyncio
 import gc
 import itertools
 import multiprocessing
+import pickle
 import queue
 import signal
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tllm.llmapi.llm_args import LlmArgs
-from tllm.llmapi.result import GenerationResult
+from tllm.llmapi.result import DeltaStream
+from tllm.outputs import CompletionDelta
 from tllm.sampling_params import SamplingParams
 
 HEARTBEAT_S = 0.1
@@ -40,23 +46,22 @@ class ProcessLLM:
     `tokenizer`, `max_seq_len`, `shutdown` (what the server uses of an LLM)."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        from tllm import loader
         self.args = LlmArgs(model=model, **kwargs)     # bad arguments fail here, at once
-        self.tokenizer = loader.load_tokenizer(loader.resolve_model(model))
         context = multiprocessing.get_context("spawn")
         self._commands, engine_commands = context.Pipe(duplex=False)[::-1]
         engine_events, self._events = context.Pipe(duplex=False)[::-1]
         self._process = context.Process(
-            target=engine_main, args=(model, kwargs, engine_commands, engine_events),
+            target=engine_main, args=(self.args, engine_commands, engine_events),
             name="tllm-engine")
         self._process.start()
         engine_commands.close()
         engine_events.close()
         ready = self._wait_until_ready()
         self.max_seq_len: int = ready["max_seq_len"]
+        self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], model)
         self._send_lock = threading.Lock()
         self._ids = itertools.count()
-        self._results: dict[str, GenerationResult] = {}
+        self._streams: dict[str, DeltaStream] = {}
         self._pending: dict[int, asyncio.Future] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stats: dict[str, Any] = {"stats": ready["stats"], "alive": True,
@@ -83,9 +88,9 @@ class ProcessLLM:
         return stats
 
     async def submit_batch(self, inputs: Sequence[dict], sampling_params: Sequence[SamplingParams],
-                           streaming: bool = False) -> list[GenerationResult]:
+                           streaming: bool = False) -> list[DeltaStream]:
         """Submit prompts ({"prompt_token_ids", "prompt"}) all or none; raises the engine's
-        ValueError if it refuses one."""
+        ValueError if it refuses one. One DeltaStream per prompt."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         self._loop = asyncio.get_running_loop()
@@ -96,34 +101,32 @@ class ProcessLLM:
         batch_id = next(self._ids)
         items = [(f"r{next(self._ids)}", prompt, params)
                  for prompt, params in zip(inputs, sampling_params, strict=True)]
-        results = [self._new_result(*item, streaming) for item in items]
+        streams = [self._new_stream(*item, streaming) for item in items]
         accepted = self._loop.create_future()
         self._pending[batch_id] = accepted
         sent = False
         try:
-            self._send(("submit", batch_id, items, streaming))
+            self._send(("submit", batch_id, items))
             self._num_sent += len(items)
             sent = True
             await accepted
         except BaseException:
             for request_id, _, _ in items:
-                self._results.pop(request_id, None)
+                self._streams.pop(request_id, None)
                 if sent:    # e.g. the caller was cancelled: the engine may run them anyway
                     self._abort_quietly(request_id)
             raise
         finally:
             self._pending.pop(batch_id, None)
-        return results
+        return streams
 
-    def _new_result(self, request_id: str, prompt: dict, params: SamplingParams,
-                    streaming: bool) -> GenerationResult:
+    def _new_stream(self, request_id: str, prompt: dict, params: SamplingParams,
+                    streaming: bool) -> DeltaStream:
         """The caller's side of a request, registered to receive its deltas."""
-        result = GenerationResult(request_id, prompt.get("prompt"),
-                                  list(prompt["prompt_token_ids"]), params.n,
-                                  params.logprobs is not None, streaming)
-        result.set_abort(lambda: self._abort_quietly(request_id))
-        self._results[request_id] = result
-        return result
+        stream = DeltaStream(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
+                             params, streaming, abort=lambda: self._abort_quietly(request_id))
+        self._streams[request_id] = stream
+        return stream
 
     def shutdown(self) -> None:
         """Stop the engine process (it frees the model and KV cache) and wait for it."""
@@ -183,9 +186,9 @@ class ProcessLLM:
             except (EOFError, OSError):
                 break
             if message[0] == "deltas":
-                self._stats = message[3]
-                if message[1] or message[2]:
-                    self._call_in_loop(self._apply_deltas, message[1], message[2])
+                self._stats = message[2]
+                if message[1]:
+                    self._call_in_loop(self._deliver, message[1])
             else:
                 self._call_in_loop(self._settle, message)
         self._stats = {**self._stats, "alive": False}
@@ -199,13 +202,11 @@ class ProcessLLM:
         except RuntimeError:        # the loop is closed: nobody is listening
             pass
 
-    def _apply_deltas(self, deltas: list, done: list[str]) -> None:
+    def _deliver(self, deltas: list[tuple[str, CompletionDelta]]) -> None:
         for request_id, delta in deltas:
-            result = self._results.get(request_id)
-            if result is not None:
-                result.deliver(delta)
-        for request_id in done:
-            self._results.pop(request_id, None)
+            stream = self._streams.get(request_id)
+            if stream is not None and stream.deliver(delta):
+                del self._streams[request_id]       # its last delta: nothing more comes
 
     def _settle(self, message: tuple) -> None:
         future = self._pending.get(message[1])
@@ -222,7 +223,7 @@ class ProcessLLM:
                 future.set_exception(RuntimeError("the engine process has stopped"))
 
 
-def engine_main(model: str, kwargs: dict, commands, events) -> None:
+def engine_main(args: LlmArgs, commands, events) -> None:
     """The engine process: build the LLM, then serve commands until shutdown or until the
     server's end of the pipe closes (the server died)."""
     from tllm.llmapi.llm import LLM
@@ -230,7 +231,7 @@ def engine_main(model: str, kwargs: dict, commands, events) -> None:
     # the engine stops (it sends "shutdown" after its graceful shutdown).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        llm = LLM(model, **kwargs)
+        llm = LLM.from_args(args)
     except BaseException as exc:
         events.send(("failed", _picklable(exc)))
         return
@@ -238,7 +239,8 @@ def engine_main(model: str, kwargs: dict, commands, events) -> None:
     # the collector's full passes, which would otherwise pause the loop while it serves.
     gc.collect()
     gc.freeze()
-    events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats()}))
+    events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
+                           "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
     _EngineServer(llm, events).run(commands)
 
 
@@ -248,8 +250,8 @@ class _EngineServer:
     def __init__(self, llm, events) -> None:
         self.llm = llm
         self.events = events
-        self.sink: queue.Queue = queue.Queue()      # (engine result, delta) from the loop
-        self.results: dict[str, GenerationResult] = {}
+        self.sink: queue.SimpleQueue = queue.SimpleQueue()  # (request id, delta), from the loop
+        self.aborts: dict[str, Callable[[], None]] = {}     # of unfinished requests
         self.finished_ids: queue.SimpleQueue = queue.SimpleQueue()
         self.num_received = 0
         self.sender = threading.Thread(target=self._send_deltas, name="tllm-engine-sender",
@@ -267,9 +269,9 @@ class _EngineServer:
                 if message[0] == "submit":
                     self._submit(*message[1:])
                 elif message[0] == "abort":
-                    result = self.results.get(message[1])
-                    if result is not None:
-                        result.abort()
+                    abort = self.aborts.get(message[1])
+                    if abort is not None:
+                        abort()
                 elif message[0] == "shutdown":
                     break
         finally:
@@ -278,33 +280,31 @@ class _EngineServer:
             self.events.close()
             self.llm.shutdown()
 
-    def _submit(self, batch_id: int, items: list, streaming: bool) -> None:
-        submitted = []
+    def _submit(self, batch_id: int, items: list) -> None:
+        aborts = {}
         try:
             for request_id, prompt, params in items:
-                submitted.append(self.llm._submit(prompt, params, streaming, sink=self.sink,
-                                                  request_id=request_id))
+                relay = _Relay(request_id, params.n, self.sink, self.finished_ids)
+                aborts[request_id] = self.llm.add_request(prompt, params, request_id, relay)
         except Exception as exc:
-            for result in submitted:
-                result.abort()
+            for abort in aborts.values():
+                abort()
             self._post(("rejected", batch_id, _picklable(exc)))
         else:
-            for result in submitted:
-                self.results[result.request_id] = result
+            self.aborts.update(aborts)
             self._post(("accepted", batch_id))
         self.num_received += len(items)
 
     def _forget_finished(self) -> None:
         while True:
             try:
-                self.results.pop(self.finished_ids.get_nowait(), None)
+                self.aborts.pop(self.finished_ids.get_nowait(), None)
             except queue.Empty:
                 return
 
     def _send_deltas(self) -> None:
         """Everything the loop posted since the last send, as one message; stats alone
         every HEARTBEAT_S while nothing happens."""
-        num_finished: dict[str, int] = {}
         stopping = False
         while not stopping:
             try:
@@ -317,22 +317,10 @@ class _EngineServer:
                 except queue.Empty:
                     break
             stopping = None in items
-            deltas, done = [], []
-            for item in items:
-                if item is None:
-                    continue
-                result, delta = item
-                deltas.append((result.request_id, delta))
-                if delta.finish_reason is not None:
-                    count = num_finished.get(result.request_id, 0) + 1
-                    num_finished[result.request_id] = count
-                    if count == result.num_samples:
-                        del num_finished[result.request_id]
-                        done.append(result.request_id)
-                        self.finished_ids.put(result.request_id)
+            deltas = [item for item in items if item is not None]
             stats = {"stats": self.llm.get_stats(), "alive": self.llm.is_alive,
                      "num_received": self.num_received}
-            self._post(("deltas", deltas, done, stats))
+            self._post(("deltas", deltas, stats))
 
     _post_lock = threading.Lock()
 
@@ -344,9 +332,51 @@ class _EngineServer:
                 pass
 
 
+class _Relay:
+    """One prompt's on_delta (executor thread): its deltas go to the sender as they are, and
+    its id to `finished` once every sample has ended."""
+
+    __slots__ = ("request_id", "num_unfinished", "sink", "finished")
+
+    def __init__(self, request_id: str, num_samples: int, sink: queue.SimpleQueue,
+                 finished: queue.SimpleQueue) -> None:
+        self.request_id = request_id
+        self.num_unfinished = num_samples
+        self.sink = sink
+        self.finished = finished
+
+    def __call__(self, delta: CompletionDelta) -> None:
+        if delta.error is not None:      # it crosses the pipe: send what pickles
+            delta.error = _picklable(delta.error)
+        self.sink.put((self.request_id, delta))
+        if delta.finish_reason is not None:
+            self.num_unfinished -= 1
+            if self.num_unfinished == 0:
+                self.finished.put(self.request_id)
+
+
+def _pickled_tokenizer(tokenizer) -> bytes | None:
+    """The engine's tokenizer (or None) pickled for the server (HF fast tokenizers pickle:
+    about 1.5 MB and 70 ms to load for SmolLM2's); None if it does not pickle."""
+    try:
+        return pickle.dumps(tokenizer)
+    except Exception:
+        return None
+
+
+def _unpickled_tokenizer(data: bytes | None, model: str):
+    """The engine's tokenizer, or, if it did not survive pickling, one loaded here."""
+    if data is not None:
+        try:
+            return pickle.loads(data)
+        except Exception:
+            pass
+    from tllm import loader
+    return loader.load_tokenizer(loader.resolve_model(model))
+
+
 def _picklable(exc: BaseException) -> BaseException:
     """exc if it survives pickling, else a RuntimeError carrying its text."""
-    import pickle
     try:
         pickle.loads(pickle.dumps(exc))
         return exc

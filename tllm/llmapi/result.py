@@ -1,33 +1,30 @@
-"""GenerationResult: the handle generate_async returns. The executor thread sends it small
-deltas (new tokens, new text, finish); the caller's side folds them into RequestOutputs.
-Await it for the final output, or `async for` over it for streamed snapshots."""
+"""The handles generate_async and submit_batch return, and the one place deltas are made.
+
+The executor thread calls each Request's `on_update` after every update; `bind_deltas` makes
+that build a CompletionDelta (what is new since the previous one: a DeltaBuilder per Request
+keeps the count) and hand it on. Nothing downstream diffs again:
+
+- DeltaStream: a prompt's deltas as they arrive on the caller's event loop. `deltas()` yields
+  them raw (the server's way); awaiting it or `async for` over it folds them into cumulative
+  RequestOutputs, built only then. ProcessLLM's handles are DeltaStreams.
+- GenerationResult: a DeltaStream bound to Requests of this process, also usable outside an
+  event loop (LLM.generate, result()).
+"""
 from __future__ import annotations
 
 import asyncio
 import queue
-from dataclasses import dataclass, field
-from typing import Callable
+from typing import AsyncIterator, Callable
 
+from tllm.outputs import CompletionDelta, CompletionOutput, RequestOutput
 from tllm.request import Request
-from tllm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from tllm.sampling_params import SamplingParams
 
 
-@dataclass
-class _Delta:
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[PositionLogprobs]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    cumulative_logprob: float | None = None
-    prompt_logprobs: list | None = None
-    error: Exception | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+class DeltaBuilder:
+    """How much of one Request has been handed out already (executor thread only)."""
 
-
-class _Cursor:
-    """How much of a request has been sent already (executor thread only)."""
+    __slots__ = ("num_tokens", "text_len", "num_logprobs", "sent_prompt_logprobs")
 
     def __init__(self) -> None:
         self.num_tokens = 0
@@ -35,59 +32,25 @@ class _Cursor:
         self.num_logprobs = 0
         self.sent_prompt_logprobs = False
 
-
-class GenerationResult:
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 num_samples: int, want_logprobs: bool, streaming: bool,
-                 sink: queue.Queue | None = None) -> None:
-        self.request_id = request_id
-        self.streaming = streaming
-        self.num_samples = num_samples
-        self._outputs = [CompletionOutput(i, logprobs=[] if want_logprobs else None)
-                         for i in range(num_samples)]
-        self._output = RequestOutput(request_id, prompt, prompt_token_ids, self._outputs)
-        self._num_unfinished = num_samples
-        self._error: Exception | None = None
-        self._abort: Callable[[], None] = lambda: None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._async_queue: asyncio.Queue | None = None
-        if sink is None:
-            try:
-                self._loop = asyncio.get_running_loop()
-                self._async_queue = asyncio.Queue()
-            except RuntimeError:
-                pass
-        # Outside an event loop, deltas go to a queue; generate() shares one (the sink) among
-        # all its results and applies each delta to the result it names.
-        self._sink = sink
-        self._sync_queue: queue.Queue = queue.Queue()
-
-    # ---- executor side ----
-
-    def bind(self, requests: list[Request], abort: Callable[[], None]) -> None:
-        self._abort = abort
-        for request in requests:
-            cursor = _Cursor()
-            request.on_update = lambda r, c=cursor: self._post(self._delta(r, c))
-
-    @staticmethod
-    def _delta(request: Request, cursor: _Cursor) -> _Delta:
-        out_ids = request.output_token_ids
-        new_ids = out_ids[cursor.num_tokens:]
-        cursor.num_tokens = len(out_ids)
+    def build(self, request: Request) -> CompletionDelta:
+        """What is new in the request since the previous call."""
+        new_ids = request.output_token_ids[self.num_tokens:]
+        self.num_tokens += len(new_ids)
         text = ""
         if request.detokenizer is not None:
             end = request.detokenizer.stream_len
-            text = request.detokenizer.text[cursor.text_len:end]
-            cursor.text_len = max(cursor.text_len, end)
-        logprobs = request.output_logprobs[cursor.num_logprobs:]
-        cursor.num_logprobs = len(request.output_logprobs)
-        delta = _Delta(request.sample_index, new_ids, text, logprobs)
-        if request.prompt_logprobs and request.is_prompt_done and not cursor.sent_prompt_logprobs:
+            text = request.detokenizer.text[self.text_len:end]
+            self.text_len = max(self.text_len, end)
+        delta = CompletionDelta(request.sample_index, new_ids, text)
+        if request.sampling_params.logprobs is not None:
+            delta.logprobs = request.output_logprobs[self.num_logprobs:]
+            self.num_logprobs += len(delta.logprobs)
+        if (request.sample_index == 0 and request.prompt_logprobs and request.is_prompt_done
+                and not self.sent_prompt_logprobs):
             delta.prompt_logprobs = request.prompt_logprobs
-            cursor.sent_prompt_logprobs = True
+            self.sent_prompt_logprobs = True
         if request.is_finished:
-            delta.finish_reason = request.finish_reason.value
+            delta.finish_reason = "abort" if request.error else request.finish_reason.value
             delta.stop_reason = request.stop_reason
             delta.error = request.error
             if request.sampling_params.logprobs is not None:
@@ -95,18 +58,153 @@ class GenerationResult:
             delta.metrics = _metrics(request)
         return delta
 
-    def set_abort(self, abort: Callable[[], None]) -> None:
-        """What abort() calls (for results whose requests live in another process)."""
+
+def bind_deltas(requests: list[Request], on_delta: Callable[[CompletionDelta], None]) -> None:
+    """After each update of a request, build its delta and pass it to on_delta (called on the
+    executor thread: it must only hand the delta over)."""
+    for request in requests:
+        builder = DeltaBuilder()
+        request.on_update = lambda r, b=builder: on_delta(b.build(r))
+
+
+class RequestOutputBuilder:
+    """Folds one prompt's deltas into its cumulative RequestOutput (the LLM API's view)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams) -> None:
+        want_logprobs = params.logprobs is not None
+        self.samples = [CompletionOutput(i, logprobs=[] if want_logprobs else None)
+                        for i in range(params.n)]
+        self.output = RequestOutput(request_id, prompt, list(prompt_token_ids), self.samples)
+        self._num_unfinished = params.n
+
+    def apply(self, delta: CompletionDelta) -> RequestOutput:
+        out = self.samples[delta.index]
+        out.token_ids = out.token_ids + delta.token_ids
+        out.token_ids_diff = delta.token_ids
+        out.text += delta.text
+        out.text_diff = delta.text
+        if out.logprobs is not None and delta.logprobs:
+            out.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:
+            self.output.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            out.finish_reason = delta.finish_reason
+            out.stop_reason = delta.stop_reason
+            out.cumulative_logprob = delta.cumulative_logprob
+            if delta.index == 0:
+                self.output.metrics = delta.metrics
+            self._num_unfinished -= 1
+            self.output.finished = self._num_unfinished == 0
+        return self.output
+
+
+class DeltaStream:
+    """One prompt's deltas, on the event loop it was made in. Consume it one way, once:
+    `async for delta in stream.deltas()` (raw CompletionDeltas, no RequestOutput built),
+    `await stream` (the final RequestOutput), or `async for output in stream` (cumulative
+    snapshots with *_diff; only the final one unless streaming)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, streaming: bool,
+                 abort: Callable[[], None] = lambda: None, in_loop: bool = True) -> None:
+        self.request_id = request_id
+        self.streaming = streaming
+        self.num_samples = params.n
+        self._prompt = (prompt, prompt_token_ids, params)
         self._abort = abort
+        self._num_unfinished = params.n     # samples whose final delta is not consumed yet
+        self._num_undelivered = params.n    # ... not handed over yet
+        self._error: Exception | None = None
+        self._outputs: RequestOutputBuilder | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queue: asyncio.Queue | None = None
+        if in_loop:
+            try:
+                self._loop = asyncio.get_running_loop()
+                self._queue = asyncio.Queue()
+            except RuntimeError:
+                pass
 
-    def deliver(self, delta: _Delta) -> None:
-        """Hand a delta over from the result's own event loop thread."""
-        self._async_queue.put_nowait(delta)
+    @property
+    def finished(self) -> bool:
+        """Whether the final delta of every sample has been consumed."""
+        return self._num_unfinished == 0
 
-    def _post(self, delta: _Delta) -> None:
+    def abort(self) -> None:
+        """Stop the request in the engine; its samples end with finish_reason 'abort'."""
+        self._abort()
+
+    def deliver(self, delta: CompletionDelta) -> bool:
+        """Hand a delta over (from the stream's own event loop thread); True once every
+        sample's final delta has been handed over."""
+        self._queue.put_nowait(delta)
+        if delta.finish_reason is not None:
+            self._num_undelivered -= 1
+        return self._num_undelivered == 0
+
+    async def deltas(self) -> AsyncIterator[CompletionDelta]:
+        """The deltas of all samples in arrival order, as the engine built them, until every
+        sample has finished; then raises RuntimeError if the engine failed the request."""
+        if self._queue is None:
+            raise RuntimeError("generate_async was called outside a running event loop")
+        while not self.finished:
+            yield self._count(await self._queue.get())
+        self._raise_error()
+
+    async def aresult(self) -> RequestOutput:
+        async for delta in self.deltas():
+            self._fold(delta)
+        return self._builder().output
+
+    def __await__(self):
+        return self.aresult().__await__()
+
+    async def __aiter__(self):
+        """Streamed snapshots: cumulative text/token_ids, plus *_diff since the last one."""
+        async for delta in self.deltas():
+            output = self._fold(delta)
+            if self.streaming or output.finished:
+                yield output
+
+    def _count(self, delta: CompletionDelta) -> CompletionDelta:
+        if delta.finish_reason is not None:
+            self._error = self._error or delta.error
+            self._num_unfinished -= 1
+        return delta
+
+    def _builder(self) -> RequestOutputBuilder:
+        if self._outputs is None:
+            self._outputs = RequestOutputBuilder(self.request_id, *self._prompt)
+        return self._outputs
+
+    def _fold(self, delta: CompletionDelta) -> RequestOutput:
+        return self._builder().apply(delta)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"request {self.request_id} failed: {self._error}") from self._error
+
+
+class GenerationResult(DeltaStream):
+    """The handle LLM.generate_async returns: a DeltaStream fed by this process's executor
+    thread (through `post`). Made outside an event loop, `result()` blocks for the final
+    output; made with a sink, its deltas go to the sink as (result, delta) instead (for
+    LLM.generate, which shares one sink among its results)."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams, streaming: bool, sink: queue.Queue | None = None,
+                 abort: Callable[[], None] = lambda: None) -> None:
+        super().__init__(request_id, prompt, prompt_token_ids, params, streaming, abort,
+                         in_loop=sink is None)
+        self._sink = sink
+        self._sync_queue: queue.Queue = queue.Queue()
+
+    def post(self, delta: CompletionDelta) -> None:
+        """Hand a delta over from the executor thread (the on_delta of bind_deltas)."""
         if self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._async_queue.put_nowait, delta)
+                self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
             except RuntimeError:  # the caller's loop is closed: nobody is listening
                 pass
         elif self._sink is not None:
@@ -114,70 +212,20 @@ class GenerationResult:
         else:
             self._sync_queue.put(delta)
 
-    # ---- caller side ----
+    # ---- caller side, outside an event loop ----
 
-    @property
-    def finished(self) -> bool:
-        return self._num_unfinished == 0
-
-    def abort(self) -> None:
-        self._abort()
-
-    def _apply(self, delta: _Delta) -> RequestOutput:
-        out = self._outputs[delta.index]
-        out.token_ids = out.token_ids + delta.token_ids
-        out.token_ids_diff = delta.token_ids
-        out.text += delta.text
-        out.text_diff = delta.text
-        if out.logprobs is not None:
-            out.logprobs.extend(delta.logprobs)
-        if delta.prompt_logprobs is not None and delta.index == 0:
-            self._output.prompt_logprobs = delta.prompt_logprobs
-        if delta.finish_reason is not None:
-            out.finish_reason = "abort" if delta.error else delta.finish_reason
-            out.stop_reason = delta.stop_reason
-            out.cumulative_logprob = delta.cumulative_logprob
-            if delta.index == 0:
-                self._output.metrics = delta.metrics
-            self._error = self._error or delta.error
-            self._num_unfinished -= 1
-            self._output.finished = self.finished
-        return self._output
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"request {self.request_id} failed: {self._error}") from self._error
+    def apply(self, delta: CompletionDelta) -> RequestOutput:
+        """Fold a delta taken from the sink into the cumulative output."""
+        return self._fold(self._count(delta))
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Block until every sample is finished (for results made outside an event loop)."""
         if self._loop is not None:
             raise RuntimeError("this result belongs to an event loop: await it instead")
         while not self.finished and self._sink is None:
-            self._apply(self._sync_queue.get(timeout=timeout))
+            self.apply(self._sync_queue.get(timeout=timeout))
         self._raise_error()
-        return self._output
-
-    async def aresult(self) -> RequestOutput:
-        async for _ in self._updates():
-            pass
-        self._raise_error()
-        return self._output
-
-    def __await__(self):
-        return self.aresult().__await__()
-
-    async def _updates(self):
-        if self._async_queue is None:
-            raise RuntimeError("generate_async was called outside a running event loop")
-        while not self.finished:
-            yield self._apply(await self._async_queue.get())
-
-    async def __aiter__(self):
-        """Streamed snapshots: cumulative text/token_ids, plus *_diff since the last one."""
-        async for output in self._updates():
-            if self.streaming or output.finished:
-                yield output
-        self._raise_error()
+        return self._builder().output
 
 
 def _metrics(request: Request) -> dict[str, float]:

@@ -19,5 +19,12 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/tllm generate --prompt "What is the capital of France? Answer in one sentence." --max-tokens 64
 
-test: setup
+# The dashboard test drives Debian's Chromium through playwright (which must never download
+# a browser of its own here).
+$(VENV)/.browser: | $(VENV)/.installed
+	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
+	touch $@
+
+test: setup $(VENV)/.browser
 	$(BIN)/python -m pytest -q tests

@@ -89,3 +89,14 @@ def test_a_dead_engine_process_gives_503():
                 "prompt": [1, 2], "max_tokens": 2}), 503)
     finally:
         llm.shutdown()
+
+
+def test_the_tokenizer_is_the_engines(process_llm, smollm2):
+    """Sent over pickled in the engine's "ready", it encodes and applies the chat template
+    as the tokenizer loaded here does."""
+    mine, theirs = smollm2.tokenizer, process_llm.tokenizer
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Name a colour, café ✓"}]
+    assert theirs.encode_chat(messages) == mine.encode_chat(messages)
+    assert theirs.encode("日本の首都は") == mine.encode("日本の首都は")
+    assert theirs.eos_token_ids == mine.eos_token_ids and theirs.has_chat_template

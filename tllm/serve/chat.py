@@ -11,10 +11,9 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.outputs import RequestOutput
 from tllm.serve.context import ServingContext, event_stream, sse
 from tllm.serve.errors import bad_request
-from tllm.serve.generation import Generation, PromptInput, abort_on_disconnect
+from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import max_new_tokens, sampling_params
 from tllm.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
                                  ChatCompletionRequest, ChatCompletionResponse,
@@ -36,8 +35,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     if body.stream:
         return event_stream(request, generation, _events(ctx, body, prompt, generation))
     async with generation, abort_on_disconnect(request, generation):
-        outputs = await generation.wait()
-    return JSONResponse(_response(ctx, body, prompt, outputs[0]).model_dump())
+        choices = await generation.wait()
+    return JSONResponse(_response(ctx, body, prompt, choices).model_dump())
 
 
 async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> PromptInput:
@@ -67,15 +66,15 @@ def _logprobs(ctx: ServingContext, body: ChatCompletionRequest, token_ids: list[
 
 
 def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,
-              output: RequestOutput) -> ChatCompletionResponse:
-    choices = [ChatChoice(index=sample.index, message=AssistantMessage(content=sample.text),
-                          logprobs=_logprobs(ctx, body, sample.token_ids, sample.logprobs),
-                          finish_reason=sample.finish_reason, stop_reason=sample.stop_reason)
-               for sample in output.outputs]
+              choices: list[Choice]) -> ChatCompletionResponse:
+    answers = [ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                          logprobs=_logprobs(ctx, body, c.token_ids, c.logprobs),
+                          finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+               for c in choices]
     usage = Usage(prompt_tokens=len(prompt.token_ids),
-                  completion_tokens=sum(len(s.token_ids) for s in output.outputs))
+                  completion_tokens=sum(len(c.token_ids) for c in choices))
     return ChatCompletionResponse(id=_request_id(), model=ctx.config.model_name,
-                                  choices=choices, usage=usage)
+                                  choices=answers, usage=usage)
 
 
 async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,

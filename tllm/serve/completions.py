@@ -9,10 +9,9 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.outputs import CompletionOutput, RequestOutput
 from tllm.serve.context import ServingContext, event_stream, sse
 from tllm.serve.errors import bad_request
-from tllm.serve.generation import Generation, PromptInput, abort_on_disconnect
+from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import max_new_tokens, sampling_params
 from tllm.serve.protocol import (CompletionChoice, CompletionLogprobs, CompletionRequest,
                                  CompletionResponse, Usage)
@@ -29,8 +28,8 @@ async def create_completion(ctx: ServingContext, request: Request,
     if body.stream:
         return event_stream(request, generation, _events(ctx, body, prompts, generation))
     async with generation, abort_on_disconnect(request, generation):
-        outputs = await generation.wait()
-    return JSONResponse(_response(ctx, body, prompts, outputs).model_dump())
+        choices = await generation.wait()
+    return JSONResponse(_response(ctx, body, prompts, generation, choices).model_dump())
 
 
 def _check_options(body: CompletionRequest) -> None:
@@ -77,31 +76,30 @@ def _prompt_text(ctx: ServingContext, prompt: PromptInput) -> str:
 
 
 def _response(ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput],
-              outputs: list[RequestOutput]) -> CompletionResponse:
-    choices = [_choice(ctx, body, prompt, output, sample, i * body.n + sample.index)
-               for i, (prompt, output) in enumerate(zip(prompts, outputs))
-               for sample in output.outputs]
-    num_generated = sum(len(s.token_ids) for o in outputs for s in o.outputs)
+              generation: Generation, choices: list[Choice]) -> CompletionResponse:
+    answers = [_choice(ctx, body, prompts[c.prompt_index],
+                       generation.prompt_logprobs[c.prompt_index], c) for c in choices]
+    num_generated = sum(len(c.token_ids) for c in choices)
     usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts),
                   completion_tokens=0 if body.max_tokens == 0 else num_generated)
     return CompletionResponse(id=_request_id(), model=ctx.config.model_name,
-                              choices=choices, usage=usage)
+                              choices=answers, usage=usage)
 
 
 def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
-            output: RequestOutput, sample: CompletionOutput, index: int) -> CompletionChoice:
-    text, token_ids, positions = sample.text, sample.token_ids, sample.logprobs or []
-    finish_reason, stop_reason = sample.finish_reason, sample.stop_reason
+            prompt_logprobs: list | None, choice: Choice) -> CompletionChoice:
+    text, token_ids, positions = choice.text, choice.token_ids, choice.logprobs or []
+    finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
     if body.max_tokens == 0:
         text, token_ids, positions, finish_reason, stop_reason = "", [], [], "length", None
     if body.echo:
         text = _prompt_text(ctx, prompt) + text
-        prompt_positions = output.prompt_logprobs or [None] * len(prompt.token_ids)
+        prompt_positions = prompt_logprobs or [None] * len(prompt.token_ids)
         token_ids, positions = prompt.token_ids + token_ids, prompt_positions + positions
     logprobs = None
     if body.logprobs is not None:
         logprobs = ctx.logprobs.completion(token_ids, positions, body.logprobs, 0)
-    return CompletionChoice(index=index, text=text, logprobs=logprobs,
+    return CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
                             finish_reason=finish_reason, stop_reason=stop_reason)
 
 

@@ -1,17 +1,18 @@
 """Runs one API request in the engine: admission (engine alive, waiting queue not full),
-submission of its prompts x n samples, one merged stream of per-sequence deltas, metrics, and
-abort of whatever is unfinished when the request ends early or its client goes away."""
+submission of its prompts x n samples, one merged stream of the engine's per-sequence deltas
+(as the engine built them: nothing is diffed here), metrics, and abort of whatever is
+unfinished when the request ends early or its client goes away."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
 
 from starlette.requests import Request
 
-from tllm.outputs import PositionLogprobs, RequestOutput
+from tllm.outputs import CompletionDelta, PositionLogprobs
 from tllm.sampling_params import SamplingParams
 from tllm.serve.errors import APIError, from_value_error
 from tllm.serve.metrics import RequestTracker, ServerMetrics
@@ -23,38 +24,84 @@ class PromptInput:
     text: str | None = None
 
 
-@dataclass
+class DeltaSource(Protocol):
+    """What the server needs of an engine handle on one prompt (a GenerationResult, a
+    ProcessLLM DeltaStream, a test double)."""
+
+    @property
+    def finished(self) -> bool: ...
+
+    def abort(self) -> None: ...
+
+    def deltas(self) -> AsyncIterator[CompletionDelta]: ...
+
+
+@dataclass(frozen=True, slots=True)
 class SeqDelta:
-    """What is new in one sequence since its previous delta."""
+    """One engine delta of one sequence, with its place in the API request."""
 
     index: int          # the choice index: prompt_index * n + sample index
     prompt_index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
+    engine: CompletionDelta     # as the engine built it
+
+    @property
+    def text(self) -> str:
+        return self.engine.text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.engine.token_ids
+
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        return self.engine.logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.engine.finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.engine.stop_reason
 
 
 @dataclass
-class _Cursor:
-    num_tokens: int = 0
-    text_len: int = 0
-    is_finished: bool = False
+class Choice:
+    """One sequence's text, tokens and logprobs, folded from its deltas (for responses that
+    are not streamed)."""
+
+    index: int          # the choice index
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 class Generation:
     """The sequences of one API request. Use as `async with`: leaving it aborts whatever is
     unfinished in the engine (so KV blocks come back) and closes the metrics tracker."""
 
-    def __init__(self, results: list, num_samples: int, tracker: RequestTracker,
+    def __init__(self, results: list[DeltaSource], num_samples: int, tracker: RequestTracker,
                  on_close: Callable[[Generation], None] = lambda _: None) -> None:
         self.results = results
         self.num_samples = num_samples
-        self.outputs: list[RequestOutput | None] = [None] * len(results)
+        # Each prompt's logprobs, once they have come (sample 0's first delta brings them).
+        self.prompt_logprobs: list[list[PositionLogprobs | None] | None] = [None] * len(results)
+        self._engine_metrics: list[dict[str, float]] = [{} for _ in results]
         self._tracker = tracker
         self._on_close = on_close
-        self._cursors = [_Cursor() for _ in range(len(results) * num_samples)]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
 
@@ -93,52 +140,43 @@ class Generation:
                 continue
             if isinstance(item, Exception):
                 raise item
-            prompt_index, output = item
-            self.outputs[prompt_index] = output
-            for delta in self._diff(prompt_index, output):
-                self._track(delta)
+            delta = self._receive(*item)
+            if delta is not None:
                 yield delta
 
-    async def wait(self) -> list[RequestOutput]:
-        """Run to the end without streaming; the final output of each prompt."""
-        async for _ in self.deltas():
-            pass
-        return self.outputs  # type: ignore[return-value]
+    async def wait(self) -> list[Choice]:
+        """Run to the end without streaming; every choice's final text, tokens, logprobs."""
+        choices = [Choice(i, i // self.num_samples)
+                   for i in range(len(self.results) * self.num_samples)]
+        async for delta in self.deltas():
+            choices[delta.index].add(delta.engine)
+        return choices
 
-    def _diff(self, prompt_index: int, output: RequestOutput) -> list[SeqDelta]:
-        deltas = []
-        for sample in output.outputs:
-            index = prompt_index * self.num_samples + sample.index
-            cursor = self._cursors[index]
-            if cursor.is_finished:
-                continue
-            token_ids = sample.token_ids[cursor.num_tokens:]
-            text = sample.text[cursor.text_len:]
-            if not token_ids and not text and not sample.finished:
-                continue
-            logprobs = None
-            if sample.logprobs is not None:
-                logprobs = sample.logprobs[cursor.num_tokens:cursor.num_tokens + len(token_ids)]
-            cursor.num_tokens += len(token_ids)
-            cursor.text_len += len(text)
-            cursor.is_finished = sample.finished
-            deltas.append(SeqDelta(index, prompt_index, text, token_ids, logprobs,
-                                   sample.finish_reason, sample.stop_reason))
-        return deltas
+    def _receive(self, prompt_index: int, delta: CompletionDelta) -> SeqDelta | None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
+        if delta.finished and delta.index == 0:
+            self._engine_metrics[prompt_index] = delta.metrics
+        if not delta.token_ids and not delta.text and not delta.finished:
+            return None
+        seq = SeqDelta(prompt_index * self.num_samples + delta.index, prompt_index, delta)
+        self._track(seq)
+        return seq
 
     def _track(self, delta: SeqDelta) -> None:
         self._tracker.on_tokens(delta.index, len(delta.token_ids))
         if delta.finish_reason is not None:
             self._tracker.on_finish(delta.index, delta.finish_reason)
-            output = self.outputs[delta.prompt_index]
-            if output is not None and output.metrics:
-                self._tracker.on_engine_metrics(output.metrics)
+            # The prompt's engine metrics are sample 0's (as in its RequestOutput).
+            metrics = self._engine_metrics[delta.prompt_index]
+            if metrics:
+                self._tracker.on_engine_metrics(metrics)
 
 
-async def _pump(prompt_index: int, result, queue: asyncio.Queue) -> None:
+async def _pump(prompt_index: int, result: DeltaSource, queue: asyncio.Queue) -> None:
     try:
-        async for output in result:
-            queue.put_nowait((prompt_index, output))
+        async for delta in result.deltas():
+            queue.put_nowait((prompt_index, delta))
     except Exception as exc:  # handed to the consumer, which raises it
         queue.put_nowait(exc)
     finally:

@@ -10,7 +10,7 @@ import time
 import uvicorn
 
 from tllm.llmapi.llm import submit_all_or_none
-from tllm.outputs import CompletionOutput, Logprob, RequestOutput
+from tllm.outputs import CompletionDelta, Logprob
 from tllm.sampling_params import SamplingParams
 
 
@@ -100,24 +100,24 @@ class FakeLLM:
 
 
 class FakeResult:
+    """A fake engine handle on one prompt: `deltas()` yields CompletionDeltas, one per sample
+    per step, as an engine's handle does."""
+
     def __init__(self, llm: FakeLLM, prompt_token_ids: list[int],
                  params: SamplingParams) -> None:
         self._llm = llm
         self._params = params
         self._is_aborted = False
         self.finished = False
-        outputs = [CompletionOutput(i, logprobs=[] if params.logprobs is not None else None)
-                   for i in range(params.n)]
-        self.output = RequestOutput("fake", None, list(prompt_token_ids), outputs)
+        self.prompt_logprobs = None
         if params.prompt_logprobs is not None:
-            self.output.prompt_logprobs = [None] + [{t: Logprob(-1.0, 1)}
-                                                    for t in prompt_token_ids[1:]]
+            self.prompt_logprobs = [None] + [{t: Logprob(-1.0, 1)} for t in prompt_token_ids[1:]]
         llm.active.add(self)
 
     def abort(self) -> None:
         self._is_aborted = True
 
-    async def __aiter__(self):
+    async def deltas(self):
         try:
             for step in range(self._params.max_tokens):
                 await asyncio.sleep(self._llm.token_delay_s)
@@ -125,9 +125,8 @@ class FakeResult:
                     await asyncio.sleep(0.01)
                 self._llm.num_steps += 1
                 is_last = self._is_aborted or step == self._params.max_tokens - 1
-                for sample in self.output.outputs:
-                    self._append(sample, ord("a") + step % 26, is_last)
-                    yield self.output
+                for index in range(self._params.n):
+                    yield self._delta(index, step, ord("a") + step % 26, is_last)
                 if is_last:
                     break
                 if self._llm.fail_midway is not None:
@@ -136,11 +135,12 @@ class FakeResult:
             self.finished = True
             self._llm.active.discard(self)
 
-    def _append(self, sample: CompletionOutput, token: int, is_last: bool) -> None:
-        sample.token_ids = sample.token_ids + [token]
-        sample.text += chr(token)
-        if sample.logprobs is not None:
-            sample.logprobs.append({token: Logprob(-0.5, 1)})
+    def _delta(self, index: int, step: int, token: int, is_last: bool) -> CompletionDelta:
+        delta = CompletionDelta(index, [token], chr(token))
+        if self._params.logprobs is not None:
+            delta.logprobs = [{token: Logprob(-0.5, 1)}]
+        if step == 0 and index == 0:
+            delta.prompt_logprobs = self.prompt_logprobs
         if is_last:
-            sample.finish_reason = "abort" if self._is_aborted else "length"
-        self.output.finished = is_last and sample.index == len(self.output.outputs) - 1
+            delta.finish_reason = "abort" if self._is_aborted else "length"
+        return delta

@@ -164,3 +164,24 @@ def test_light_handles_relay_the_engines_deltas(process_llm):
 
 def test_a_model_without_a_tokenizer_has_none_here(process_llm):
     assert process_llm.tokenizer is None        # (the engine sent None, pickled)
+
+
+def test_relay_sends_deltas_as_they_are_and_errors_that_pickle():
+    import queue
+    import threading
+    from tllm.llmapi.process_llm import _Relay
+    from tllm.outputs import CompletionDelta
+    sink, finished = queue.SimpleQueue(), queue.SimpleQueue()
+    relay = _Relay("r1", 2, sink, finished)
+    first = CompletionDelta(0, [5], "x")
+    relay(first)
+    relay(CompletionDelta(1, [], "", finish_reason="length"))
+    assert finished.empty()                     # sample 0 is still running
+    unpicklable = RuntimeError(threading.Lock())
+    last = CompletionDelta(0, [], "", finish_reason="abort", error=unpicklable)
+    relay(last)
+    sent = [sink.get_nowait() for _ in range(3)]
+    assert sent[0] == ("r1", first) and sent[0][1] is first
+    assert sent[2][1] is last and last.error is not unpicklable
+    assert "RuntimeError" in str(last.error)
+    assert finished.get_nowait() == "r1"

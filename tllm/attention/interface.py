@@ -41,6 +41,7 @@ class AttentionMetadata:
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, tokens_per_block, kv_heads, head_dim]
+NO_KV_SCALES = (1.0, 1.0)
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,19 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: AttentionMetadata,
+                kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
-        Returns [num_tokens, num_heads, head_dim]."""
+        Returns [num_tokens, num_heads, head_dim]. An fp8 cache stores k / k_scale and
+        v / v_scale (`kv_scales`, this layer's per-tensor scales)."""
 
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          kv_cache: KVCache, metadata: AttentionMetadata,
-                          rotary) -> torch.Tensor:
+                          kv_cache: KVCache, metadata: AttentionMetadata, rotary,
+                          kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
         """Rotary embedding, then forward; a backend may fuse the rotation into its cache
         write (the rotary module holds cos/sin tables [max_position, head_dim])."""
         q, k = rotary(metadata.positions, q, k)
-        return self.forward(q, k, v, kv_cache, metadata)
+        return self.forward(q, k, v, kv_cache, metadata, kv_scales)
 
 
 # name -> "module:Class", imported only when the backend is chosen.

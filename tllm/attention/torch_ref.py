@@ -6,15 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache
-from tllm.kernels.paged import causal_mask, gather_kv
-
-
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                   slot_mapping: torch.Tensor) -> None:
-    k_cache, v_cache = kv_cache
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
+from tllm.kernels.paged import causal_mask, from_cache, gather_kv, write_kv_cache
 
 
 # torch >= 2.5 broadcasts kv heads itself; older versions need them repeated.
@@ -28,7 +21,8 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
-                        scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                        scale: float, sliding_window: int | None = None,
+                        kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
     """Attention of every query token over its sequence's cached context."""
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], kv_cache[0].shape[2]
@@ -37,7 +31,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionM
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
         k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, metadata.tokens_per_block)
         qi = q[start:start + query_len].transpose(0, 1)          # [heads, q, d]
-        ki, vi = _expand_kv(k.to(q.dtype), group), _expand_kv(v.to(q.dtype), group)
+        k, v = from_cache(k, kv_scales[0], q.dtype), from_cache(v, kv_scales[1], q.dtype)
+        ki, vi = _expand_kv(k, group), _expand_kv(v, group)
         gqa = {"enable_gqa": True} if _SDPA_GQA and group > 1 else {}
         window_matters = sliding_window is not None and sliding_window < seq_len
         if not window_matters and query_len in (1, seq_len):  # no mask, or a plain causal one
@@ -53,6 +48,8 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionM
 
 class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        write_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        return paged_attention_ref(q, kv_cache, metadata, self.scale, self.sliding_window)
+                metadata: AttentionMetadata,
+                kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+        write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        return paged_attention_ref(q, kv_cache, metadata, self.scale, self.sliding_window,
+                                   kv_scales)

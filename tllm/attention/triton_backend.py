@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache
+from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
 from tllm.kernels.triton.context_attention import paged_context_attention
 from tllm.kernels.triton.decode_attention import paged_decode_attention
 from tllm.kernels.triton.kv_cache import rope_and_write_kv, write_kv
@@ -27,13 +27,14 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"sliding_window must be positive, got {sliding_window}")
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: AttentionMetadata,
+                kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
         write_kv(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
         return self._attend(q, kv_cache, metadata)
 
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          kv_cache: KVCache, metadata: AttentionMetadata,
-                          rotary) -> torch.Tensor:
+                          kv_cache: KVCache, metadata: AttentionMetadata, rotary,
+                          kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
         """One kernel rotates q and k and writes k and v into the cache."""
         q = rope_and_write_kv(metadata.positions, q, k, v, rotary.cos, rotary.sin,
                               kv_cache[0], kv_cache[1], metadata.slot_mapping)
@@ -42,6 +43,8 @@ class TritonAttentionBackend(AttentionBackend):
     def _attend(self, q: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = kv_cache
+        if k_cache.dtype == torch.float8_e4m3fn:
+            raise NotImplementedError("an fp8 KV cache needs the fp8 Triton attention kernels")
         out = torch.empty_like(q)
         if metadata.num_tokens == 0:
             return out

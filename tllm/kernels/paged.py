@@ -5,15 +5,48 @@ from __future__ import annotations
 import torch
 
 
+FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+
+
+def is_fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == torch.float8_e4m3fn
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """Keys or values as the cache stores them: fp8 caches hold x / scale."""
+    if is_fp8(cache):
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(cache.dtype)
+    return x.to(cache.dtype)
+
+
+def from_cache(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return (x.float() * scale).to(dtype) if is_fp8(x) else x.to(dtype)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   slot_mapping: torch.Tensor,
+                   kv_scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    for x, cache, scale in zip((k, v), kv_cache, kv_scales):
+        flat = cache.view(-1, *cache.shape[2:])
+        if is_fp8(cache):  # index_copy_ has no float8 kernel: copy the bytes
+            flat.view(torch.uint8).index_copy_(0, slot_mapping,
+                                               to_cache(x, cache, scale).view(torch.uint8))
+        else:
+            flat.index_copy_(0, slot_mapping, to_cache(x, cache, scale))
+
+
 def gather_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Tensor, seq_len: int,
               tokens_per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of one sequence, [seq_len, kv_heads, head_dim]."""
+    """Keys and values of one sequence, [seq_len, kv_heads, head_dim], as stored."""
     num_blocks = -(-seq_len // tokens_per_block)
     blocks = block_table[:num_blocks]
     k_cache, v_cache = kv_cache
-    k = k_cache[blocks].flatten(0, 1)[:seq_len]
-    v = v_cache[blocks].flatten(0, 1)[:seq_len]
-    return k, v
+    if is_fp8(k_cache):  # gather the bytes (no float8 indexing kernel on every device)
+        k = k_cache.view(torch.uint8)[blocks].view(k_cache.dtype)
+        v = v_cache.view(torch.uint8)[blocks].view(v_cache.dtype)
+    else:
+        k, v = k_cache[blocks], v_cache[blocks]
+    return k.flatten(0, 1)[:seq_len], v.flatten(0, 1)[:seq_len]
 
 
 def causal_mask(query_len: int, seq_len: int, sliding_window: int | None,

@@ -8,16 +8,20 @@ scheme, as TensorRT-LLM and vLLM use it)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tllm.distributed import comm
+from tllm.layers.quant.base import (PER_OUTPUT, UNQUANTIZED, ParamLayout, QuantMethod,
+                                    add_param)
 
 
 def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, the "
-                         f"model expects {tuple(param.shape)}")
+        # a scale stored as [n] where we keep [n, 1] (or a scalar as [1]) is the same data
+        if tensor.numel() != param.numel() or tensor.squeeze().shape != param.squeeze().shape:
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(param.shape)}")
+        tensor = tensor.reshape(param.shape)
     param.data.copy_(tensor)
 
 
@@ -28,55 +32,75 @@ def divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
-class Linear(nn.Module):
-    """The same weight on every rank."""
+def _narrow(tensor: torch.Tensor, dim: int | None, index: int, size: int) -> torch.Tensor:
+    """Shard `index` of `size` elements along `dim` (no-op for dim None)."""
+    return tensor if dim is None else tensor.narrow(dim, index * size, size)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+
+class Linear(nn.Module):
+    """The same weight on every rank. How the weight is stored and multiplied is the
+    layer's quantization method (`quant`); the layer owns its shape and sharding."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: QuantMethod = UNQUANTIZED, num_shards: int = 1) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
-                     if bias else None)
+        self.quant = quant
+        self.param_layouts: dict[str, ParamLayout] = {}
+        quant.create_weights(self, in_features, out_features, num_shards)
+        if bias:
+            add_param(self, "bias", torch.empty(out_features), PER_OUTPUT)
+        else:
+            self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = self.quant.apply(self, x)
+        return out if self.bias is None else out + self.bias
 
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
-        _copy_checked(getattr(self, param_name), tensor, param_name)
+        """Copy this rank's part of a full (unsplit) checkpoint tensor into a parameter."""
+        param, layout = getattr(self, param_name), self.param_layouts[param_name]
+        if layout.per_shard:
+            _copy_checked(param.data[0], tensor, param_name)
+        else:
+            _copy_checked(param, self.rank_slice(tensor, param, layout), param_name)
+
+    def rank_slice(self, tensor: torch.Tensor, param: torch.Tensor,
+                   layout: ParamLayout) -> torch.Tensor:
+        return tensor
 
 
 class ColumnParallelLinear(Linear):
     """Output features split across the tp ranks; each rank's output is its slice."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: QuantMethod = UNQUANTIZED) -> None:
         self.tp_rank, self.tp_size = comm.tp_rank_and_size()
         super().__init__(in_features, divide(out_features, self.tp_size, "output features"),
-                         bias)
+                         bias, quant)
 
-    def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
-        rows = getattr(self, param_name).shape[0]
-        _copy_checked(getattr(self, param_name),
-                      tensor.narrow(0, self.tp_rank * rows, rows), param_name)
+    def rank_slice(self, tensor, param, layout):
+        dim = layout.output_dim
+        return _narrow(tensor, dim, self.tp_rank, param.shape[dim] if dim is not None else 0)
 
 
 class RowParallelLinear(Linear):
     """Input features split across the tp ranks; partial products are summed (all-reduce)
     and the bias is added once, after the sum."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 quant: QuantMethod = UNQUANTIZED) -> None:
         self.tp_rank, self.tp_size = comm.tp_rank_and_size()
         super().__init__(divide(in_features, self.tp_size, "input features"), out_features,
-                         bias)
+                         bias, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = comm.tp_all_reduce(F.linear(x, self.weight))
+        out = comm.tp_all_reduce(self.quant.apply(self, x))
         return out if self.bias is None else out + self.bias
 
-    def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
-        if param_name == "bias":
-            return super().load_weight(param_name, tensor)
-        cols = self.weight.shape[1]
-        _copy_checked(self.weight, tensor.narrow(1, self.tp_rank * cols, cols), param_name)
+    def rank_slice(self, tensor, param, layout):
+        dim = layout.input_dim
+        return _narrow(tensor, dim, self.tp_rank, param.shape[dim] if dim is not None else 0)
 
 
 class MergedLinear(Linear):
@@ -84,13 +108,15 @@ class MergedLinear(Linear):
     gate/up). The checkpoint stores them apart, unsplit; `load_shard` takes this rank's
     rows of one of them."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 quant: QuantMethod = UNQUANTIZED) -> None:
         self.tp_rank, self.tp_size = comm.tp_rank_and_size()
         local = [divide(size, self.tp_size, "projection size") for size in output_sizes]
-        self._init_local(in_features, local, bias)
+        self._init_local(in_features, local, bias, quant)
 
-    def _init_local(self, in_features: int, local_sizes: list[int], bias: bool) -> None:
-        Linear.__init__(self, in_features, sum(local_sizes), bias)
+    def _init_local(self, in_features: int, local_sizes: list[int], bias: bool,
+                    quant: QuantMethod) -> None:
+        Linear.__init__(self, in_features, sum(local_sizes), bias, quant, len(local_sizes))
         self.output_sizes = list(local_sizes)  # this rank's sizes
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
@@ -99,13 +125,24 @@ class MergedLinear(Linear):
         return self.tp_rank * rows, rows
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        param = getattr(self, param_name)
+        param, layout = getattr(self, param_name), self.param_layouts[param_name]
+        if layout.per_shard:
+            _copy_checked(param.data[shard], tensor, f"{param_name} (shard {shard})")
+            return
+        dim, units = layout.output_dim, layout.output_units
         first, rows = self.shard_rows(shard)
-        if tensor.shape[0] < first + rows or tensor.shape[1:] != param.shape[1:]:
-            raise ValueError(f"shard {shard} of {param_name} has shape {tuple(tensor.shape)}, "
-                             f"expected ({rows * self.tp_size}, *{tuple(param.shape[1:])})")
         start = sum(self.output_sizes[:shard])
-        param.data[start:start + rows].copy_(tensor.narrow(0, first, rows))
+        if first % units or rows % units or start % units:
+            raise ValueError(f"{param_name}: shard {shard} ({rows} rows from {first}) does not "
+                             f"fall on whole blocks of {units} rows")
+        first, rows, start = first // units, rows // units, start // units
+        other = [n for d, n in enumerate(param.shape) if d != dim]
+        if (tensor.shape[dim] < first + rows
+                or [n for d, n in enumerate(tensor.shape) if d != dim] != other):
+            raise ValueError(f"shard {shard} of {param_name} has shape {tuple(tensor.shape)}, "
+                             f"expected {rows * self.tp_size} along dim {dim} and {other} "
+                             "in the others")
+        param.data.narrow(dim, start, rows).copy_(tensor.narrow(dim, first, rows))
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return out.split(self.output_sizes, dim=-1)
@@ -116,7 +153,7 @@ class QKVLinear(MergedLinear):
     each kv head is replicated on the tp_size // num_kv_heads ranks whose query heads use it."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, quant: QuantMethod = UNQUANTIZED) -> None:
         self.tp_rank, self.tp_size = comm.tp_rank_and_size()
         self.num_heads = divide(num_heads, self.tp_size, "attention heads")
         if num_kv_heads >= self.tp_size:
@@ -131,9 +168,16 @@ class QKVLinear(MergedLinear):
         self.head_dim = head_dim
         self._init_local(hidden_size, [self.num_heads * head_dim,
                                        self.num_kv_heads * head_dim,
-                                       self.num_kv_heads * head_dim], bias)
+                                       self.num_kv_heads * head_dim], bias, quant)
 
     def shard_rows(self, shard: int) -> tuple[int, int]:
         if shard == 0:
             return super().shard_rows(shard)
         return self.kv_head_start * self.head_dim, self.output_sizes[shard]
+
+
+def process_loaded_weights(model: nn.Module) -> None:
+    """Every checkpoint tensor is in: let each layer's method convert its parameters."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.quant.process_after_loading(module)

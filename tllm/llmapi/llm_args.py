@@ -18,6 +18,9 @@ class KvCacheConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tokens_per_block: int = Field(32, ge=1, le=1024)
+    # "fp8": e4m3 keys and values with a per-layer scale (the checkpoint's k_scale/v_scale,
+    # else 1.0): half the bytes of a 16-bit cache, so twice the tokens fit.
+    dtype: Literal["auto", "fp8"] = "auto"
     max_tokens: int | None = Field(None, ge=1)
     free_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     enable_block_reuse: bool = True
@@ -62,6 +65,9 @@ class LlmArgs(BaseModel):
 
     model: str
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    # "fp8": quantize a 16/32-bit checkpoint's linear layers to FP8 at load (per-channel
+    # weights, per-token activations). A quantized checkpoint is detected from its own config.
+    quantization: Literal["fp8"] | None = None
     device: str | None = None
     max_batch_size: int = Field(256, ge=1)
     max_num_tokens: int = Field(8192, ge=1)

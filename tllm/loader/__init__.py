@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tllm.layers.linear import process_loaded_weights
 from tllm.loader.hf import CheckpointError
 from tllm.tokenizer import Tokenizer
 
@@ -80,18 +81,25 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(config, backend_cls, dtype: torch.dtype, device: torch.device,
-                max_position: int) -> nn.Module:
+                max_position: int, quant_config=None) -> nn.Module:
     from tllm.models import get_model_class
     cls = get_model_class((config.architectures or ["?"])[0])
     with torch.device(device), _default_dtype(dtype):
-        model = cls(config, backend_cls, max_position)
+        model = cls(config, backend_cls, max_position, quant_config)
     return model.eval()
+
+
+def quant_config(source: ModelSource, config, requested: str | None):
+    """The QuantConfig the model is built with (None: the checkpoint's dtype as it is)."""
+    from tllm.loader.quantization import resolve_quant_config
+    return resolve_quant_config(source.kind, source.path, config, requested)
 
 
 def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int) -> None:
     from tllm.loader import dummy, hf
     if source.kind == "dummy":
         dummy.init_dummy_weights(model, seed)
+        process_loaded_weights(model)
         return
     if source.kind == "gguf":
         weights = checkpoint.weights(model.config)
@@ -104,6 +112,7 @@ def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int) -
         names = sorted(m.split("#")[0] for m in missing)
         raise CheckpointError(f"checkpoint {source.path} lacks {len(names)} weights, "
                               f"e.g. {names[:3]}")
+    process_loaded_weights(model)
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer | None:

@@ -19,8 +19,13 @@ from tllm.layers.embedding import Embedding, LMHead
 from tllm.distributed import comm
 from tllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, _copy_checked
 from tllm.layers.norm import RMSNorm
+from tllm.layers.quant import QuantConfig, linear_method
 from tllm.layers.rotary import RotaryEmbedding, inverse_frequencies
 from tllm.models.registry import register_model
+
+
+QKV_SHARDS = ("q_proj", "k_proj", "v_proj")
+GATE_UP_SHARDS = ("gate_proj", "up_proj")
 
 
 def head_dim_of(config) -> int:
@@ -31,17 +36,23 @@ class LlamaAttention(nn.Module):
     qkv_bias = False
     qk_norm = False
 
-    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant_config: QuantConfig | None = None, prefix: str = "self_attn") -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
         bias = self.qkv_bias or getattr(config, "attention_bias", False)
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
-                                  config.num_key_value_heads, bias=bias)
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads,
+            config.num_key_value_heads, bias=bias,
+            quant=linear_method(quant_config, f"{prefix}.qkv_proj", QKV_SHARDS))
         self.num_heads = self.qkv_proj.num_heads        # this rank's heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim,
                                         config.hidden_size,
-                                        bias=getattr(config, "attention_bias", False))
+                                        bias=getattr(config, "attention_bias", False),
+                                        quant=linear_method(quant_config, f"{prefix}.o_proj"))
+        # per-tensor scales of an fp8 KV cache (real = fp8 * scale); the checkpoint's, or 1
+        self.kv_scales = (1.0, 1.0)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -56,17 +67,23 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn.forward_with_rope(q, k, v, kv_cache, metadata, self.rotary)
+        out = self.attn.forward_with_rope(q, k, v, kv_cache, metadata, self.rotary,
+                                          self.kv_scales)
         return self.o_proj(out.flatten(1))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, quant_config: QuantConfig | None = None,
+                 prefix: str = "mlp") -> None:
         super().__init__()
         inter = config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, [inter, inter], bias=bias,
+            quant=linear_method(quant_config, f"{prefix}.gate_up_proj", GATE_UP_SHARDS))
+        self.down_proj = RowParallelLinear(
+            inter, config.hidden_size, bias=bias,
+            quant=linear_method(quant_config, f"{prefix}.down_proj"))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -76,10 +93,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
 
-    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, backend: AttentionBackend,
+                 quant_config: QuantConfig | None = None, prefix: str = "layers.0") -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, rotary, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self.attention_cls(config, rotary, backend, quant_config,
+                                            f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -107,9 +126,11 @@ class LlamaForCausalLM(nn.Module):
                       "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0),
                       "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, config, backend_cls: type[AttentionBackend], max_position: int) -> None:
+    def __init__(self, config, backend_cls: type[AttentionBackend], max_position: int,
+                 quant_config: QuantConfig | None = None) -> None:
         super().__init__()
         self.config = config
+        self.quant_config = quant_config
         mapping = comm.mapping()
         self.is_first_stage, self.is_last_stage = mapping.is_first_stage, mapping.is_last_stage
         self.stage_layers = mapping.stage_layers(config.num_hidden_layers)
@@ -121,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
             window = None
         self.layers = nn.ModuleList(MissingLayer() for _ in range(config.num_hidden_layers))
         for i in self.stage_layers:
-            self.layers[i] = self.layer_cls(config, rotary, None)
+            self.layers[i] = self.layer_cls(config, rotary, None, quant_config, f"layers.{i}")
         backend = backend_cls(self.layers[self.stage_layers.start].self_attn.num_heads,
                               self.layers[self.stage_layers.start].self_attn.num_kv_heads,
                               head_dim, head_dim ** -0.5, window)
@@ -175,6 +196,9 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb.inv_freq" in name:
                 continue
+            if name.endswith((".k_scale", ".v_scale")):
+                self._load_kv_scale(name, tensor)
+                continue
             if (name == "embed_tokens.weight" and self.tied and self.is_last_stage
                     and not self.is_first_stage):
                 self.lm_head.load_weight("weight", tensor)  # the tied head on the last stage
@@ -195,6 +219,17 @@ class LlamaForCausalLM(nn.Module):
                 _copy_checked(params[target], tensor, name)
             loaded.add(f"{target}#{shard}")
         return loaded
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        """An fp8 KV cache's per-tensor scale: `layers.N.self_attn.k_scale` (or, as ModelOpt
+        writes it, `layers.N.self_attn.k_proj.k_scale`)."""
+        index = int(name.split(".")[1])
+        if index not in self.stage_layers:
+            return
+        attn = self.layers[index].self_attn
+        k_scale, v_scale = attn.kv_scales
+        value = float(tensor.float().max())
+        attn.kv_scales = (value, v_scale) if name.endswith("k_scale") else (k_scale, value)
 
     def _on_other_stage(self, target: str) -> bool:
         if target.startswith("layers."):

@@ -57,8 +57,9 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
     max_seq_len = args.max_seq_len or config.max_position_embeddings
     backend = pick_backend(args.attn_backend, device)
+    quant = loader.quant_config(source, config, args.quantization)
     model = loader.build_model(config, get_attention_backend(backend), dtype, device,
-                               max_seq_len)
+                               max_seq_len, quant)
     loader.load_weights(model, source, checkpoint, args.seed + mapping.rank)
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
@@ -89,8 +90,9 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     block = kv_config.tokens_per_block
     max_tokens_useful = args.max_batch_size * -(-max_seq_len // block) * block
     spec = model.kv_cache_spec
+    kv_dtype = kv_cache_dtype(kv_config, dtype, model)
     bytes_per_token = (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
-                       * torch.empty((), dtype=dtype).element_size())
+                       * torch.empty((), dtype=kv_dtype).element_size())
     num_tokens = kv_config.max_tokens
     if num_tokens is None:
         budget = kv_cache_budget(kv_config, device, activation_bytes(config, args, dtype))
@@ -100,16 +102,27 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     if comm.state() is not None:
         num_blocks = comm.all_reduce_min(num_blocks)
     block_bytes = block * bytes_per_token
-    logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", num_blocks, block,
-                num_blocks * block_bytes / 2**30)
+    logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", num_blocks, block,
+                str(kv_dtype).removeprefix("torch."), num_blocks * block_bytes / 2**30)
     return KVCacheManager(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                           head_dim=spec.head_dim, num_blocks=num_blocks,
-                          tokens_per_block=block, dtype=dtype, device=device,
+                          tokens_per_block=block, dtype=kv_dtype, device=device,
                           enable_block_reuse=kv_config.enable_block_reuse,
                           reserve_full_generation=reserve_full_generation,
                           host_cache_blocks=kv_config.host_cache_size // block_bytes,
                           disk_cache_dir=kv_config.disk_cache_dir,
                           disk_cache_blocks=kv_config.disk_cache_size // block_bytes)
+
+
+def kv_cache_dtype(kv_config: KvCacheConfig, dtype: torch.dtype, model) -> torch.dtype:
+    """The model's dtype, or fp8 e4m3 (scales from the checkpoint, else 1.0)."""
+    if kv_config.dtype != "fp8":
+        return dtype
+    quant = getattr(model, "quant_config", None)
+    if quant is None or not quant.kv_cache_scales_in_checkpoint():
+        logger.warning("fp8 KV cache without k_scale/v_scale in the checkpoint: using 1.0; "
+                       "values beyond +-448 are clipped")
+    return torch.float8_e4m3fn
 
 
 def activation_bytes(config, args: LlmArgs, dtype: torch.dtype) -> int:

@@ -1,0 +1,42 @@
+"""Which quantization a model runs with: what the user asked for (`LlmArgs.quantization`),
+or what the checkpoint's own config says it holds (detected, never guessed from tensors)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tllm.layers.quant import QuantConfig
+from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
+from tllm.loader.hf import CheckpointError
+
+
+def resolve_quant_config(kind: str, path: Path | None, hf_config,
+                         requested: str | None) -> QuantConfig | None:
+    """The model's QuantConfig: the checkpoint's format when it declares one, else the
+    requested on-the-fly quantization, else None (the checkpoint's dtype)."""
+    found = checkpoint_quant_config(path, hf_config) if kind == "hf" else None
+    if found is not None:
+        if requested is not None and requested != found.name:
+            raise ValueError(f"quantization={requested!r} asked for, but the checkpoint is "
+                             f"already quantized as {found.name!r}")
+        return found
+    if requested == "fp8":
+        return Fp8Config(Fp8Scheme(checkpoint_is_fp8=False))
+    if requested is not None:
+        raise ValueError(f"quantization: unknown scheme {requested!r}")
+    return None
+
+
+def checkpoint_quant_config(path: Path | None, hf_config) -> QuantConfig | None:
+    """The quantization an HF checkpoint declares, in config.json's `quantization_config`
+    or ModelOpt's hf_quant_config.json."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if raw is not None and not isinstance(raw, dict):
+        raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(vars(raw))
+    modelopt = path / "hf_quant_config.json" if path is not None else None
+    if raw is None and modelopt is not None and modelopt.is_file():
+        raw = {"quant_method": "modelopt", **json.loads(modelopt.read_text())}
+    if raw is None:
+        return None
+    method = raw.get("quant_method")
+    raise CheckpointError(f"quantization format {method!r} is not supported")

@@ -191,3 +191,13 @@ def test_every_command_lists_the_engine_flags_in_its_help(command, capsys):
                  "--max-num-tokens", "--max-seq-len", "--tp-size", "--pp-size",
                  "--kv-cache-tokens", "--kv-cache-free-memory-fraction"):
         assert flag in out, (command, flag)
+
+
+def test_quantization_and_kv_cache_dtype_flags():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--quantization", "fp8", "--kv-cache-dtype", "fp8",
+                              "--kv-cache-tokens", "64"])
+    kwargs = llm_kwargs(args, model="dummy:smollm2-135m")
+    assert kwargs["quantization"] == "fp8"
+    assert kwargs["kv_cache_config"] == {"dtype": "fp8", "max_tokens": 64}

@@ -97,13 +97,15 @@ class PyExecutor:
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 
-    def stats(self) -> dict[str, int]:
-        """A snapshot for monitoring; read from other threads, so only plain counts."""
+    def stats(self) -> dict[str, int | float | str]:
+        """A snapshot for monitoring; read from other threads, so only plain values."""
         return {"num_running": len(self.scheduler.running),
                 "num_waiting": len(self.scheduler.waiting) + self._num_pending_adds,
                 "num_preemptions": self.scheduler.num_preemptions,
                 "kv_blocks_total": self.kv_cache.num_blocks,
                 "kv_blocks_free": self.kv_cache.num_free_blocks,
+                "kv_capacity_tokens": self.kv_cache.capacity_tokens,
+                "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
                 "num_steps": self.num_steps,
                 **{f"kv_{k}": v for k, v in self.kv_cache.stats_dict().items()
                    if k not in ("blocks_free", "blocks_total")}}

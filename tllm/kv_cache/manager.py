@@ -106,6 +106,14 @@ class KVCacheManager(ResourceManager):
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.kv_caches[0][0].dtype if self.kv_caches else torch.float32
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.tokens_per_block
+
     def max_blocks(self, request: Request) -> int:
         return cdiv(request.num_prompt_tokens + request.max_new_tokens, self.tokens_per_block)
 

@@ -17,10 +17,11 @@ CONFIG_FLAGS = ("--config", "--extra-llm-api-options")  # ours, TensorRT-LLM's
 
 # Flags that set an LLM argument of the same name (their argparse dest).
 _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
-              "tensor_parallel_size", "pipeline_parallel_size")
+              "tensor_parallel_size", "pipeline_parallel_size", "quantization")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
-                   "kv_cache_free_memory_fraction": "free_memory_fraction"}
+                   "kv_cache_free_memory_fraction": "free_memory_fraction",
+                   "kv_cache_dtype": "dtype"}
 
 
 class _ConfigFile(argparse.Action):
@@ -59,6 +60,12 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
                        help="share of the free memory the KV cache takes, "
                             "kv_cache_config.free_memory_fraction (default 0.9)")
+    group.add_argument("--quantization", choices=["fp8"],
+                       help="quantize the linear layers at load: fp8 (per-channel weights, "
+                            "per-token activations); a quantized checkpoint needs no flag")
+    group.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
+                       help="KV cache storage, kv_cache_config.dtype (default auto: the "
+                            "model's dtype; fp8 halves its bytes)")
 
 
 def llm_kwargs(args: argparse.Namespace, model: str | None = None,

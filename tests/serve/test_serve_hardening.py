@@ -308,3 +308,16 @@ def test_dashboard_is_behind_the_api_key_by_header_query_or_cookie(fake):
             # the query parameter and cookie are for the dashboard only
             assert_openai_error(client.post(COMPLETIONS, json=COMPLETION,
                                             params={"api_key": "sesame"}), 401)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [100000000000000000000, 2**63, 49153])
+def test_real_model_refuses_top_k_past_its_vocabulary(server, top_k):
+    """Finding 1 against SmolLM2 (vocabulary 49152): a 400, and the server serves on."""
+    with httpx.Client(base_url=server.base_url, timeout=60) as client:
+        body = {"model": "smollm2", "prompt": "Hi", "temperature": 0.8, "top_k": top_k,
+                "max_tokens": 2}
+        error = assert_openai_error(client.post(COMPLETIONS, json=body), 400)
+        assert error["param"] == "top_k" and "49152" in error["message"]
+        response = client.post(COMPLETIONS, json={**body, "top_k": 49152})
+        assert response.status_code == 200, response.text

@@ -243,6 +243,23 @@ def test_oversized_headers_are_refused_and_the_connection_closed(fake):
             assert client.get("/health", headers={"X-Small": "a" * 1000}).status_code == 200
 
 
+def test_limit_flags_reach_the_server_config():
+    import argparse
+
+    from tllm.serve.cli_args import add_serve_parser, server_config
+    parser = argparse.ArgumentParser(prog="tllm")
+    add_serve_parser(parser.add_subparsers(dest="command", required=True))
+    defaults = server_config(parser.parse_args(["serve"]), "m")
+    assert (defaults.body_read_timeout_s, defaults.max_header_bytes,
+            defaults.keep_alive_timeout_s, defaults.protect_metrics) == (10.0, 16384, 5, False)
+    args = parser.parse_args(["serve", "--body-read-timeout", "2.5", "--max-header-bytes",
+                              "8192", "--keep-alive-timeout", "30", "--api-key", "k",
+                              "--protect-metrics"])
+    config = server_config(args, "m")
+    assert (config.body_read_timeout_s, config.max_header_bytes, config.keep_alive_timeout_s,
+            config.protect_metrics) == (2.5, 8192, 30, True)
+
+
 def test_uvicorn_gets_the_connection_limits():
     options = uvicorn_options(ServerConfig(max_header_bytes=1234, keep_alive_timeout_s=7))
     assert options == {"h11_max_incomplete_event_size": 1234, "timeout_keep_alive": 7}

@@ -27,9 +27,9 @@ def uvicorn_options(config) -> dict[str, Any]:
 class RequestLimits:
     """431 for a request line + headers over `max_header_bytes`. Then reads a request's whole
     body before the app runs: 408 (and the connection closed) if it has not all arrived
-    `read_timeout_s` after the headers, 413 past `max_bytes` (declared or sent). The app then gets the body in one message; later receive() calls go to the
-    server, so disconnects are still seen. A request without a Content-Type is taken as
-    JSON."""
+    `read_timeout_s` after the headers, 413 past `max_bytes` (declared or sent). The app
+    then gets the body in one message; later receive() calls go to the server, so
+    disconnects are still seen. A request without a Content-Type is taken as JSON."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, read_timeout_s: float,
                  max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
@@ -42,15 +42,15 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if _header(scope, b"content-type") is None:  # a body without a type is JSON
-            scope = {**scope, "headers": [*scope.get("headers", ()),
-                                          (b"content-type", b"application/json")]}
         try:
             self._check_head(scope)
             first = await self._read_body(scope, receive)
         except APIError as error:
             await error.response()(scope, receive, send)
             return
+        if _header(scope, b"content-type") is None:  # a body without a type is JSON
+            scope = {**scope, "headers": [*scope.get("headers", ()),
+                                          (b"content-type", b"application/json")]}
         is_replayed = False
 
         async def replay() -> Message:

@@ -265,6 +265,12 @@ class _EngineCollector:
         yield self._gauge("tllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use "
                           "(1 means full).", used)
         yield self._gauge("tllm:kv_cache_blocks_total", "KV cache blocks.", total)
+        capacity = GaugeMetricFamily("tllm:kv_cache_capacity_tokens", "Tokens the KV cache "
+                                     "holds, by its storage dtype.",
+                                     labels=["model_name", "kv_cache_dtype"])
+        capacity.add_metric(self._model + [str(stats.get("kv_cache_dtype", "unknown"))],
+                            stats.get("kv_capacity_tokens", 0))
+        yield capacity
         yield self._gauge("tllm:prefix_cache_hit_rate", "Prefix blocks found in the cache / "
                           "prefix blocks looked up.", stats.get("kv_hit_rate", 0.0))
         yield self._gauge("tllm:kv_cache_host_blocks", "Evicted blocks kept in host memory.",

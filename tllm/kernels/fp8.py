@@ -5,11 +5,33 @@ Conventions (as in vLLM, TensorRT-LLM and the checkpoints): a scale is what a qu
 is multiplied by to give the real one, real = fp8 * scale; dynamic scales are amax / 448."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 _MIN_SCALE = 1e-12  # an all-zero row keeps a finite scale
+MIN_SCALE = _MIN_SCALE
+
+
+@dataclass(frozen=True)
+class QuantizedActivation:
+    """An activation already quantized per token by the op that produced it (RMSNorm,
+    SiLU-and-mul), handed to an FP8 linear layer so it need not quantize again.
+    `q` fp8 [..., K], `scale` float32 [..., 1] (real = q * scale), `dtype` the unquantized
+    activation's dtype: the GEMM's output dtype."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.q.float() * self.scale).to(self.dtype)
 
 
 def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -20,6 +42,12 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (fp8 [M, K], float32 scale [M, 1]): one scale per row (token)."""
     scale = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=_MIN_SCALE)
     return _to_fp8(x, scale), scale
+
+
+def quantize_activation(x: torch.Tensor) -> QuantizedActivation:
+    """The unfused reference of the norm/activation kernels' fp8 output: x per token."""
+    q, scale = quantize_per_token(x)
+    return QuantizedActivation(q, scale, x.dtype)
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -87,3 +115,12 @@ def block_scaled_mm_ref(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tenso
         part = xq[:, start:start + bk].float() @ wq[:, start:start + bk].float().t()
         out += part * x_scale[:, g:g + 1].float() * w_scale_rows[:, g][None, :]
     return out.to(out_dtype)
+
+
+def w8a16_mm_ref(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                 block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Weight-only FP8: x [M, K] (unquantized) times the dequantized weight, fp32
+    accumulation -> [M, N] in x's dtype. `w_scale` is per channel [N, 1] or, with `block`,
+    block scales [ceil(N/bn), ceil(K/bk)] (the small-M GEMM kernel's reference)."""
+    w = dequantize_blocks(wq, w_scale, block) if block else wq.float() * w_scale.float()
+    return (x.float() @ w.t()).to(x.dtype)

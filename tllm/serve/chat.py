@@ -11,7 +11,7 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.serve.context import ServingContext, event_stream, sse
+from tllm.serve.context import ChoiceUsage, ServingContext, event_stream, sse
 from tllm.serve.errors import bad_request
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import max_new_tokens, sampling_params
@@ -80,25 +80,26 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptIn
 async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,
                   generation: Generation) -> AsyncIterator[str]:
     request_id, created, model = _request_id(), int(time.time()), ctx.config.model_name
+    usage = ChoiceUsage([len(prompt.token_ids)] * body.n, body.continuous_usage_stats)
 
-    def event(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
+    def event(choice: ChatStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=request_id, created=created, model=model,
-                                       choices=choices, usage=usage))
+                                       choices=[choice], usage=usage.of(choice.index)))
 
     for index in range(body.n):
-        yield event([ChatStreamChoice(index=index,
-                                      delta=DeltaMessage(role="assistant", content=""))])
-    num_generated = 0
+        yield event(ChatStreamChoice(index=index,
+                                     delta=DeltaMessage(role="assistant", content="")))
     async for delta in generation.deltas():
-        num_generated += len(delta.token_ids)
+        usage.add(delta.index, len(delta.token_ids))
         logprobs = (_logprobs(ctx, body, delta.token_ids, delta.logprobs)
                     if delta.token_ids else None)
-        yield event([ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
-                                      logprobs=logprobs, finish_reason=delta.finish_reason,
-                                      stop_reason=delta.stop_reason)])
+        yield event(ChatStreamChoice(index=delta.index, delta=DeltaMessage(content=delta.text),
+                                     logprobs=logprobs, finish_reason=delta.finish_reason,
+                                     stop_reason=delta.stop_reason))
     if body.include_usage:
-        yield event([], Usage(prompt_tokens=len(prompt.token_ids),
-                              completion_tokens=num_generated))
+        total = Usage(prompt_tokens=len(prompt.token_ids), completion_tokens=usage.num_generated)
+        yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
+                                      usage=total))
 
 
 def _request_id() -> str:

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.serve.context import ServingContext, event_stream, sse
+from tllm.serve.context import ChoiceUsage, ServingContext, event_stream, sse
 from tllm.serve.errors import bad_request
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import max_new_tokens, sampling_params
@@ -106,31 +106,35 @@ def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
 async def _events(ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput],
                   generation: Generation) -> AsyncIterator[str]:
     request_id, created, model = _request_id(), int(time.time()), ctx.config.model_name
+    num_choices = len(prompts) * body.n
+    usage = ChoiceUsage([len(prompts[i // body.n].token_ids) for i in range(num_choices)],
+                        body.continuous_usage_stats)
 
-    def event(choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+    def event(choice: CompletionChoice) -> str:
         return sse(CompletionResponse(id=request_id, created=created, model=model,
-                                      choices=choices, usage=usage))
+                                      choices=[choice], usage=usage.of(choice.index)))
 
-    text_offsets = [0] * (len(prompts) * body.n)
+    text_offsets = [0] * num_choices
     if body.echo:
-        for index in range(len(text_offsets)):
+        for index in range(num_choices):
             text = _prompt_text(ctx, prompts[index // body.n])
             text_offsets[index] = len(text)
-            yield event([CompletionChoice(index=index, text=text)])
-    num_generated = 0
+            yield event(CompletionChoice(index=index, text=text))
     async for delta in generation.deltas():
         logprobs = None
         if body.logprobs is not None and delta.token_ids:
             logprobs = ctx.logprobs.completion(delta.token_ids, delta.logprobs, body.logprobs,
                                                text_offsets[delta.index])
             text_offsets[delta.index] += _text_len(logprobs)
-        num_generated += len(delta.token_ids)
-        yield event([CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
-                                      finish_reason=delta.finish_reason,
-                                      stop_reason=delta.stop_reason)])
+        usage.add(delta.index, len(delta.token_ids))
+        yield event(CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,
+                                     finish_reason=delta.finish_reason,
+                                     stop_reason=delta.stop_reason))
     if body.include_usage:
-        yield event([], Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts),
-                              completion_tokens=num_generated))
+        total = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts),
+                      completion_tokens=usage.num_generated)
+        yield sse(CompletionResponse(id=request_id, created=created, model=model, choices=[],
+                                     usage=total))
 
 
 def _text_len(logprobs: CompletionLogprobs) -> int:

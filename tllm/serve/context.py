@@ -16,6 +16,7 @@ from tllm.serve.errors import APIError, internal_error
 from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
 from tllm.serve.logprobs import LogprobFormatter
 from tllm.serve.metrics import ServerMetrics
+from tllm.serve.protocol import Usage
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
@@ -82,6 +83,31 @@ class ServingContext:
 def sse(body: BaseModel) -> str:
     """One Server-Sent Event."""
     return f"data: {body.model_dump_json()}\n\n"
+
+
+class ChoiceUsage:
+    """Tokens per choice of a stream so far, for vLLM's `continuous_usage_stats`: with it,
+    every chunk carries its choice's usage (its prompt's tokens, the tokens that choice has
+    generated so far, their total), as vLLM's chunks do."""
+
+    def __init__(self, num_prompt_tokens: list[int], is_continuous: bool) -> None:
+        self.num_prompt_tokens = num_prompt_tokens     # per choice
+        self.num_completion_tokens = [0] * len(num_prompt_tokens)
+        self.is_continuous = is_continuous
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.num_completion_tokens)
+
+    def add(self, index: int, num_tokens: int) -> None:
+        self.num_completion_tokens[index] += num_tokens
+
+    def of(self, index: int) -> Usage | None:
+        """The usage a chunk of this choice carries (None unless continuous)."""
+        if not self.is_continuous:
+            return None
+        return Usage(prompt_tokens=self.num_prompt_tokens[index],
+                     completion_tokens=self.num_completion_tokens[index])
 
 
 def event_stream(request: Request, generation: Generation,

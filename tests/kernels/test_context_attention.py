@@ -7,24 +7,36 @@ pytest.importorskip("triton")
 from tllm.attention.testing import make_paged_batch, relative_error  # noqa: E402
 from tllm.kernels.triton.context_attention import (paged_attention_ref,  # noqa: E402
                                                    paged_context_attention)
+from tllm.kernels.paged import to_cache  # noqa: E402
 from tllm.kernels.triton.kv_cache import write_kv_ref  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 CUDA = torch.cuda.is_available()
 
 
+def fp8_caches(kv_cache, kv_scales):
+    """With kv_scales, the random prefix caches stored as fp8 e4m3 (x / scale)."""
+    if kv_scales is None:
+        return kv_cache, (1.0, 1.0)
+    fp8 = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return tuple(to_cache(c, fp8, s) for c, s in zip(kv_cache, kv_scales)), kv_scales
+
+
 def check(device, query_lens, prefix_lens, num_heads=8, num_kv_heads=2, head_dim=64,
-          tokens_per_block=16, dtype=torch.bfloat16, sliding_window=None, q=None):
+          tokens_per_block=16, dtype=torch.bfloat16, sliding_window=None, q=None,
+          kv_scales=None):
     batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
                              tokens_per_block, dtype, device)
     m = batch.metadata
-    write_kv_ref(batch.k, batch.v, *batch.kv_cache, m.slot_mapping)
+    caches, scales = fp8_caches(batch.kv_cache, kv_scales)
+    write_kv_ref(batch.k, batch.v, *caches, m.slot_mapping, *scales)
     q = batch.q if q is None else q(batch.q)
     scale = head_dim ** -0.5
-    args = (*batch.kv_cache, m.block_tables, m.query_start_loc, m.seq_lens)
+    args = (*caches, m.block_tables, m.query_start_loc, m.seq_lens)
     out = torch.full_like(batch.q, float("nan"))
-    paged_context_attention(q, *args, m.max_query_len, scale, sliding_window, out=out)
-    ref = paged_attention_ref(q, *args, scale, sliding_window)
+    paged_context_attention(q, *args, m.max_query_len, scale, sliding_window, out=out,
+                            k_scale=scales[0], v_scale=scales[1])
+    ref = paged_attention_ref(q, *args, scale, sliding_window, kv_scales=scales)
     err = relative_error(out, ref)
     assert err < TOL[dtype], err
 
@@ -85,3 +97,21 @@ def test_large_on_gpu(device, dtype):
           dtype=dtype, sliding_window=1024)
     check(device, [1] * 200 + [1500] + [1] * 55, [int(x) for x in torch.randint(0, 3000, (256,))],
           num_heads=32, num_kv_heads=8, head_dim=128, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_fp8_cache(device, dtype, head_dim):
+    # e4m3 keys and values widened in registers; scales folded into the softmax and output
+    check(device, [23, 1, 40], [0, 17, 9], head_dim=head_dim, dtype=dtype,
+          kv_scales=(0.013, 0.031))
+
+
+def test_fp8_cache_sliding_window(device):
+    check(device, [45, 2], [30, 90], sliding_window=8, kv_scales=(0.5, 2.0))
+
+
+@pytest.mark.skipif(not CUDA, reason="large shapes run on the GPU only")
+def test_fp8_cache_large_on_gpu(device):
+    check(device, [1000, 517, 1, 2048], [0, 3000, 4095, 37], num_heads=32, num_kv_heads=8,
+          head_dim=128, kv_scales=(0.02, 0.01))

@@ -7,25 +7,37 @@ pytest.importorskip("triton")
 from tllm.attention.testing import make_paged_batch, relative_error  # noqa: E402
 from tllm.kernels.triton.decode_attention import (choose_num_splits,  # noqa: E402
                                                   paged_attention_ref, paged_decode_attention)
+from tllm.kernels.paged import to_cache  # noqa: E402
 from tllm.kernels.triton.kv_cache import write_kv_ref  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 CUDA = torch.cuda.is_available()
 
 
+def fp8_caches(kv_cache, kv_scales):
+    """With kv_scales, the random prefix caches stored as fp8 e4m3 (x / scale)."""
+    if kv_scales is None:
+        return kv_cache, (1.0, 1.0)
+    fp8 = torch.empty(0, dtype=torch.float8_e4m3fn)
+    return tuple(to_cache(c, fp8, s) for c, s in zip(kv_cache, kv_scales)), kv_scales
+
+
 def check(device, prefix_lens, query_lens=None, num_heads=8, num_kv_heads=2, head_dim=64,
-          tokens_per_block=16, dtype=torch.bfloat16, num_splits=None, sliding_window=None):
+          tokens_per_block=16, dtype=torch.bfloat16, num_splits=None, sliding_window=None,
+          kv_scales=None):
     query_lens = query_lens or [1] * len(prefix_lens)
     batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
                              tokens_per_block, dtype, device)
     m = batch.metadata
-    write_kv_ref(batch.k, batch.v, *batch.kv_cache, m.slot_mapping)
+    caches, scales = fp8_caches(batch.kv_cache, kv_scales)
+    write_kv_ref(batch.k, batch.v, *caches, m.slot_mapping, *scales)
     scale = head_dim ** -0.5
-    args = (*batch.kv_cache, m.block_tables, m.query_start_loc, m.seq_lens)
+    args = (*caches, m.block_tables, m.query_start_loc, m.seq_lens)
     out = torch.full_like(batch.q, float("nan"))
     paged_decode_attention(batch.q, *args, m.max_seq_len, scale, m.max_query_len,
-                           sliding_window, num_splits, out=out)
-    ref = paged_attention_ref(batch.q, *args, scale, sliding_window)
+                           sliding_window, num_splits, out=out, k_scale=scales[0],
+                           v_scale=scales[1])
+    ref = paged_attention_ref(batch.q, *args, scale, sliding_window, scales)
     err = relative_error(out, ref)
     assert err < TOL[dtype], err
 
@@ -83,3 +95,23 @@ def test_large_on_gpu(device, num_splits):
     check(device, prefix_lens, num_heads=32, num_kv_heads=8, head_dim=128, num_splits=num_splits)
     check(device, [5000, 100, 12000], query_lens=[4, 3, 1], num_heads=32, num_kv_heads=8,
           head_dim=128, num_splits=num_splits, sliding_window=4096)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_fp8_cache(device, dtype, num_splits):
+    # e4m3 keys and values widened in registers; scales folded into the softmax and output
+    check(device, [0, 16, 299, 63], query_lens=[1, 2, 1, 4], dtype=dtype,
+          num_splits=num_splits, kv_scales=(0.013, 0.031))
+
+
+def test_fp8_cache_sliding_window(device):
+    check(device, [250, 20], query_lens=[1, 3], num_splits=2, sliding_window=37,
+          kv_scales=(0.5, 2.0))
+
+
+@pytest.mark.skipif(not CUDA, reason="large shapes run on the GPU only")
+def test_fp8_cache_large_on_gpu(device):
+    prefix_lens = [int(x) for x in torch.randint(1, 8192, (33,))] + [16383]
+    check(device, prefix_lens, num_heads=32, num_kv_heads=8, head_dim=128,
+          kv_scales=(0.02, 0.01))

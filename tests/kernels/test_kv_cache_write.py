@@ -79,3 +79,68 @@ def test_rope_and_write_kv(device, dtype, num_heads, num_kv_heads, head_dim):
     # the model's own rotary module agrees too (it rounds cos/sin to the input dtype)
     q_mod, _ = rotary(positions, q, k)
     assert relative_error(q_out, q_mod.float()) < TOL[dtype]
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_caches(num_blocks, tokens_per_block, num_kv_heads, head_dim, device):
+    shape = (num_blocks, tokens_per_block, num_kv_heads, head_dim)
+    return (torch.full(shape, float("nan"), device=device).to(FP8),
+            torch.full(shape, float("nan"), device=device).to(FP8))
+
+
+def assert_same_bytes(got, want):
+    assert got.dtype == want.dtype == FP8
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kv_scales", [(1.0, 1.0), (0.011, 0.023)])
+def test_write_kv_fp8(device, dtype, kv_scales):
+    # x / scale rounded to nearest even and saturated, as the torch backend's write does;
+    # 0.011 puts the largest values of randn * 3 past 448: they saturate
+    num_tokens, num_kv_heads, head_dim = 13, 2, 64
+    fused = torch.randn(num_tokens, 2 * num_kv_heads, head_dim, device=device).mul(3).to(dtype)
+    k, v = fused[:, :num_kv_heads], fused[:, num_kv_heads:]
+    slots = random_slots(num_tokens, 3, 16, device, num_skipped=2)
+    got, want = fp8_caches(3, 16, num_kv_heads, head_dim, device), fp8_caches(
+        3, 16, num_kv_heads, head_dim, device)
+    write_kv(k, v, *got, slots, *kv_scales)
+    write_kv_ref(k, v, *want, slots, *kv_scales)
+    for g, w in zip(got, want):  # untouched slots keep their NaN bytes
+        assert_same_bytes(g, w)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_and_write_kv_fp8(device, dtype):
+    num_tokens, num_heads, num_kv_heads, head_dim, max_pos = 11, 8, 2, 64, 300
+    kv_scales = (0.02, 0.005)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rotary = RotaryEmbedding(inv_freq, 1.0, max_pos).to(device)
+    positions = torch.randint(0, max_pos, (num_tokens,), device=device)
+    q = torch.randn(num_tokens, num_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype, device=device)
+    slots = random_slots(num_tokens, 2, 16, device, num_skipped=1)
+    got = fp8_caches(2, 16, num_kv_heads, head_dim, device)
+    want = fp8_caches(2, 16, num_kv_heads, head_dim, device)
+    q_out = rope_and_write_kv(positions, q, k, v, rotary.cos, rotary.sin, *got, slots,
+                              k_scale=kv_scales[0], v_scale=kv_scales[1])
+    q_ref = rope_and_write_kv_ref(positions, q, k, v, rotary.cos, rotary.sin, *want, slots,
+                                  *kv_scales)
+    assert relative_error(q_out, q_ref) < TOL[dtype]  # q is never quantized
+    assert_same_bytes(got[1], want[1])                # v is a plain quantized copy
+    # the rotated k is rounded in a different order on the GPU (fused multiply-adds), which
+    # may move a value across an fp8 rounding boundary
+    assert torch.equal(got[0].float().isnan(), want[0].float().isnan())
+    err = relative_error(got[0].float().nan_to_num(), want[0].float().nan_to_num())
+    assert err < 1e-2, err
+
+
+def test_write_kv_rejects_mixed_cache_dtypes(device):
+    k = torch.randn(2, 1, 16, device=device)
+    slots = random_slots(2, 1, 16, device)
+    k_cache = torch.zeros(1, 16, 1, 16, device=device)
+    with pytest.raises(ValueError, match="fp8"):
+        write_kv(k, k, k_cache, k_cache.to(FP8), slots)

@@ -1,6 +1,8 @@
 """Attention with Triton kernels over the paged cache: the CUDA path. Decode-only steps use the
 GQA-grouped split-K decode kernel; any step with a longer query (prefill, chunked prefill,
-mixed prefill + decode) uses the paged context kernel. torch_ref.py is the reference."""
+mixed prefill + decode) uses the paged context kernel. An fp8 cache stores k / k_scale and
+v / v_scale (the layer's per-tensor scales, fixed after loading: plain float kernel arguments,
+so captured CUDA graphs keep them). torch_ref.py is the reference."""
 from __future__ import annotations
 
 import torch
@@ -29,22 +31,23 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
                 kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
-        write_kv(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping)
-        return self._attend(q, kv_cache, metadata)
+        scales = _cache_scales(kv_cache, kv_scales)
+        write_kv(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, *scales)
+        return self._attend(q, kv_cache, metadata, scales)
 
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: KVCache, metadata: AttentionMetadata, rotary,
                           kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
         """One kernel rotates q and k and writes k and v into the cache."""
+        scales = _cache_scales(kv_cache, kv_scales)
         q = rope_and_write_kv(metadata.positions, q, k, v, rotary.cos, rotary.sin,
-                              kv_cache[0], kv_cache[1], metadata.slot_mapping)
-        return self._attend(q, kv_cache, metadata)
+                              kv_cache[0], kv_cache[1], metadata.slot_mapping,
+                              k_scale=scales[0], v_scale=scales[1])
+        return self._attend(q, kv_cache, metadata, scales)
 
-    def _attend(self, q: torch.Tensor, kv_cache: KVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def _attend(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                scales: tuple[float, float]) -> torch.Tensor:
         k_cache, v_cache = kv_cache
-        if k_cache.dtype == torch.float8_e4m3fn:
-            raise NotImplementedError("an fp8 KV cache needs the fp8 Triton attention kernels")
         out = torch.empty_like(q)
         if metadata.num_tokens == 0:
             return out
@@ -53,7 +56,14 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.is_decode_only:
             return paged_decode_attention(*common, max_seq_len=metadata.max_seq_len,
                                           scale=self.scale, sliding_window=self.sliding_window,
-                                          out=out)
+                                          out=out, k_scale=scales[0], v_scale=scales[1])
         return paged_context_attention(*common, max_query_len=metadata.max_query_len,
                                        scale=self.scale, sliding_window=self.sliding_window,
-                                       out=out)
+                                       out=out, k_scale=scales[0], v_scale=scales[1])
+
+
+def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[float, float]:
+    """The scales apply to an fp8 cache only (as in the torch backend)."""
+    if kv_cache[0].dtype != torch.float8_e4m3fn:
+        return NO_KV_SCALES
+    return float(kv_scales[0]), float(kv_scales[1])

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import torch
 
-from tllm.kernels.paged import causal_mask, gather_kv
+from tllm.kernels.paged import causal_mask, from_cache, gather_kv
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float,
-                        sliding_window: int | None = None) -> torch.Tensor:
+                        sliding_window: int | None = None,
+                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Causal attention of each sequence's queries (the last query_len positions of its
-    seq_len-token context) over its cached keys and values; float32 [T, Hq, D]."""
+    seq_len-token context) over its cached keys and values; float32 [T, Hq, D]. An fp8
+    cache's values are dequantized with `kv_scales` (real = fp8 * scale)."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     tokens_per_block = k_cache.shape[1]
@@ -21,8 +23,10 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for i, seq_len in enumerate(seq_lens.tolist()):
         qi = q[starts[i]:starts[i + 1]].float().transpose(0, 1)             # [Hq, q, D]
         k, v = gather_kv((k_cache, v_cache), block_tables[i], seq_len, tokens_per_block)
-        k = k.float().transpose(0, 1).repeat_interleave(group, dim=0)     # [Hq, s, D]
-        v = v.float().transpose(0, 1).repeat_interleave(group, dim=0)
+        k, v = from_cache(k, kv_scales[0], torch.float32), from_cache(v, kv_scales[1],
+                                                                      torch.float32)
+        k = k.transpose(0, 1).repeat_interleave(group, dim=0)             # [Hq, s, D]
+        v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         scores = (qi @ k.transpose(1, 2)) * scale
         mask = causal_mask(qi.shape[1], seq_len, sliding_window, q.device)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)

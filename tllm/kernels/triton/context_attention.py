@@ -4,7 +4,9 @@ across the batch, with keys and values read from the paged cache through block t
 A request's queries are the last query_len positions of its seq_len-token context, so a cached
 prefix (prefix reuse, chunked prefill) is attended like any other key, and a query_len of 1
 (a decode request in a mixed batch) works too. One program owns BLOCK_M queries of one head;
-the grid is flattened over the query tiles of all sequences (see _find_seq).
+the grid is flattened over the query tiles of all sequences (see _find_seq). An fp8 cache is
+read as e4m3 and widened in registers: the key scale folds into the softmax scale and the
+value scale into the output (real = fp8 * scale).
 The reference is `paged_attention_ref` in attention_ref.py."""
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M: tl.constexpr):
 @triton.jit
 def _context_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-        seq_lens_ptr, qk_scale, window, num_seqs,
+        seq_lens_ptr, qk_scale, window, num_seqs, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_ct, stride_ch, stride_table,
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -71,6 +73,7 @@ def _context_attention_kernel(
         q = q.to(tl.float32)  # attend_tile casts k, p and v to q's dtype
     q_pos = seq_len - q_len + offs_m
     first_pos = seq_len - q_len + tile * BLOCK_M
+    qk_scale = qk_scale * k_scale  # q . (k * k_scale) = k_scale * (q . k)
 
     kv_head = head // GROUP
     k_base = k_cache_ptr + kv_head * stride_ch
@@ -98,7 +101,7 @@ def _context_attention_kernel(
             BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION)
 
     # Rows past the query end may see no key (under a window); they are not stored.
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # exact for v_scale 1
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -129,10 +132,11 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             seq_lens: torch.Tensor, max_query_len: int, scale: float,
                             sliding_window: int | None = None,
                             out: torch.Tensor | None = None,
-                            config: ContextConfig | None = None) -> torch.Tensor:
+                            config: ContextConfig | None = None, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, tokens_per_block, Hkv, D]; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
-    overrides the tile sizes (for tuning)."""
+    overrides the tile sizes (for tuning); the scales are an fp8 cache's."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if out is None:
@@ -145,8 +149,8 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (num_heads, num_tokens // cfg.block_m + num_seqs)
     _context_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), sliding_window or 0, num_seqs,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * math.log2(math.e), sliding_window or 0, num_seqs, float(k_scale),
+        float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, TOKENS_PER_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=dot_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

@@ -6,7 +6,9 @@ each KV tile is read from memory once; its query tile is [group x queries, head_
 to 16 rows for tl.dot. Flash-decoding: when batch x kv-heads is too small to fill the GPU, the
 context is split into partitions handled by separate programs, and a second kernel merges their
 partial results by log-sum-exp. Sequences of any length share one launch: a partition past a
-sequence's end returns at once. The reference is `paged_attention_ref` in attention_ref.py."""
+sequence's end returns at once. An fp8 cache is read as e4m3 and widened in registers: the
+key scale folds into the softmax scale and the value scale into the output (real = fp8 *
+scale). The reference is `paged_attention_ref` in attention_ref.py."""
 from __future__ import annotations
 
 import math
@@ -33,7 +35,7 @@ _WAVES = 4                # programs per SM to aim for: enough loads in flight f
 @triton.jit
 def _decode_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        query_start_loc_ptr, seq_lens_ptr, qk_scale, window, partition,
+        query_start_loc_ptr, seq_lens_ptr, qk_scale, window, partition, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
         stride_lt, stride_lh, stride_cb, stride_ct, stride_ch,
         stride_table,
@@ -64,6 +66,7 @@ def _decode_attention_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)  # attend_tile casts k, p and v to q's dtype
     q_pos = seq_len - q_len + token
+    qk_scale = qk_scale * k_scale  # q . (k * k_scale) = k_scale * (q . k)
 
     k_base = k_cache_ptr + kv_head * stride_ch
     v_base = v_cache_ptr + kv_head * stride_ch
@@ -95,15 +98,15 @@ def _decode_attention_kernel(
         has_keys = l_i > 0.0
         l_safe = tl.where(has_keys, l_i, 1.0)
         lse = tl.where(has_keys, m_i + tl.math.log2(l_safe), float("-inf"))
-        part = acc / l_safe[:, None]
+        part = acc / l_safe[:, None] * v_scale  # exact for v_scale 1
         tl.store(part_out_ptr + rows[:, None] * stride_pt + heads[:, None] * stride_ph
                  + split * stride_ps + offs_d[None, :], part, mask=io_mask)
         tl.store(part_lse_ptr + rows * stride_lt + heads * stride_lh + split, lse,
                  mask=token < q_len)
     else:
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh
-                 + offs_d[None, :], (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
-                 mask=io_mask)
+                 + offs_d[None, :],
+                 (acc / l_i[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 @triton.jit
@@ -161,10 +164,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_query_len: int = 1, sliding_window: int | None = None,
                            num_splits: int | None = None,
                            out: torch.Tensor | None = None,
-                           config: DecodeConfig | None = None) -> torch.Tensor:
+                           config: DecodeConfig | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """q [T, Hq, D] holding 1..MAX_DECODE_QUERIES tokens per sequence; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
-    overrides the tile size and pipelining (for tuning)."""
+    overrides the tile size and pipelining (for tuning); the scales are an fp8 cache's."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if max_query_len > MAX_DECODE_QUERIES:
@@ -185,8 +189,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part_out, part_lse = _partial_buffers(q, num_splits)
     _decode_attention_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), sliding_window or 0, partition,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale * math.log2(math.e), sliding_window or 0, partition, float(k_scale),
+        float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),

@@ -2,13 +2,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tllm.kernels import fp8
+
 
 class SiluAndMul(nn.Module):
-    """silu(gate) * up, for a merged [gate | up] projection output."""
+    """silu(gate) * up, for a merged [gate | up] projection output. With `quantize_to` (fp8
+    e4m3, asked for by the FP8 down projection) the output is a fp8.QuantizedActivation,
+    quantized per token: in the same kernel on CUDA."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, quantize_to: torch.dtype | None = None):
+        if quantize_to is not None and quantize_to != fp8.FP8_DTYPE:
+            raise ValueError(f"SiluAndMul quantizes to {fp8.FP8_DTYPE} only, not {quantize_to}")
         if x.is_cuda:
-            from tllm.kernels.triton.activation import silu_and_mul
-            return silu_and_mul(x)
+            from tllm.kernels.triton.activation import silu_and_mul, silu_and_mul_quant
+            return (silu_and_mul if quantize_to is None else silu_and_mul_quant)(x)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        out = F.silu(gate) * up
+        return out if quantize_to is None else fp8.quantize_activation(out)

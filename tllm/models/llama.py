@@ -20,6 +20,7 @@ from tllm.distributed import comm
 from tllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, _copy_checked
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import QuantConfig, linear_method
+from tllm.layers.quant.fp8 import input_quantization
 from tllm.layers.rotary import RotaryEmbedding, inverse_frequencies
 from tllm.models.registry import register_model
 
@@ -87,7 +88,8 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(self.act(h, quantize_to=input_quantization(self.down_proj, h)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -103,13 +105,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden, residual, kv_cache: KVCache, metadata: AttentionMetadata):
+        # an FP8 projection may take its input quantized by the norm's kernel (None: as is)
+        fp8_in = input_quantization(self.self_attn.qkv_proj, hidden)
         if residual is None:
             residual = hidden
-            hidden = self.input_layernorm(hidden)
+            hidden = self.input_layernorm(hidden, quantize_to=fp8_in)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, quantize_to=fp8_in)
         hidden = self.self_attn(hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(
+            hidden, residual, quantize_to=input_quantization(self.mlp.gate_up_proj, hidden))
         return self.mlp(hidden), residual
 
 

@@ -78,8 +78,18 @@ class Fp8LinearMethod(QuantMethod):
         if scheme.activation == "static":  # shards share one input: the largest scale
             _replace(layer, "input_scale", layer.input_scale.data.max().reshape(()))
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor | ref.QuantizedActivation) -> torch.Tensor:
+        """x [..., in] in the model dtype, or quantized per token already by the op before
+        (only when `input_quantization` asked for it)."""
         shape = x.shape
+        if isinstance(x, ref.QuantizedActivation):
+            if self.scheme.weight == "block" or self.scheme.activation == "static":
+                raise ValueError("fp8: a per-token quantized input needs per-channel weights "
+                                 "and dynamic activations")
+            x2 = ref.QuantizedActivation(x.q.reshape(-1, shape[-1]),
+                                         x.scale.reshape(-1, 1), x.dtype)
+            out = fp8_ops.fp8_linear(x2, layer.weight, layer.weight_scale)
+            return out.reshape(*shape[:-1], out.shape[-1])
         x2 = x.reshape(-1, shape[-1])
         if self.scheme.weight == "block":
             out = fp8_ops.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv,
@@ -93,6 +103,27 @@ class Fp8LinearMethod(QuantMethod):
         if self.scheme.weight == "block":
             return ref.dequantize_blocks(layer.weight, layer.weight_scale_inv, self.scheme.block)
         return layer.weight.float() * layer.weight_scale.float()
+
+    def input_quantization(self, layer: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+        """fp8 when this layer would quantize x per token itself (CUDA, above the small-M
+        kernel's rows, per-channel weights, dynamic activations): the op producing x then
+        quantizes in its own kernel and hands over a QuantizedActivation. None otherwise."""
+        if self.scheme.weight == "block" or self.scheme.activation == "static":
+            return None
+        if not isinstance(getattr(layer, "weight", None), torch.Tensor) \
+                or layer.weight.dtype != ref.FP8_DTYPE:
+            return None  # not loaded and converted yet
+        n, k = layer.weight.shape
+        return ref.FP8_DTYPE if fp8_ops.takes_quantized_input(x, n, k) else None
+
+
+def input_quantization(linear: nn.Module, x: torch.Tensor) -> torch.dtype | None:
+    """The dtype the linear layer `linear` wants its input x quantized to (per token) by the
+    op before it, fused into that op's kernel; None: hand x over as it is."""
+    method = getattr(linear, "quant", None)
+    if isinstance(method, Fp8LinearMethod):
+        return method.input_quantization(linear, x)
+    return None
 
 
 def _replace(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -196,9 +196,14 @@ class LlamaForCausalLM(nn.Module):
         layer keeping its shard; tensors of other stages are skipped. Returns what was
         loaded."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        # a quantization format's names for a linear layer's tensors -> the method's
+        aliases = dict(getattr(self.quant_config, "param_aliases", ()))
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
+            module_path, _, leaf = name.rpartition(".")
+            if leaf in aliases:
+                name = f"{module_path}.{aliases[leaf]}"
             if "rotary_emb.inv_freq" in name:
                 continue
             if name.endswith((".k_scale", ".v_scale")):
@@ -216,6 +221,9 @@ class LlamaForCausalLM(nn.Module):
                                  f"{type(self).__name__}")
             module_name, param_name = target.rsplit(".", 1)
             module = self.get_submodule(module_name)
+            param = params[target]
+            if tensor.dim() == 1 and param.dim() == 2 and param.shape[1] == 1:
+                tensor = tensor[:, None]  # a per-channel scale stored flat (ModelOpt)
             if shard is not None:
                 module.load_shard(param_name, shard, tensor)
             elif hasattr(module, "load_weight"):

@@ -137,11 +137,14 @@ def _replace(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
 @dataclass(frozen=True)
 class Fp8Config(QuantConfig):
     """FP8 for every linear layer but those an ignore pattern names (checkpoint names, e.g.
-    "lm_head", "re:.*mlp.gate$", "model.layers.0.*"); the LM head is never quantized here."""
+    "lm_head", "re:.*mlp.gate$", "model.layers.0.*"); the LM head is never quantized here.
+    `param_aliases` maps a format's names of a linear layer's tensors to the method's
+    (("weight_scale", "weight_scale_inv"): compressed-tensors' block scales)."""
 
     scheme: Fp8Scheme = Fp8Scheme()
     ignore: tuple[str, ...] = field(default_factory=tuple)
     has_kv_scales: bool = False
+    param_aliases: tuple[tuple[str, str], ...] = ()
     name = "fp8"
 
     def linear_method(self, prefix: str, shard_names: tuple[str, ...] = ()) -> QuantMethod:

@@ -8,6 +8,7 @@ from pathlib import Path
 from tllm.layers.quant import QuantConfig
 from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
 from tllm.loader.hf import CheckpointError
+from tllm.loader.quant_formats import SUPPORTED, compressed, hf_fp8, modelopt
 
 
 def resolve_quant_config(kind: str, path: Path | None, hf_config,
@@ -29,14 +30,29 @@ def resolve_quant_config(kind: str, path: Path | None, hf_config,
 
 def checkpoint_quant_config(path: Path | None, hf_config) -> QuantConfig | None:
     """The quantization an HF checkpoint declares, in config.json's `quantization_config`
-    or ModelOpt's hf_quant_config.json."""
+    or ModelOpt's hf_quant_config.json; None for a 16/32-bit checkpoint."""
+    raw = declared_quantization(path, hf_config)
+    if raw is None:
+        return None
+    method = str(raw.get("quant_method", "")).lower()
+    if method == "fp8":
+        return hf_fp8.parse(raw)
+    if method == "compressed-tensors":
+        return compressed.parse(raw)
+    if method.startswith("modelopt"):  # "modelopt", "modelopt_fp4"
+        return modelopt.parse(raw)
+    raise CheckpointError(f"quantization format {method or raw!r} is not supported; "
+                          f"{SUPPORTED}")
+
+
+def declared_quantization(path: Path | None, hf_config) -> dict | None:
     raw = getattr(hf_config, "quantization_config", None)
     if raw is not None and not isinstance(raw, dict):
         raw = raw.to_dict() if hasattr(raw, "to_dict") else dict(vars(raw))
-    modelopt = path / "hf_quant_config.json" if path is not None else None
-    if raw is None and modelopt is not None and modelopt.is_file():
-        raw = {"quant_method": "modelopt", **json.loads(modelopt.read_text())}
-    if raw is None:
-        return None
-    method = raw.get("quant_method")
-    raise CheckpointError(f"quantization format {method!r} is not supported")
+    modelopt_file = path / "hf_quant_config.json" if path is not None else None
+    if raw is None and modelopt_file is not None and modelopt_file.is_file():
+        try:
+            raw = {"quant_method": "modelopt", **json.loads(modelopt_file.read_text())}
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise CheckpointError(f"{modelopt_file} is not a JSON object: {exc}") from None
+    return raw

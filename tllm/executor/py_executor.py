@@ -73,6 +73,7 @@ class PyExecutor:
         self._in_flight: deque[InFlightStep] = deque()
         self._thread = threading.Thread(target=self._run, name="tllm-executor", daemon=True)
         self._stopped = False
+        self._is_shutdown_taken = False     # the inbox gave _SHUTDOWN: the loop ends
         self.num_steps = 0
         self._num_pending_adds = 0  # submitted, not yet taken from the inbox
         self._pending_lock = threading.Lock()
@@ -159,6 +160,9 @@ class PyExecutor:
         previous step's tokens: penalties and stop checks need them)."""
         try:
             num_launched = self._launch_steps()
+            # Aborts that came while the step ran apply now, before its rows are sampled and
+            # its predecessor's tokens processed: a client that left costs no more host work.
+            self._fetch_requests(block=False)
             keep = self.strategy.max_in_flight - 1
             if self._in_flight and (num_launched == 0 or len(self._in_flight) > keep):
                 self._complete_oldest()
@@ -231,12 +235,15 @@ class PyExecutor:
 
     def _fetch_requests(self, block: bool) -> bool:
         """Drain the inbox; False once shutdown was asked for."""
+        if self._is_shutdown_taken:
+            return False
         try:
             item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return True
         while True:
             if item is _SHUTDOWN:
+                self._is_shutdown_taken = True
                 return False
             action, payload = item
             if action == "add":

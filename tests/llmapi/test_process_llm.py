@@ -4,13 +4,15 @@ dead engine process shows as not alive."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 
 import pytest
 
 from tests.serve.helpers import wait_until_idle
 from tllm import LLM, SamplingParams
-from tllm.llmapi.process_llm import HEARTBEAT_S, ProcessLLM
+from tllm.llmapi.process_llm import HEARTBEAT_S, EngineDeadError, ProcessLLM
 
 KWARGS = dict(max_seq_len=128, max_batch_size=8, max_num_tokens=256)
 PROMPTS = [[1, 5, 9, 200], [1, 7, 7, 7, 30, 2], [1, 300]]
@@ -95,12 +97,12 @@ def test_bad_arguments_fail_before_the_process_starts(tiny_llama):
 def test_a_killed_engine_is_not_alive(tiny_llama):
     llm = ProcessLLM(str(tiny_llama[0]), **KWARGS)
     assert llm.is_alive
-    llm._process.kill()
+    os.kill(llm.pid, signal.SIGKILL)
     deadline = time.monotonic() + 5
     while llm.is_alive:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    with pytest.raises((RuntimeError, OSError)):
+    with pytest.raises(EngineDeadError):
         run(complete(llm, [PROMPTS[0]], SamplingParams(max_tokens=2)))
     llm.shutdown()
 
@@ -151,7 +153,7 @@ def test_light_handles_relay_the_engines_deltas(process_llm):
 
     per_prompt, results = run(stream())
     assert all(r.finished for r in results)
-    assert not process_llm._streams         # every finished handle is forgotten
+    assert not process_llm._engine.streams  # every finished handle is forgotten
     for deltas in per_prompt:
         for index in range(2):
             mine = [d for d in deltas if d.index == index]
@@ -185,3 +187,49 @@ def test_relay_sends_deltas_as_they_are_and_errors_that_pickle():
     assert sent[2][1] is last and last.error is not unpicklable
     assert "RuntimeError" in str(last.error)
     assert finished.get_nowait() == "r1"
+
+
+def test_aborts_of_one_event_loop_turn_are_one_message(process_llm):
+    """A burst of disconnects costs the engine one pipe message, and each stream is aborted
+    once however often its handle is told to."""
+    params = SamplingParams(max_tokens=100, ignore_eos=True)
+    sent: list[tuple] = []
+
+    async def abort_all() -> list:
+        engine = process_llm._engine
+        send = engine.send
+        engine.send = lambda message: (sent.append(message), send(message))
+        try:
+            results = await process_llm.submit_batch(
+                [{"prompt_token_ids": p} for p in PROMPTS], [params] * 3, streaming=True)
+            for result in results + results:
+                result.abort()
+            await asyncio.sleep(0)
+        finally:
+            del engine.send
+        return [await r for r in results]
+
+    outputs = run(abort_all())
+    assert [m[0] for m in sent] == ["submit", "abort"] and len(sent[1][1]) == 3
+    assert all(o.outputs[0].finish_reason == "abort" for o in outputs)
+    wait_until_idle(process_llm)
+
+
+def test_open_requests_of_a_killed_engine_fail_and_restart_brings_it_back(tiny_llama):
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=120, ignore_eos=True)
+    with ProcessLLM(str(tiny_llama[0]), **KWARGS) as llm:
+        expected = run(complete(llm, PROMPTS[:1], params))[0].outputs[0].token_ids
+
+        async def kill_while_streaming() -> None:
+            [result] = await llm.submit_batch([{"prompt_token_ids": PROMPTS[0]}], [long],
+                                              streaming=True)
+            with pytest.raises(EngineDeadError, match="exited with code -9"):
+                async for _ in result.deltas():
+                    os.kill(llm.pid, signal.SIGKILL)
+
+        run(kill_while_streaming())
+        old_pid = llm.pid
+        llm.restart()
+        assert llm.is_alive and llm.pid != old_pid
+        assert run(complete(llm, PROMPTS[:1], params))[0].outputs[0].token_ids == expected

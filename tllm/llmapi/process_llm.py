@@ -5,8 +5,8 @@ and the loop gets only part of it (the H200 server delivered 44% of the offline 
 Here the server process keeps HTTP, JSON and tokenization; a spawned engine process runs
 `LLM` (executor loop, detokenization) and talks to it over two pipes:
 
-    server -> engine  ("submit", batch_id, [(request_id, inputs, params)]) | ("abort", request_id)
-                      | ("shutdown",)
+    server -> engine  ("submit", batch_id, [(request_id, inputs, params)])
+                      | ("abort", [request_id, ...]) | ("shutdown",)
     engine -> server  ("ready", info) | ("failed", exception)       once, at start
                       ("accepted", batch_id) | ("rejected", batch_id, ValueError)
                       ("deltas", [(request_id, CompletionDelta)], stats)
@@ -19,6 +19,10 @@ thread (LLM.add_request), which a sender thread batches into one message per sen
 least every HEARTBEAT_S). The server side holds a DeltaStream per request and hands it the
 deltas as they are, one message per event-loop callback. Validation stays where it is (the
 engine's LLM): a refused prompt comes back as the ValueError.
+
+If the engine process dies, its pipe closes: the receiver thread sees it at once, every open
+request of that process ends with EngineDeadError, and so do submissions, until `restart()`
+starts a new process in its place (the server's supervisor decides whether and when).
 """
 from __future__ import annotations
 
@@ -41,56 +45,57 @@ HEARTBEAT_S = 0.1
 _SHUTDOWN_TIMEOUT_S = 60.0
 
 
+class EngineDeadError(RuntimeError):
+    """The engine process has exited: its open requests end with this, and submissions fail
+    with it until `restart()`."""
+
+
 class ProcessLLM:
     """The server's handle on an engine process: `submit_batch`, `get_stats`, `is_alive`,
-    `tokenizer`, `max_seq_len`, `shutdown` (what the server uses of an LLM)."""
+    `tokenizer`, `max_seq_len`, `shutdown` (what the server uses of an LLM), and `restart`
+    once the process has died."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.args = LlmArgs(model=model, **kwargs)     # bad arguments fail here, at once
-        context = multiprocessing.get_context("spawn")
-        self._commands, engine_commands = context.Pipe(duplex=False)[::-1]
-        engine_events, self._events = context.Pipe(duplex=False)[::-1]
-        self._process = context.Process(
-            target=engine_main, args=(self.args, engine_commands, engine_events),
-            name="tllm-engine")
-        self._process.start()
-        engine_commands.close()
-        engine_events.close()
-        ready = self._wait_until_ready()
+        self._context = multiprocessing.get_context("spawn")
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self._lifecycle = threading.Lock()     # a restart and shutdown, one at a time
+        self._engine, ready = self._start_engine()
         self.max_seq_len: int = ready["max_seq_len"]
         self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], model)
-        self._send_lock = threading.Lock()
-        self._ids = itertools.count()
-        self._streams: dict[str, DeltaStream] = {}
-        self._pending: dict[int, asyncio.Future] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stats: dict[str, Any] = {"stats": ready["stats"], "alive": True,
-                                       "num_received": 0}
-        self._num_sent = 0
-        self._closed = False
-        self._receiver = threading.Thread(target=self._receive, name="tllm-engine-events",
-                                          daemon=True)
-        self._receiver.start()
 
     # ---- what the server uses ----
 
     @property
     def is_alive(self) -> bool:
-        return (not self._closed and self._process.is_alive() and self._receiver.is_alive()
-                and self._stats["alive"])
+        return not self._closed and self._engine.is_alive()
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._engine.process.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        """The engine process's exit code (None while it runs; -N: killed by signal N)."""
+        return self._engine.process.exitcode
 
     def get_stats(self) -> dict[str, int]:
         """The engine's latest stats (at most HEARTBEAT_S old); submissions it has not
         received yet count as waiting."""
-        stats = dict(self._stats["stats"])
-        in_flight = self._num_sent - self._stats["num_received"]
+        engine = self._engine
+        stats = dict(engine.stats["stats"])
+        in_flight = engine.num_sent - engine.stats["num_received"]
         stats["num_waiting"] = stats.get("num_waiting", 0) + max(0, in_flight)
         return stats
 
     async def submit_batch(self, inputs: Sequence[dict], sampling_params: Sequence[SamplingParams],
                            streaming: bool = False) -> list[DeltaStream]:
         """Submit prompts ({"prompt_token_ids", "prompt"}) all or none; raises the engine's
-        ValueError if it refuses one. One DeltaStream per prompt."""
+        ValueError if it refuses one, EngineDeadError if the engine process has exited. One
+        DeltaStream per prompt."""
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         self._loop = asyncio.get_running_loop()
@@ -98,52 +103,55 @@ class ProcessLLM:
             if not isinstance(params, SamplingParams):
                 raise ValueError("sampling_params must be SamplingParams, got "
                                  f"{type(params).__name__}")
+        engine = self._engine
         batch_id = next(self._ids)
         items = [(f"r{next(self._ids)}", prompt, params)
                  for prompt, params in zip(inputs, sampling_params, strict=True)]
-        streams = [self._new_stream(*item, streaming) for item in items]
+        streams = [self._new_stream(engine, *item, streaming) for item in items]
         accepted = self._loop.create_future()
-        self._pending[batch_id] = accepted
+        engine.pending[batch_id] = accepted
         sent = False
         try:
-            self._send(("submit", batch_id, items))
-            self._num_sent += len(items)
+            engine.send(("submit", batch_id, items))
+            engine.num_sent += len(items)
             sent = True
             await accepted
         except BaseException:
             for request_id, _, _ in items:
-                self._streams.pop(request_id, None)
+                engine.streams.pop(request_id, None)
                 if sent:    # e.g. the caller was cancelled: the engine may run them anyway
-                    self._abort_quietly(request_id)
+                    self._abort(engine, request_id)
             raise
         finally:
-            self._pending.pop(batch_id, None)
+            engine.pending.pop(batch_id, None)
         return streams
 
-    def _new_stream(self, request_id: str, prompt: dict, params: SamplingParams,
-                    streaming: bool) -> DeltaStream:
+    def _new_stream(self, engine: _EngineProcess, request_id: str, prompt: dict,
+                    params: SamplingParams, streaming: bool) -> DeltaStream:
         """The caller's side of a request, registered to receive its deltas."""
         stream = DeltaStream(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
-                             params, streaming, abort=lambda: self._abort_quietly(request_id))
-        self._streams[request_id] = stream
+                             params, streaming, abort=lambda: self._abort(engine, request_id))
+        engine.streams[request_id] = stream
         return stream
 
+    def restart(self) -> None:
+        """Replace the engine process with a new one (the old one has died, or is killed
+        here): blocks until the new one is ready, and raises as the constructor does if it
+        cannot start. The old one's open requests have ended with EngineDeadError."""
+        with self._lifecycle:
+            if self._closed:
+                raise RuntimeError("this LLM has been shut down")
+            self._engine.stop(graceful=False)
+            self._engine = self._start_engine()[0]
+
     def shutdown(self) -> None:
-        """Stop the engine process (it frees the model and KV cache) and wait for it."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self._send(("shutdown",))
-        except OSError:             # the engine is gone already
-            pass
-        self._process.join(_SHUTDOWN_TIMEOUT_S)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._commands.close()
-        self._receiver.join(timeout=5)
-        self._events.close()
+        """Stop the engine process (it frees the model and KV cache) and wait for it (and
+        for a restart in progress first)."""
+        with self._lifecycle:
+            if self._closed:
+                return
+            self._closed = True
+            self._engine.stop(graceful=True)
 
     def __enter__(self) -> ProcessLLM:
         return self
@@ -153,46 +161,57 @@ class ProcessLLM:
 
     # ---- plumbing ----
 
-    def _wait_until_ready(self) -> dict:
-        while not self._events.poll(0.5):
-            if not self._process.is_alive():
-                raise RuntimeError(f"the engine process exited with code "
-                                   f"{self._process.exitcode} while starting")
+    def _start_engine(self) -> tuple[_EngineProcess, dict]:
+        """A new engine process, ready, with its receiver thread; and its "ready" info."""
+        commands, engine_commands = self._context.Pipe(duplex=False)[::-1]
+        engine_events, events = self._context.Pipe(duplex=False)[::-1]
+        process = self._context.Process(
+            target=engine_main, args=(self.args, engine_commands, engine_events),
+            name="tllm-engine")
+        process.start()
+        engine_commands.close()
+        engine_events.close()
+        engine = _EngineProcess(process, commands, events)
         try:
-            kind, payload = self._events.recv()
-        except EOFError:
-            self._process.join()
-            raise RuntimeError("the engine process exited while starting") from None
-        if kind == "failed":
-            self._process.join()
-            raise payload
-        return payload
+            ready = engine.wait_until_ready()
+        except BaseException:
+            engine.stop(graceful=False)
+            raise
+        engine.stats = {"stats": ready["stats"], "alive": True, "num_received": 0}
+        engine.receiver = threading.Thread(target=self._receive, args=(engine,),
+                                           name="tllm-engine-events", daemon=True)
+        engine.receiver.start()
+        return engine, ready
 
-    def _abort_quietly(self, request_id: str) -> None:
+    def _abort(self, engine: _EngineProcess, request_id: str) -> None:
+        """Aborts asked for in one event-loop turn go to the engine as one message: a burst
+        of disconnects would otherwise be a pipe message each, and the engine's main thread
+        may wait for the GIL (held by its loop thread) once per message."""
+        engine.aborts.append(request_id)
+        if len(engine.aborts) > 1:
+            return
         try:
-            self._send(("abort", request_id))
-        except OSError:         # the engine is gone: nothing runs any more
-            pass
+            asyncio.get_running_loop().call_soon(engine.send_aborts)
+        except RuntimeError:        # not on an event loop: send it now
+            engine.send_aborts()
 
-    def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self._commands.send(message)
-
-    def _receive(self) -> None:
-        """Engine messages, handed to the event loop one message per callback."""
+    def _receive(self, engine: _EngineProcess) -> None:
+        """Engine messages, handed to the event loop one message per callback; at the end
+        (the process exited or was stopped), its open requests fail."""
         while True:
             try:
-                message = self._events.recv()
+                message = engine.events.recv()
             except (EOFError, OSError):
                 break
             if message[0] == "deltas":
-                self._stats = message[2]
+                engine.stats = message[2]
                 if message[1]:
-                    self._call_in_loop(self._deliver, message[1])
+                    self._call_in_loop(self._deliver, engine, message[1])
             else:
-                self._call_in_loop(self._settle, message)
-        self._stats = {**self._stats, "alive": False}
-        self._call_in_loop(self._fail_pending)
+                self._call_in_loop(self._settle, engine, message)
+        engine.stats = {**engine.stats, "alive": False}
+        engine.process.join(timeout=1.0)    # its pipe closes as it exits: know its exit code
+        self._call_in_loop(engine.fail_all)
 
     def _call_in_loop(self, fn, *args) -> None:
         if self._loop is None:
@@ -202,14 +221,16 @@ class ProcessLLM:
         except RuntimeError:        # the loop is closed: nobody is listening
             pass
 
-    def _deliver(self, deltas: list[tuple[str, CompletionDelta]]) -> None:
+    @staticmethod
+    def _deliver(engine: _EngineProcess, deltas: list[tuple[str, CompletionDelta]]) -> None:
         for request_id, delta in deltas:
-            stream = self._streams.get(request_id)
+            stream = engine.streams.get(request_id)
             if stream is not None and stream.deliver(delta):
-                del self._streams[request_id]       # its last delta: nothing more comes
+                del engine.streams[request_id]      # its last delta: nothing more comes
 
-    def _settle(self, message: tuple) -> None:
-        future = self._pending.get(message[1])
+    @staticmethod
+    def _settle(engine: _EngineProcess, message: tuple) -> None:
+        future = engine.pending.get(message[1])
         if future is None or future.done():
             return
         if message[0] == "accepted":
@@ -217,10 +238,92 @@ class ProcessLLM:
         else:
             future.set_exception(message[2])
 
-    def _fail_pending(self) -> None:
-        for future in self._pending.values():
+
+class _EngineProcess:
+    """One engine process, its two pipes, what it last reported, and the requests sent to
+    it (their handles and submissions waiting for an answer; event loop only)."""
+
+    def __init__(self, process, commands, events) -> None:
+        self.process = process
+        self.commands = commands        # server -> engine
+        self.events = events            # engine -> server
+        self.receiver: threading.Thread | None = None
+        self.stats: dict[str, Any] = {"stats": {}, "alive": False, "num_received": 0}
+        self.num_sent = 0
+        self.streams: dict[str, DeltaStream] = {}
+        self.pending: dict[int, asyncio.Future] = {}
+        self.aborts: list[str] = []     # to send at the end of this event-loop turn
+        self.is_gone = False            # its receiver has ended: nothing more comes
+        self._send_lock = threading.Lock()
+
+    def is_alive(self) -> bool:
+        return (self.process.is_alive() and self.receiver is not None
+                and self.receiver.is_alive() and self.stats["alive"])
+
+    def wait_until_ready(self) -> dict:
+        while not self.events.poll(0.5):
+            if not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited with code "
+                                   f"{self.process.exitcode} while starting")
+        try:
+            kind, payload = self.events.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError("the engine process exited while starting") from None
+        if kind == "failed":
+            self.process.join()
+            raise payload
+        return payload
+
+    def send(self, message: tuple) -> None:
+        """Send a command; EngineDeadError if the process has gone."""
+        if self.is_gone:
+            raise EngineDeadError(self.death_note())
+        try:
+            with self._send_lock:
+                self.commands.send(message)
+        except (OSError, ValueError) as exc:    # a broken or closed pipe
+            raise EngineDeadError(self.death_note()) from exc
+
+    def send_aborts(self) -> None:
+        ids, self.aborts = self.aborts, []
+        if ids:
+            try:
+                self.send(("abort", ids))
+            except EngineDeadError:     # nothing runs there any more
+                pass
+
+    def fail_all(self) -> None:
+        """(Event loop.) Its receiver ended: every open request and submission fails."""
+        self.is_gone = True
+        error = EngineDeadError(self.death_note())
+        for future in self.pending.values():
             if not future.done():
-                future.set_exception(RuntimeError("the engine process has stopped"))
+                future.set_exception(error)
+        streams, self.streams = self.streams, {}
+        for stream in streams.values():
+            stream.fail(error)
+
+    def death_note(self) -> str:
+        code = self.process.exitcode
+        return ("the engine process has stopped" if code is None else
+                f"the engine process exited with code {code}")
+
+    def stop(self, graceful: bool) -> None:
+        """Ask it to shut down (graceful) or kill it; wait for it, close the pipes."""
+        if graceful:
+            try:
+                self.send(("shutdown",))
+            except EngineDeadError:
+                pass
+            self.process.join(_SHUTDOWN_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join()
+        self.commands.close()
+        if self.receiver is not None:
+            self.receiver.join(timeout=5)
+        self.events.close()
 
 
 def engine_main(args: LlmArgs, commands, events) -> None:
@@ -268,10 +371,11 @@ class _EngineServer:
                 self._forget_finished()
                 if message[0] == "submit":
                     self._submit(*message[1:])
-                elif message[0] == "abort":
-                    abort = self.aborts.get(message[1])
-                    if abort is not None:
-                        abort()
+                elif message[0] == "abort":     # applied at once: each reaches the loop's
+                    for request_id in message[1]:   # inbox, drained between steps
+                        abort = self.aborts.get(request_id)
+                        if abort is not None:
+                            abort()
                 elif message[0] == "shutdown":
                     break
         finally:

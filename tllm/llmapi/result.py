@@ -113,6 +113,7 @@ class DeltaStream:
         self.num_samples = params.n
         self._prompt = (prompt, prompt_token_ids, params)
         self._abort = abort
+        self._is_abort_sent = False
         self._num_unfinished = params.n     # samples whose final delta is not consumed yet
         self._num_undelivered = params.n    # ... not handed over yet
         self._error: Exception | None = None
@@ -132,8 +133,11 @@ class DeltaStream:
         return self._num_unfinished == 0
 
     def abort(self) -> None:
-        """Stop the request in the engine; its samples end with finish_reason 'abort'."""
-        self._abort()
+        """Stop the request in the engine; its samples end with finish_reason 'abort'. Only
+        the first call reaches the engine."""
+        if not self._is_abort_sent:
+            self._is_abort_sent = True
+            self._abort()
 
     def deliver(self, delta: CompletionDelta) -> bool:
         """Hand a delta over (from the stream's own event loop thread); True once every
@@ -143,13 +147,22 @@ class DeltaStream:
             self._num_undelivered -= 1
         return self._num_undelivered == 0
 
+    def fail(self, error: Exception) -> None:
+        """End the stream with this error, raised by deltas() after what came before it (the
+        engine has gone: nothing more will come, and there is nothing left to abort)."""
+        self._is_abort_sent = True
+        self._queue.put_nowait(error)
+
     async def deltas(self) -> AsyncIterator[CompletionDelta]:
         """The deltas of all samples in arrival order, as the engine built them, until every
         sample has finished; then raises RuntimeError if the engine failed the request."""
         if self._queue is None:
             raise RuntimeError("generate_async was called outside a running event loop")
         while not self.finished:
-            yield self._count(await self._queue.get())
+            item = await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
+            yield self._count(item)
         self._raise_error()
 
     async def aresult(self) -> RequestOutput:

@@ -43,8 +43,8 @@ def _add_server_args(group) -> None:
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
                        "itself) instead of the model's")
     group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
-                       help="answer 429 while this many requests wait (default 1024; 0 "
-                            "means no limit)")
+                       help="answer 429 while this many requests wait beyond the free "
+                            "batch slots (default 1024; 0 means no limit)")
     group.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
                        help="answer 413 to larger request bodies (default 16 MiB)")
     group.add_argument("--body-read-timeout", type=positive_float, default=10.0,
@@ -66,6 +66,13 @@ def _add_server_args(group) -> None:
                        help="text models: run the engine in a process of its own, so HTTP "
                             "work does not slow its loop (default; --no-engine-process keeps "
                             "it in the server's process)")
+    group.add_argument("--exit-on-engine-failure", action="store_true",
+                       help="when the engine process dies, exit with status 1 (for an "
+                            "orchestrator to restart the server) instead of restarting it")
+    group.add_argument("--max-engine-restarts", type=positive_int, default=3,
+                       help="restart attempts in a row (backoff 0, 1, 2, 4 ... s; an engine "
+                            "up 60 s resets the count) before the server gives up and exits "
+                            "with status 1 (default 3)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
 
@@ -86,18 +93,25 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve_images(args, config)
     llm = (ProcessLLM if args.engine_process else LLM)(model=model, **llm_kwargs)
     app = build_app(llm, config)
+    # No lifespan events: the LLM is loaded already and shut down below. Streams still open
+    # 5 s after Ctrl-C are cut (and aborted in the engine).
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
+        timeout_graceful_shutdown=5, **uvicorn_options(config)))
+    supervisor = app.state.ctx.supervisor
+    supervisor.on_fatal = lambda reason: setattr(server, "should_exit", True)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        # No lifespan events: the LLM is loaded already and shut down below. Streams still
-        # open 5 s after Ctrl-C are cut (and aborted in the engine).
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    lifespan="off", timeout_graceful_shutdown=5, **uvicorn_options(config))
+        server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:
         app.state.ctx.close()
         llm.shutdown()
-    return 0
+    if supervisor.fatal_reason is not None:
+        print(f"error: {supervisor.fatal_reason}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
 
 
 def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
@@ -117,7 +131,9 @@ def server_config(args: argparse.Namespace, model: str):
                         body_read_timeout_s=args.body_read_timeout,
                         max_header_bytes=args.max_header_bytes,
                         keep_alive_timeout_s=args.keep_alive_timeout,
-                        protect_metrics=args.protect_metrics)
+                        protect_metrics=args.protect_metrics,
+                        exit_on_engine_failure=args.exit_on_engine_failure,
+                        max_engine_restarts=args.max_engine_restarts)
 
 
 def _read_chat_template(value: str | None) -> str | None:

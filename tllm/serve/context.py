@@ -17,6 +17,7 @@ from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
 from tllm.serve.logprobs import LogprobFormatter
 from tllm.serve.metrics import ServerMetrics
 from tllm.serve.protocol import Usage
+from tllm.serve.supervisor import EngineSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"
@@ -38,6 +39,8 @@ class ServerConfig:
     max_header_bytes: int = 16 << 10    # uvicorn/h11: larger request heads get a 400
     keep_alive_timeout_s: int = 5       # uvicorn: idle keep-alive connections closed after
     protect_metrics: bool = False       # with api_key: /metrics and the docs need it too
+    exit_on_engine_failure: bool = False    # exit non-zero when the engine dies, not restart
+    max_engine_restarts: int = 3        # restart attempts in a row before the server exits
 
     @property
     def model_name(self) -> str:
@@ -51,6 +54,7 @@ class ServingContext:
     metrics: ServerMetrics
     engine: EngineClient
     logprobs: LogprobFormatter
+    supervisor: EngineSupervisor
     # Tokenizing off the event loop, one at a time (HF tokenizers are not reentrant).
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tllm-tokenize"))
@@ -58,8 +62,13 @@ class ServingContext:
     @classmethod
     def create(cls, llm, config: ServerConfig) -> ServingContext:
         metrics = ServerMetrics(config.model_name, llm.get_stats)
-        engine = EngineClient(llm, metrics, config.max_queue_size, config.stuck_timeout_s)
-        return cls(llm, config, metrics, engine, LogprobFormatter(llm.tokenizer))
+        supervisor = EngineSupervisor(llm, RestartPolicy(
+            exit_on_failure=config.exit_on_engine_failure,
+            max_restarts=config.max_engine_restarts))
+        engine = EngineClient(llm, metrics, config.max_queue_size, config.stuck_timeout_s,
+                              supervisor=supervisor)
+        supervisor.start()
+        return cls(llm, config, metrics, engine, LogprobFormatter(llm.tokenizer), supervisor)
 
     @property
     def tokenizer(self):
@@ -77,6 +86,7 @@ class ServingContext:
                            f"{self.config.model_name!r}", param="model", code="model_not_found")
 
     def close(self) -> None:
+        self.supervisor.close()
         self.tokenizer_pool.shutdown(wait=False)
 
 

@@ -1,7 +1,8 @@
-"""Runs one API request in the engine: admission (engine alive, waiting queue not full),
-submission of its prompts x n samples, one merged stream of the engine's per-sequence deltas
-(as the engine built them: nothing is diffed here), metrics, and abort of whatever is
-unfinished when the request ends early or its client goes away."""
+"""Runs one API request in the engine: admission (engine alive; fewer requests waiting beyond
+the free batch slots than the queue cap), submission of its prompts x n samples, one merged
+stream of the engine's per-sequence deltas (as the engine built them: nothing is diffed
+here), metrics, and abort of whatever is unfinished when the request ends early or its client
+goes away."""
 from __future__ import annotations
 
 import asyncio
@@ -12,10 +13,12 @@ from typing import AsyncIterator, Callable, Protocol
 
 from starlette.requests import Request
 
+from tllm.llmapi.process_llm import EngineDeadError
 from tllm.outputs import CompletionDelta, PositionLogprobs
 from tllm.sampling_params import SamplingParams
 from tllm.serve.errors import APIError, from_value_error
 from tllm.serve.metrics import RequestTracker, ServerMetrics
+from tllm.serve.supervisor import EngineSupervisor
 
 
 @dataclass
@@ -177,10 +180,17 @@ async def _pump(prompt_index: int, result: DeltaSource, queue: asyncio.Queue) ->
     try:
         async for delta in result.deltas():
             queue.put_nowait((prompt_index, delta))
+    except EngineDeadError:     # the engine process died under it
+        queue.put_nowait(engine_stopped())
     except Exception as exc:  # handed to the consumer, which raises it
         queue.put_nowait(exc)
     finally:
         queue.put_nowait(None)
+
+
+def engine_stopped() -> APIError:
+    return APIError(503, "the engine stopped while this request was running",
+                    code="engine_unavailable")
 
 
 class EngineClient:
@@ -188,10 +198,14 @@ class EngineClient:
 
     def __init__(self, llm, metrics: ServerMetrics, max_queue_size: int | None,
                  stuck_timeout_s: float, retry_after_s: int = 1,
-                 liveness_interval_s: float = 1.0) -> None:
+                 liveness_interval_s: float = 1.0,
+                 supervisor: EngineSupervisor | None = None) -> None:
         self.llm = llm
         self.metrics = metrics
         self.max_queue_size = max_queue_size
+        self.max_batch_size: int | None = getattr(getattr(llm, "args", None),
+                                                  "max_batch_size", None)
+        self.supervisor = supervisor
         self.stuck_timeout_s = stuck_timeout_s
         self.retry_after_s = retry_after_s
         self.liveness_interval_s = liveness_interval_s
@@ -211,6 +225,8 @@ class EngineClient:
             results = await self.llm.submit_batch(inputs, params, streaming=True)
         except ValueError as exc:
             raise from_value_error(exc, prompt_param) from exc
+        except EngineDeadError as exc:     # it died since _check_alive
+            raise self._unavailable() from exc
         num_samples = params[0].n
         tracker = self.metrics.track([len(p.token_ids) for p in prompts], num_samples, arrival)
         generation = Generation(results, num_samples, tracker, on_close=self._open.discard)
@@ -221,19 +237,18 @@ class EngineClient:
 
     async def _watch_engine(self) -> None:
         """While requests are open, fail them all with a 503 if the engine loop dies (their
-        results would otherwise never finish)."""
+        results would otherwise never finish; ProcessLLM's fail at once by themselves)."""
         while self._open:
             await asyncio.sleep(self.liveness_interval_s)
             if not self.llm.is_alive:
                 for generation in list(self._open):
-                    generation.fail(APIError(503, "the engine stopped while this request "
-                                             "was running", code="engine_unavailable"))
+                    generation.fail(engine_stopped())
                 return
 
     def health(self) -> str | None:
         """None when healthy, else why not: the loop is dead, or busy without progress."""
         if not self.llm.is_alive:
-            return "the engine loop is not running"
+            return self._down_reason()
         stats = self.llm.get_stats()
         now = time.monotonic()
         is_busy = stats["num_running"] + stats["num_waiting"] > 0
@@ -246,19 +261,37 @@ class EngineClient:
             return f"the engine has made no progress for {stalled:.0f} s with work queued"
         return None
 
+    def _down_reason(self) -> str:
+        status = self.supervisor.status() if self.supervisor is not None else None
+        return status or "the engine loop is not running"
+
     def _check_alive(self) -> None:
         if not self.llm.is_alive:
-            raise APIError(503, "the engine is not running", code="engine_unavailable",
-                           headers={"Retry-After": str(self.retry_after_s)})
+            raise self._unavailable()
+
+    def _unavailable(self) -> APIError:
+        return APIError(503, f"the engine is unavailable: {self._down_reason()}",
+                        code="engine_unavailable",
+                        headers={"Retry-After": str(self.retry_after_s)})
 
     def _check_queue(self) -> None:
+        """429 once max_queue_size requests wait beyond what the free batch slots take: a
+        request that fits a free slot is never refused by the cap (a burst arrives before
+        the engine schedules any of it, so every request of it is 'waiting' at first)."""
         if self.max_queue_size is None:
             return
-        num_waiting = self.llm.get_stats()["num_waiting"]
-        if num_waiting >= self.max_queue_size:
-            raise APIError(429, f"the server is busy: {num_waiting} requests are waiting "
-                           f"(max_queue_size {self.max_queue_size}); retry later",
+        stats = self.llm.get_stats()
+        num_queued = stats["num_waiting"] - self._num_free_slots(stats)
+        if num_queued >= self.max_queue_size:
+            raise APIError(429, f"the server is busy: {num_queued} requests are waiting "
+                           f"beyond the free batch slots (max_queue_size "
+                           f"{self.max_queue_size}); retry later",
                            code="queue_full", headers={"Retry-After": str(self.retry_after_s)})
+
+    def _num_free_slots(self, stats: dict[str, int]) -> int:
+        if self.max_batch_size is None:
+            return 0
+        return max(0, self.max_batch_size - stats["num_running"])
 
 
 class Abortable(Protocol):

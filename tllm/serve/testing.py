@@ -6,6 +6,7 @@ import asyncio
 import socket
 import threading
 import time
+import types
 
 import uvicorn
 
@@ -68,22 +69,31 @@ class FakeTokenizer:
 
 class FakeLLM:
     """Generates 'abc...' one token per `token_delay_s` for every sample, until max_tokens or
-    an abort. Set `is_alive = False`, `fail_with = exc` (raised on submission) or
-    `fail_midway = exc` (raised after the first token) to see the server's answers."""
+    an abort; with `max_batch_size`, at most that many prompts run and the others wait. Set
+    `is_alive = False`, `fail_with = exc` (raised on submission) or `fail_midway = exc`
+    (raised after the first token) to see the server's answers."""
 
-    def __init__(self, max_seq_len: int = 512, token_delay_s: float = 0.0) -> None:
+    def __init__(self, max_seq_len: int = 512, token_delay_s: float = 0.0,
+                 max_batch_size: int | None = None) -> None:
         self.tokenizer = FakeTokenizer()
         self.max_seq_len = max_seq_len
         self.token_delay_s = token_delay_s
+        self.args = types.SimpleNamespace(max_batch_size=max_batch_size)
         self.is_alive = True
         self.fail_with: Exception | None = None
         self.fail_midway: Exception | None = None
         self.num_steps = 0
-        self.active: set[FakeResult] = set()
+        self.active: set[FakeResult] = set()     # submitted and not finished
+        self.running: set[FakeResult] = set()    # ... and given a batch slot
 
     def get_stats(self) -> dict[str, int]:
-        return {"num_running": len(self.active), "num_waiting": 0, "kv_blocks_total": 1000,
-                "kv_blocks_free": 1000 - len(self.active), "num_steps": self.num_steps}
+        num_running = len(self.active) if self.args.max_batch_size is None else len(self.running)
+        return {"num_running": num_running, "num_waiting": len(self.active) - num_running,
+                "kv_blocks_total": 1000, "kv_blocks_free": 1000 - len(self.active),
+                "num_steps": self.num_steps}
+
+    def has_free_slot(self) -> bool:
+        return self.args.max_batch_size is None or len(self.running) < self.args.max_batch_size
 
     def generate_async(self, inputs: dict, params: SamplingParams,
                        streaming: bool = False) -> FakeResult:
@@ -119,6 +129,9 @@ class FakeResult:
 
     async def deltas(self):
         try:
+            while not self._llm.has_free_slot() and not self._is_aborted:
+                await asyncio.sleep(0.005)
+            self._llm.running.add(self)
             for step in range(self._params.max_tokens):
                 await asyncio.sleep(self._llm.token_delay_s)
                 while not self._llm.is_alive:  # a dead engine sends nothing more
@@ -134,6 +147,7 @@ class FakeResult:
         finally:
             self.finished = True
             self._llm.active.discard(self)
+            self._llm.running.discard(self)
 
     def _delta(self, index: int, step: int, token: int, is_last: bool) -> CompletionDelta:
         delta = CompletionDelta(index, [token], chr(token))

@@ -12,6 +12,8 @@ from tllm.kernels.triton.fp8_gemm import (MmConfig, SmallMConfig, fp8_mm,  # noq
                                           small_m_config, w8a16_mm)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# fp8 x fp8 on Hopper's tensor cores: ~14 bits while a K tile accumulates, whatever the output
+W8A8_TOL = {torch.float32: 1e-3, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 CUDA = torch.cuda.is_available()
 
 
@@ -85,7 +87,7 @@ def test_fp8_mm_rowwise(device, out_dtype, m, n, k):
     assert out.shape == (m, n) and out.dtype == out_dtype
     want = ref.scaled_mm_ref(xq, xs, wq, ws, torch.float32)
     err = relative_error(out, want)
-    assert err < TOL[out_dtype], err
+    assert err < W8A8_TOL[out_dtype], err
 
 
 @pytest.mark.parametrize("block", [(128, 128), (32, 64)])

@@ -26,7 +26,7 @@ def prompts(vocab: int) -> list[dict]:
 
 def generate(path, device: str, dtype: str, kv_dtype: str = "auto"):
     params = SamplingParams(max_tokens=NUM_NEW, temperature=0, logprobs=5)
-    with LLM(str(path), quantization="fp8", dtype=dtype, device=device,
+    with LLM(str(path), quantization="fp8", dtype=dtype, device=device, max_batch_size=8,
              kv_cache_config=KvCacheConfig(dtype=kv_dtype, max_tokens=2048)) as llm:
         return [o.outputs[0] for o in llm.generate(prompts(384), params, use_tqdm=False)]
 

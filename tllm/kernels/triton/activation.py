@@ -31,12 +31,13 @@ def _silu_and_mul_kernel(out_ptr, x_ptr, n_cols, stride_x, stride_o, BLOCK: tl.c
 
 
 @triton.jit
-def _silu_mul_chunk(x_row, start, cols, n_cols, ROUND_TO: tl.constexpr):
+def _silu_mul_chunk(x_row, start, cols, n_cols):
     """silu(gate) * up of one chunk, rounded to the activation dtype as the unfused output."""
     mask = start + cols < n_cols
     gate = tl.load(x_row + start + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + n_cols + start + cols, mask=mask, other=0.0).to(tl.float32)
-    return (gate * tl.sigmoid(gate) * up).to(ROUND_TO).to(tl.float32), mask
+    out = gate * tl.sigmoid(gate) * up
+    return out.to(x_row.dtype.element_ty).to(tl.float32), mask
 
 
 @triton.jit
@@ -48,18 +49,18 @@ def _silu_and_mul_quant_kernel(q_ptr, scale_ptr, x_ptr, n_cols, stride_x, stride
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
     if NUM_CHUNKS == 1:  # the row stays in registers
-        y, mask = _silu_mul_chunk(x_row, 0, cols, n_cols, x_ptr.dtype.element_ty)
+        y, mask = _silu_mul_chunk(x_row, 0, cols, n_cols)
         scale = amax_to_scale(tl.max(tl.abs(y), 0))
         tl.store(q_row + cols, quantize_row_chunk(y, scale, EMULATE).to(q_ptr.dtype.element_ty),
                  mask=mask)
     else:
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
-            y, mask = _silu_mul_chunk(x_row, start, cols, n_cols, x_ptr.dtype.element_ty)
+            y, mask = _silu_mul_chunk(x_row, start, cols, n_cols)
             amax = tl.maximum(amax, tl.abs(y))
         scale = amax_to_scale(tl.max(amax, 0))
         for start in range(0, n_cols, BLOCK):
-            y, mask = _silu_mul_chunk(x_row, start, cols, n_cols, x_ptr.dtype.element_ty)
+            y, mask = _silu_mul_chunk(x_row, start, cols, n_cols)
             tl.store(q_row + start + cols,
                      quantize_row_chunk(y, scale, EMULATE).to(q_ptr.dtype.element_ty),
                      mask=mask)

@@ -12,9 +12,10 @@ the weight stream spreads over every SM; when N is too small for that, K is spli
 second kernel sums the partial tiles (in a fixed order: deterministic, no atomics).
 
 `fp8_mm`: the W8A8 tiled GEMM for larger M: fp8 x fp8 on the tensor cores with fp32
-accumulation; per-token x per-channel scales applied once at the end (for the shapes and
-dtypes torch._scaled_mm does not take), or per-token-group x 128x128-block scales applied
-to each K group's partial product (DeepSeek-V3 / Qwen3-FP8 checkpoints).
+accumulation (promoted to full fp32 every K tile); per-token x per-channel scales applied
+once at the end (for the shapes and dtypes torch._scaled_mm does not take), or
+per-token-group x 128x128-block scales applied to each K group's partial product
+(DeepSeek-V3 / Qwen3-FP8 checkpoints).
 
 References: tllm.kernels.fp8.w8a16_mm_ref, scaled_mm_ref, block_scaled_mm_ref."""
 from __future__ import annotations
@@ -150,8 +151,10 @@ def _fp8_mm_kernel(out_ptr, a_ptr, b_ptr, as_ptr, bs_ptr, M, N, K,
             a = tl.load(a_base + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
             b = tl.load(b_base + offs_k[:, None], mask=(offs_k < K)[:, None], other=0.0)
         if SCALE_BLOCK_N == 0:
-            acc = tl.dot(a, b, acc)
-        else:
+            # Hopper's fp8 tensor cores keep ~14 bits while they accumulate: promote the sum
+            # into the fp32 accumulator every tile, as cuBLASLt does without fast accumulation
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:  # each tile's product is scaled on its own: promoted every tile anyway
             group = k0 // SCALE_BLOCK_K
             a_s = tl.load(as_ptr + rows_m * stride_asm + group * stride_ask)
             b_s = tl.load(bs_ptr + (rows_n // SCALE_BLOCK_N) * stride_bsn + group * stride_bsk)

@@ -11,7 +11,7 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.serve.context import ChoiceUsage, ServingContext, event_stream, sse
+from tllm.serve.context import ChoiceUsage, ServingContext, check_text, event_stream, sse
 from tllm.serve.errors import bad_request
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import max_new_tokens, sampling_params
@@ -42,6 +42,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
 async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> PromptInput:
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                 for m in body.messages]
+    for message in messages:
+        check_text(message["content"], "messages")
     kwargs = {"add_generation_prompt": body.add_generation_prompt}
     if ctx.config.chat_template is not None:
         kwargs["chat_template"] = ctx.config.chat_template

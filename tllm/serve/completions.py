@@ -9,7 +9,7 @@ from typing import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.serve.context import ChoiceUsage, ServingContext, event_stream, sse
+from tllm.serve.context import ChoiceUsage, ServingContext, check_text, event_stream, sse
 from tllm.serve.errors import bad_request
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import max_new_tokens, sampling_params
@@ -53,6 +53,7 @@ async def _prompt_inputs(ctx: ServingContext, body: CompletionRequest) -> list[P
         if not prompt:
             raise bad_request("prompt: a prompt is empty", param="prompt")
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
             token_ids = await ctx.run_in_tokenizer(ctx.tokenizer.encode, prompt)
             inputs.append(PromptInput(token_ids, prompt))
         else:

@@ -12,7 +12,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tllm.serve.errors import APIError, internal_error
+from tllm.serve.errors import APIError, bad_request, internal_error
 from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
 from tllm.serve.logprobs import LogprobFormatter
 from tllm.serve.metrics import ServerMetrics
@@ -88,6 +88,16 @@ class ServingContext:
     def close(self) -> None:
         self.supervisor.close()
         self.tokenizer_pool.shutdown(wait=False)
+
+
+def check_text(text: str, param: str) -> None:
+    """400 for text that is not Unicode: JSON lets a lone surrogate ("\\ud800") through, and
+    the tokenizer would fail on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request(f"{param}: not valid Unicode text (a lone surrogate at character "
+                          f"{exc.start})", param=param) from None
 
 
 def sse(body: BaseModel) -> str:

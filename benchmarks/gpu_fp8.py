@@ -288,18 +288,22 @@ def comparators(session: Session, device) -> dict:
 
 
 def sweep_small_m(fp8_gemm, weights, ws, k: int, device, deadline: float) -> dict:
-    """The W8A16 kernel's tile configurations at M = 1 (block_n, block_k, split_k, warps,
-    stages): the default's time and the best."""
+    """The W8A16 kernels' tile configurations at M = 1 (GEMV or tl.dot; block_n, block_k,
+    split_k, warps, stages): the default's time and the best."""
     import torch
     x = torch.randn(1, k, device=device, dtype=torch.bfloat16)
     n = weights[0].shape[0]
     default = fp8_gemm.small_m_config(1, n, k, device)
-    configs = [default] + [fp8_gemm.SmallMConfig(16, bn, bk, split, warps, stages)
-                           for bn, bk, split, warps, stages in (
-                               (16, 256, 1, 4, 4), (16, 512, 1, 4, 3), (32, 256, 1, 4, 4),
-                               (32, 512, 1, 4, 3), (64, 256, 1, 4, 4), (64, 128, 1, 4, 6),
-                               (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (16, 256, 1, 2, 4),
-                               (128, 128, 1, 4, 4), (64, 512, 1, 8, 3))]
+    # block_m 1: the GEMV kernel; 16: the tl.dot kernel with its padded rows
+    configs = [default] + [fp8_gemm.SmallMConfig(bm, bn, bk, split, warps, stages)
+                           for bm, bn, bk, split, warps, stages in (
+                               (1, 16, 512, 1, 4, 4), (1, 32, 256, 1, 4, 4),
+                               (1, 64, 128, 1, 4, 4), (1, 16, 256, 1, 4, 6),
+                               (1, 32, 128, 1, 4, 6), (1, 16, 512, 2, 4, 4),
+                               (1, 16, 512, 1, 8, 3), (1, 64, 256, 1, 8, 3),
+                               (16, 16, 256, 1, 4, 4), (16, 16, 512, 1, 4, 3),
+                               (16, 32, 256, 1, 4, 4), (16, 64, 256, 1, 4, 4),
+                               (16, 64, 128, 1, 4, 6), (16, 32, 256, 2, 4, 4))]
     runs = []
     for cfg in dict.fromkeys(configs):  # the default may repeat one of the list
         if time.perf_counter() > deadline - 5:
@@ -322,8 +326,9 @@ def sweep_small_m(fp8_gemm, weights, ws, k: int, device, deadline: float) -> dic
 
 
 def _cfg_text(cfg) -> str:
-    return (f"block_n={cfg.block_n} block_k={cfg.block_k} split_k={cfg.split_k} "
-            f"warps={cfg.num_warps} stages={cfg.num_stages}")
+    return (f"{'gemv' if cfg.block_m == 1 else 'dot'} block_n={cfg.block_n} "
+            f"block_k={cfg.block_k} split_k={cfg.split_k} warps={cfg.num_warps} "
+            f"stages={cfg.num_stages}")
 
 
 def _copies(t, min_total_bytes: int) -> list:

@@ -39,34 +39,38 @@ def test_w8a16_per_channel(device, dtype, m, n, k):
     assert err < TOL[dtype], err
 
 
+@pytest.mark.parametrize("block_m", [1, 16])  # 1: the GEMV kernel
 @pytest.mark.parametrize("split_k", [1, 3])
 @pytest.mark.parametrize("block", [(128, 128), (64, 32)])
-def test_w8a16_block_scales(device, split_k, block):
-    m, n, k = 3, 200, 512
+def test_w8a16_block_scales(device, block_m, split_k, block):
+    m, n, k = (1 if block_m == 1 else 3), 200, 512
     x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     wq, ws = fp8_weight(n, k, device, block)
-    cfg = SmallMConfig(16, 32, min(64, block[1]), split_k)
+    cfg = SmallMConfig(block_m, 32, min(64, block[1]), split_k)
     out = w8a16_mm(x, wq, ws, block, config=cfg)
     err = relative_error(out, ref.w8a16_mm_ref(x.float(), wq, ws, block))
     assert err < 1e-2, err
 
 
+@pytest.mark.parametrize("m", [1, 7])
 @pytest.mark.parametrize("split_k", [2, 5])
-def test_w8a16_split_k(device, split_k):
+def test_w8a16_split_k(device, m, split_k):
     # uneven splits over K tiles, K not a multiple of the tile
-    m, n, k = 7, 48, 1100
+    n, k = 48, 1100
     x = torch.randn(m, k, device=device)
     wq, ws = fp8_weight(n, k, device)
-    out = w8a16_mm(x, wq, ws, config=SmallMConfig(16, 16, 64, split_k))
+    out = w8a16_mm(x, wq, ws, config=SmallMConfig(1 if m == 1 else 16, 16, 64, split_k))
     assert relative_error(out, ref.w8a16_mm_ref(x, wq, ws)) < 1e-5
 
 
 def test_w8a16_default_config_splits_narrow_layers():
     cpu = torch.device("cpu")  # counts as 8 SMs
     assert small_m_config(1, 4096, 4096, cpu).split_k == 1
+    assert small_m_config(1, 4096, 4096, cpu).block_m == 1      # the GEMV kernel
     narrow = small_m_config(1, 32, 4096, cpu)
     assert narrow.block_n == 16 and narrow.split_k > 1
     assert small_m_config(1, 4096, 4096, cpu, scale_block_k=128).block_k == 128
+    assert small_m_config(2, 4096, 4096, cpu).block_m == 16
     assert small_m_config(20, 4096, 4096, cpu).block_m == 32
 
 

@@ -9,7 +9,9 @@ applies the weight scale (per channel, or per 128x128 block) and multiplies the
 for Llama-3.1-8B, would cost more than the GEMM saves at batch 1); (3) it is more accurate
 (the activations keep their 8 mantissa bits). Programs tile N finely (16-64 rows each) so
 the weight stream spreads over every SM; when N is too small for that, K is split and a
-second kernel sums the partial tiles (in a fixed order: deterministic, no atomics).
+second kernel sums the partial tiles (in a fixed order: deterministic, no atomics). M = 1
+(batch-1 decode) runs a GEMV form of it on the CUDA cores instead of 16-row tensor-core
+tiles that would be 15/16 padding.
 
 `fp8_mm`: the W8A8 tiled GEMM for larger M: fp8 x fp8 on the tensor cores with fp32
 accumulation (promoted to full fp32 every K tile); per-token x per-channel scales applied
@@ -29,11 +31,12 @@ import triton.language as tl
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot, next_pow2, num_sms
 
 _MIN_ITERS_PER_SPLIT = 4  # K tiles: a shorter split costs more in partial traffic than it gains
+_GEMV_TILE = 8192         # float32 accumulator values of a GEMV program (64 registers a thread)
 
 
 @dataclass(frozen=True)
 class SmallMConfig:
-    block_m: int
+    block_m: int          # 1: the GEMV kernel (M = 1); else a tl.dot tile of >= 16 rows
     block_n: int
     block_k: int
     split_k: int
@@ -100,6 +103,46 @@ def _w8a16_kernel(out_ptr, part_ptr, x_ptr, w_ptr, ws_ptr, M, N, K, iters_per_sp
     else:
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _w8a16_gemv_kernel(out_ptr, part_ptr, x_ptr, w_ptr, ws_ptr, N, K, iters_per_split,
+                       stride_wn, stride_ps, stride_wsn, stride_wsk,
+                       SCALE_BLOCK_N: tl.constexpr, SCALE_BLOCK_K: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                       IS_SPLIT: tl.constexpr):
+    """M = 1: the same product without tensor cores (a 16-row dot tile would re-read the one
+    row 16 times). Products accumulate elementwise in a [BLOCK_K, BLOCK_N] float32 tile,
+    summed over K once at the end."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_kk = tl.arange(0, BLOCK_K)
+    rows_n = (offs_n % N).to(tl.int64)
+    w_base = w_ptr + rows_n[None, :] * stride_wn      # a [BLOCK_K, BLOCK_N] view of W^T
+    k_lo = pid_k * iters_per_split * BLOCK_K
+    k_hi = tl.minimum(k_lo + iters_per_split * BLOCK_K, K)
+    acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + offs_kk
+        if EVEN_K:
+            x = tl.load(x_ptr + offs_k)
+            w = tl.load(w_base + offs_k[:, None])
+        else:
+            x = tl.load(x_ptr + offs_k, mask=offs_k < K, other=0.0)
+            w = tl.load(w_base + offs_k[:, None], mask=(offs_k < K)[:, None], other=0.0)
+        w = w.to(tl.float32)
+        if SCALE_BLOCK_N != 0:
+            w = w * tl.load(ws_ptr + (rows_n // SCALE_BLOCK_N) * stride_wsn
+                            + (k0 // SCALE_BLOCK_K) * stride_wsk)[None, :]
+        acc += w * x.to(tl.float32)[:, None]
+    out = tl.sum(acc, 0)
+    if SCALE_BLOCK_N == 0:
+        out = out * tl.load(ws_ptr + rows_n * stride_wsn)
+    if IS_SPLIT:
+        tl.store(part_ptr + pid_k * stride_ps + offs_n, out, mask=offs_n < N)
+    else:
+        tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -174,13 +217,16 @@ def small_m_config(m: int, n: int, k: int, device: torch.device,
                    scale_block_k: int | None = None) -> SmallMConfig:
     """The finest N tiling that still leaves two programs per SM: 64 weight rows a program
     for wide layers (gate_up, 28672), 16 for 4096-6144; K is split only when even 16-row
-    tiles cannot fill the SMs (small models, tensor-parallel shards)."""
+    tiles cannot fill the SMs (small models, tensor-parallel shards). M = 1 takes the GEMV
+    kernel (block_m 1), its float32 [block_k, block_n] accumulator held to 8K values."""
     sms = num_sms(device)
-    block_m = max(16, next_pow2(m))
-    block_k = 256 if scale_block_k is None else min(256, scale_block_k)
     for block_n in (64, 32, 16):
         if cdiv(n, block_n) >= 2 * sms:
             break
+    block_m = 1 if m == 1 else max(16, next_pow2(m))
+    block_k = min(512, _GEMV_TILE // block_n) if block_m == 1 else 256
+    if scale_block_k is not None:
+        block_k = min(block_k, scale_block_k)
     split = 1
     tiles = cdiv(n, block_n)
     if tiles < sms:
@@ -233,15 +279,24 @@ def w8a16_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
         ws_strides, scale_block = (ws.stride(0), 0), (0, 1)
     else:
         ws_strides, scale_block = (ws.stride(0), ws.stride(1)), block
-    _w8a16_kernel[(cdiv(n, cfg.block_n), num_splits)](
-        out, part, x, weight, ws, m, n, k, per_split,
-        x.stride(0), weight.stride(0), out.stride(0), part.stride(0) if num_splits > 1 else 0,
-        part.stride(1) if num_splits > 1 else 0, *ws_strides,
-        SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        EVEN_K=k % cfg.block_k == 0, IS_SPLIT=num_splits > 1,
-        DOT_FP32=needs_fp32_dot(_w8a16_kernel, x.dtype), PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    grid = (cdiv(n, cfg.block_n), num_splits)
+    if cfg.block_m == 1:
+        _w8a16_gemv_kernel[grid](
+            out, part, x, weight, ws, n, k, per_split, weight.stride(0),
+            part.stride(0) if num_splits > 1 else 0, *ws_strides,
+            SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1], BLOCK_N=cfg.block_n,
+            BLOCK_K=cfg.block_k, EVEN_K=k % cfg.block_k == 0, IS_SPLIT=num_splits > 1,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        _w8a16_kernel[grid](
+            out, part, x, weight, ws, m, n, k, per_split,
+            x.stride(0), weight.stride(0), out.stride(0),
+            part.stride(0) if num_splits > 1 else 0, part.stride(1) if num_splits > 1 else 0,
+            *ws_strides, SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1],
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            EVEN_K=k % cfg.block_k == 0, IS_SPLIT=num_splits > 1,
+            DOT_FP32=needs_fp32_dot(_w8a16_kernel, x.dtype), PRECISION=dot_precision(x.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         block_cols = min(1024, next_pow2(n))
         _sum_splits_kernel[(m, cdiv(n, block_cols))](

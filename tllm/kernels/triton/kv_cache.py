@@ -20,8 +20,10 @@ from tllm.kernels.triton.launch import next_pow2
 def _to_cache(x, dst_ptr, scale, FP8: tl.constexpr, EMULATE: tl.constexpr):
     """Values as the cache stores them: cast, or for an fp8 cache divided by the scale."""
     if FP8:
-        return quantize_row_chunk(x.to(tl.float32), scale, EMULATE).to(dst_ptr.dtype.element_ty)
-    return x.to(dst_ptr.dtype.element_ty)
+        y = quantize_row_chunk(x.to(tl.float32), scale, EMULATE).to(dst_ptr.dtype.element_ty)
+    else:
+        y = x.to(dst_ptr.dtype.element_ty)
+    return y
 
 
 @triton.jit

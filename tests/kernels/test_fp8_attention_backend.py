@@ -7,6 +7,7 @@ pytest.importorskip("triton")
 
 from tllm.attention import get_attention_backend  # noqa: E402
 from tllm.attention.testing import make_paged_batch, relative_error  # noqa: E402
+from tllm.kernels.fp8 import e4m3_spacing  # noqa: E402
 from tllm.kernels.paged import to_cache  # noqa: E402
 from tllm.kernels.triton.attention_ref import paged_attention_ref  # noqa: E402
 from tllm.kernels.triton.kv_cache import rope_and_write_kv_ref  # noqa: E402
@@ -15,6 +16,19 @@ from tllm.layers.rotary import RotaryEmbedding  # noqa: E402
 FP8 = torch.float8_e4m3fn
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 KV_SCALES = (0.017, 0.029)
+
+
+def assert_same_cache(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Byte for byte under the interpreter. On CUDA torch's x / scale (a Python float) is a
+    multiply by the reciprocal, one rounding more than the kernel's IEEE division: a value
+    may land one e4m3 step away."""
+    if not ours.is_cuda:
+        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+        return
+    a, b = ours.float(), theirs.float()
+    diff = (a - b).abs()
+    assert (diff <= e4m3_spacing(torch.maximum(a.abs(), b.abs()))).all()
+    assert (diff > 0).float().mean() < 0.01
 
 
 def run_both(device, query_lens, prefix_lens, dtype, num_heads=8, num_kv_heads=2, head_dim=64):
@@ -40,8 +54,8 @@ def test_fp8_cache_matches_torch_backend(device, dtype, query_lens, prefix_lens)
     assert outs["triton"].dtype == dtype
     assert relative_error(outs["triton"], outs["torch"].float()) < TOL[dtype]
     for ours, theirs in zip(caches["triton"], caches["torch"]):
-        assert ours.dtype == FP8  # the same quantization of this step's k and v, byte for byte
-        assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
+        assert ours.dtype == FP8  # the same quantization of this step's k and v
+        assert_same_cache(ours, theirs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -5,6 +5,7 @@ import torch
 pytest.importorskip("triton")
 
 from tllm.attention.testing import relative_error  # noqa: E402
+from tllm.kernels.fp8 import e4m3_spacing  # noqa: E402
 from tllm.kernels.triton.kv_cache import (rope_and_write_kv, rope_and_write_kv_ref,  # noqa: E402
                                           write_kv, write_kv_ref)
 from tllm.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -91,8 +92,19 @@ def fp8_caches(num_blocks, tokens_per_block, num_kv_heads, head_dim, device):
 
 
 def assert_same_bytes(got, want):
+    """Byte for byte under the interpreter. On CUDA the reference's x / scale (a Python
+    float) is torch's multiply by the reciprocal, one rounding more than the kernel's IEEE
+    division: a value may land one e4m3 step away."""
     assert got.dtype == want.dtype == FP8
-    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    if not got.is_cuda:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        return
+    g, w = got.float(), want.float()
+    assert torch.equal(g.isnan(), w.isnan())
+    g, w = g.nan_to_num(), w.nan_to_num()
+    diff = (g - w).abs()
+    assert (diff <= e4m3_spacing(torch.maximum(g.abs(), w.abs()))).all()
+    assert (diff > 0).float().mean() < 0.01
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

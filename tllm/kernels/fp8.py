@@ -50,6 +50,13 @@ def quantize_activation(x: torch.Tensor) -> QuantizedActivation:
     return QuantizedActivation(q, scale, x.dtype)
 
 
+def e4m3_spacing(x: torch.Tensor) -> torch.Tensor:
+    """The gap between neighbouring e4m3 values at |x| (3 mantissa bits; subnormal below
+    2^-6, a fixed 2^-9): how far apart two roundings of nearly the same value can land."""
+    exponent = torch.floor(torch.log2(x.float().abs().clamp(min=2.0 ** -6)))
+    return torch.exp2(exponent - 3)
+
+
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] with a given per-tensor scale -> fp8 [M, K]."""
     return _to_fp8(x, scale.float())

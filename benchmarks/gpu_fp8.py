@@ -61,7 +61,7 @@ GPU_TESTS = ["tests/kernels/test_fp8_quant.py", "tests/kernels/test_fp8_gemm.py"
              "tests/kernels/test_fp8_integration.py", "tests/kernels/test_kv_cache_write.py",
              "tests/kernels/test_decode_attention.py", "tests/kernels/test_context_attention.py",
              "tests/kernels/test_norm_activation_kernels.py",
-             "tests/attention/test_triton_backend.py"]
+             "tests/attention/test_triton_backend.py", "tests/attention/test_triton_engine.py"]
 SMOKE_TESTS = ["tests/kernels/test_fp8_quant.py"]
 BYTES_CONVENTION = ("TB/s = (weight bytes + input activation bytes as handed to the op + "
                     "output bytes) / time per call; TFLOP/s = 2 M N K / time per call; each "

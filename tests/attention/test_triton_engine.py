@@ -27,9 +27,9 @@ def test_greedy_tokens_match_torch_backend(tiny_llama, device, monkeypatch):
     steps = {"decode": 0, "context": 0}
     attend = TritonAttentionBackend._attend
 
-    def counting_attend(self, q, kv_cache, metadata):
+    def counting_attend(self, q, kv_cache, metadata, *args):
         steps["decode" if metadata.is_decode_only else "context"] += 1
-        return attend(self, q, kv_cache, metadata)
+        return attend(self, q, kv_cache, metadata, *args)
     monkeypatch.setattr(TritonAttentionBackend, "_attend", counting_attend)
     assert greedy_tokens(path, "triton", device) == greedy_tokens(path, "torch", device)
     assert steps["decode"] and steps["context"]  # both kernels ran

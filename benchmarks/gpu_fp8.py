@@ -54,7 +54,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SECTIONS = ("tests", "micro", "bf16", "fp8", "fp8big")
+SECTIONS = ("tests", "micro", "bf16", "fp8", "fp8big", "bf16big")
 DEFAULT_SECTIONS = ("tests", "micro", "bf16", "fp8")
 GPU_TESTS = ["tests/kernels/test_fp8_quant.py", "tests/kernels/test_fp8_gemm.py",
              "tests/kernels/test_fp8_fused.py", "tests/kernels/test_fp8_attention_backend.py",
@@ -487,10 +487,10 @@ def engine_budget(session: Session, name: str, sections: list[str]) -> float:
     return min(left, fixed_bf16 + long_bf16)
 
 
-def section_big_batch(session: Session, deadline: float) -> dict:
+def section_big_batch(session: Session, deadline: float, fp8: bool = True) -> dict:
     from tllm import LLM
     plan = session.plan
-    kwargs = engine_kwargs(session, True, plan.big_batch_size)
+    kwargs = engine_kwargs(session, fp8, plan.big_batch_size)
     with LLM(plan.model, **kwargs) as llm:
         out = {"max_batch_size": plan.big_batch_size,
                "throughput": _guarded(session, "throughput", part_throughput, llm, deadline - 3,
@@ -725,6 +725,10 @@ def summary_table(session: Session) -> str:
     long = bf16.get("long") or fp8.get("long") or {}
     if long.get("request_count_reason"):
         lines.append(f"  1000/1000 request count: {long['request_count_reason']}")
+    big16 = (r.get("bf16big") or {}).get("throughput") or {}
+    if big16.get("output_tokens_per_s"):
+        lines.append(f"{'BF16 128/128 at batch ' + str(plan.big_batch_size) + ' (tok/s)':<44}"
+                     f"{_fmt(big16['output_tokens_per_s']):>12}")
     big = (r.get("fp8big") or {}).get("throughput") or {}
     if "output_tokens_per_s" in big:
         lines.append(f"{'FP8 128/128 at batch ' + str(plan.big_batch_size) + ' (tok/s)':<44}"
@@ -869,7 +873,10 @@ def run_sections(session: Session, sections: list[str], keep_going: bool) -> int
         session.run(name, section_engine, engine_budget(session, name, sections),
                     name == "fp8")
     if "fp8big" in sections:
-        session.run("fp8big", section_big_batch, session.remaining())
+        budget = session.remaining() / (2 if "bf16big" in sections else 1)
+        session.run("fp8big", section_big_batch, budget)
+    if "bf16big" in sections:  # the same-run comparator of fp8big
+        session.run("bf16big", section_big_batch, session.remaining(), False)
     return 0
 
 

@@ -4,6 +4,8 @@ per-token quantization kernel, which they must equal."""
 import pytest
 import torch
 
+from tests.kernels.test_fp8_quant import assert_same_fp8, assert_same_scale
+
 pytest.importorskip("triton")
 
 from tllm.attention.testing import relative_error  # noqa: E402
@@ -38,9 +40,12 @@ def check_quantized(got: fp8.QuantizedActivation, want: fp8.QuantizedActivation,
 
 
 def check_same_as_unfused(got: fp8.QuantizedActivation, unfused: torch.Tensor) -> None:
+    """Byte for byte under the interpreter; on CUDA the fused kernel's amax / 448 may round
+    an ulp apart from the quantization kernel's (seen on the H200: one scale of 6), and a
+    value then one e4m3 step (as tests/kernels/test_fp8_quant.py allows)."""
     q, scale = fp8_quant.quantize_per_token(unfused)
-    assert torch.equal(got.scale, scale)
-    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8))
+    assert_same_scale(got.scale, scale)
+    assert_same_fp8(got.q, q)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -25,12 +25,11 @@ import torch
 from tllm.kernels import fp8 as ref
 from tllm.kernels.fp8 import QuantizedActivation
 
-# Rows up to which the weight-streaming kernel runs. Its cost is the weight read (N*K bytes)
-# plus M*N*K multiply-adds on mma.sync tiles of 16 or 32 rows: at M = 32 and a 6144 x 4096
-# layer that is ~4 us of tensor-core work under ~6 us of HBM reads, still hidden; by M = 64
-# the math would be the longer part, while torch._scaled_mm (measured at 31-32 us for M = 1
-# to 256 there, vs bf16's 24-26 us) plus a quantization pass only pays off at large M.
-SMALL_M = 32
+# Rows up to which the weight-streaming kernel runs. Measured on the H200 (benchmarks/
+# gpu_fp8.py, 2026-12-01), Llama-3.1-8B shapes: at M = 1 its GEMV form beats bf16 by 1.2-1.6x
+# and _scaled_mm by 1.3-1.8x; at M = 8 and 32 its tl.dot form lost to _scaled_mm (e.g.
+# gate_up: 53 / 62 us vs 45 / 44 us), so only M = 1 takes it.
+SMALL_M = 1
 _FAST_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -47,11 +47,13 @@ def main() -> None:
     parser.add_argument("--after", type=Path, required=True)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--extra", default="", help="more bench flags, e.g. '--model X'")
+    parser.add_argument("--only", choices=sorted(COMMANDS), help="one benchmark of the two")
     args = parser.parse_args()
     trees = {"before": args.before.resolve(), "after": args.after.resolve()}
-    runs: dict = {(n, t): [] for n in COMMANDS for t in trees}
+    names = [args.only] if args.only else list(COMMANDS)
+    runs: dict = {(n, t): [] for n in names for t in trees}
     for i in range(args.repeats):
-        for name in COMMANDS:
+        for name in names:
             for label, tree in (trees.items() if i % 2 == 0 else reversed(trees.items())):
                 runs[name, label].append(run(tree, name, args.extra.split()))
                 print(f"repeat {i + 1} {name} {label}: "
@@ -59,7 +61,7 @@ def main() -> None:
                       file=sys.stderr, flush=True)
     print("| benchmark | figure | before (median) | after (median) | after/before | runs "
           "before | runs after |\n|---|---|---:|---:|---:|---|---|")
-    for name in COMMANDS:
+    for name in names:
         for key in FIGURES[name]:
             values = {t: [figure(r, key) for r in runs[name, t]] for t in trees}
             med = {t: statistics.median(v) for t, v in values.items()}

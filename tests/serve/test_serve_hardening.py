@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import socket
 import time
 
@@ -287,6 +288,16 @@ def test_openapi_documents_bodies_and_errors(http):
     assert "continuous_usage_stats" in schema["components"]["schemas"]["StreamOptions"][
         "properties"]
     assert "swagger-ui" in http.get("/docs").text and http.get("/redoc").status_code == 200
+
+
+def test_docs_pages_load_their_scripts_from_the_server_not_a_cdn(http):
+    for page in ("/docs", "/redoc"):
+        html = http.get(page).text
+        assert "cdn." not in html and "googleapis" not in html
+        for asset in re.findall(r'(?:src|href)="(/docs/assets/[^"]+)"', html):
+            response = http.get(asset)
+            assert response.status_code == 200 and len(response.content) > 1000
+    assert http.get("/docs/assets/../../etc/passwd").status_code == 404
 
 
 # ---- --api-key and --protect-metrics ----

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tllm import __version__
@@ -124,15 +124,38 @@ def _docs_routes(app: FastAPI, config: ServerConfig) -> APIRouter:
     async def openapi() -> Response:
         return JSONResponse(app.openapi())
 
+    # The pages' scripts are served from the fastapi-offline package, not a CDN: the server
+    # is often offline.
     @docs.get("/docs")
     async def swagger() -> Response:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="tllm API")
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json", title="tllm API",
+            swagger_js_url=f"{_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{_ASSETS}/favicon.png")
 
     @docs.get("/redoc")
     async def redoc() -> Response:
-        return get_redoc_html(openapi_url="/openapi.json", title="tllm API")
+        return get_redoc_html(openapi_url="/openapi.json", title="tllm API",
+                              redoc_js_url=f"{_ASSETS}/redoc.standalone.js",
+                              redoc_favicon_url=f"{_ASSETS}/favicon.png", with_google_fonts=False)
+
+    @docs.get(_ASSETS + "/{name}")
+    async def docs_asset(name: str) -> Response:
+        if name not in _DOCS_FILES:
+            raise APIError(404, f"no docs asset {name!r}", code="not_found")
+        return FileResponse(_docs_static() / name)
 
     return docs
+
+
+_ASSETS = "/docs/assets"
+_DOCS_FILES = ("swagger-ui-bundle.js", "swagger-ui.css", "redoc.standalone.js", "favicon.png")
+
+
+def _docs_static():
+    from importlib.resources import files
+    return files("fastapi_offline") / "static"
 
 
 def api_key_check(api_key: str | None, allow_browser: bool = False):

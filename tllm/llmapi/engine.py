@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from tllm import loader
+from tllm.cpu_threads import release_caller_openmp_threads
 from tllm.device import pick_device
 from tllm.distributed.launch import WorkerEntry, WorkerGroup, launch_workers, torchrun_env
 from tllm.distributed.mapping import Mapping
@@ -68,6 +69,8 @@ def build_engine(args: LlmArgs) -> Engine:
     if workers is not None:
         workers.watch(executor.fail_fatal)
         executor.health_check = lambda: workers.dead_worker_error(grace_s=2.0)
+    if parts.device.type == "cpu":  # the loop thread's matmuls must not wait on ours
+        release_caller_openmp_threads()
     return Engine(parts.config, tokenizer, executor, parts.kv_cache, parts.device, parts.dtype,
                   parts.max_seq_len, workers)
 

@@ -1,17 +1,35 @@
 """Attention in plain PyTorch over the paged cache: the CPU path and the reference for the
-Triton kernels. Gathers each sequence's keys and values through its block table, then runs
-scaled dot-product attention with a causal mask offset by the cached prefix."""
+Triton kernels.
+
+`paged_attention_batched` (what the backend runs) attends the whole batch in a few SDPA calls:
+sequences are grouped by shape, each group's blocks are gathered with one index_select and
+its queries padded to the group's longest, with a mask for per-sequence lengths, causality
+and sliding windows. `paged_attention_ref` (the per-sequence loop it replaced) stays as the
+reference the batched path is tested against."""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
-from tllm.kernels.paged import causal_mask, from_cache, gather_kv, write_kv_cache
+from tllm.kernels.paged import (batched_causal_mask, causal_mask, from_cache, gather_blocks,
+                                gather_kv, write_kv_cache)
 
 
 # torch >= 2.5 broadcasts kv heads itself; older versions need them repeated.
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+# Cost model for grouping sequences, in microseconds, roughly as measured on a 2-core VM
+# (benchmarks/cpu_attention.py): a group costs one call (gather, mask, SDPA, scatter) plus,
+# per sequence, its padded keys (bytes gathered, then read) and its padded query-key pairs
+# (flops). A sequence joins a group when the padding it brings costs less than a call of
+# its own. Decode steps were insensitive to _CALL_US from 30 to 1000.
+_CALL_US = 60.0
+_KEY_BYTE_US = 1 / 10000.0   # ~10 GB/s for gather + read
+_PAIR_FLOP_US = 1 / 50000.0  # ~50 GFLOP/s (flash SDPA, fp32)
 
 
 def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
@@ -23,7 +41,8 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                         scale: float, sliding_window: int | None = None,
                         kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
-    """Attention of every query token over its sequence's cached context."""
+    """Attention of every query token over its sequence's cached context, one sequence at a
+    time (the reference for the batched path)."""
     out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], kv_cache[0].shape[2]
     group = num_heads // num_kv_heads
@@ -46,10 +65,225 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionM
     return out
 
 
+@dataclass
+class AttentionGroup:
+    """Sequences attended by one SDPA call, padded to the group's longest query and span."""
+
+    num_seqs: int
+    max_query_len: int
+    num_keys: int                     # key columns per sequence: whole blocks
+    blocks: torch.Tensor              # [num_seqs * num_keys // tokens_per_block], seq-major
+    q_rows: torch.Tensor | None       # [num_seqs * max_query_len] rows of q; None: q as is
+    out_rows: torch.Tensor | None     # output rows the group's real queries fill; None: all
+    real_rows: torch.Tensor | None    # which padded rows are real queries; None: all
+    mask: torch.Tensor | None         # additive, [num_seqs, 1, 1 | max_query_len, num_keys]
+    is_causal: bool                   # fresh prefills: SDPA's own causal mask is exact
+
+
+@dataclass
+class _Member:
+    index: int
+    query_len: int
+    seq_len: int
+    first_block: int  # the first block any of its queries attends (sliding windows skip some)
+    num_blocks: int
+
+
+def plan_attention(metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype,
+                   kv_bytes_per_token: int, num_heads: int, head_dim: int
+                   ) -> list[AttentionGroup]:
+    """Groups of this step's sequences and each group's gather indices and mask: the same
+    for every layer of the step. kv_bytes_per_token: K and V of one token, all kv heads."""
+    bs = metadata.tokens_per_block
+    members = []
+    for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu,
+                                                 metadata.seq_lens_cpu)):
+        first_key = 0 if sliding_window is None else max(
+            0, seq_len - query_len - sliding_window + 1)
+        first_block = first_key // bs
+        members.append(_Member(i, query_len, seq_len, first_block,
+                               -(-seq_len // bs) - first_block))
+    key_us = bs * kv_bytes_per_token * _KEY_BYTE_US
+    pair_us = bs * num_heads * head_dim * 4 * _PAIR_FLOP_US
+    starts = [0]
+    for query_len in metadata.query_lens_cpu:
+        starts.append(starts[-1] + query_len)
+    # in batch order within a group, so a group of the whole batch needs no row indexing
+    return [_build_group(sorted(g, key=lambda m: m.index), metadata, starts, sliding_window,
+                         dtype) for g in _partition(members, key_us, pair_us)]
+
+
+def _partition(members: list[_Member], key_us: float, pair_us: float) -> list[list[_Member]]:
+    """Largest first; a sequence joins the open group while padding it there costs less than
+    a call of its own (a greedy choice: one pass over the sorted sequences)."""
+    def cost(query_len: int, num_blocks: int) -> float:  # one sequence, padded to this shape
+        return num_blocks * (key_us + pair_us * query_len)
+
+    order = sorted(members, key=lambda m: (m.query_len, m.num_blocks), reverse=True)
+    groups: list[list[_Member]] = []
+    max_q = max_b = 0
+    for m in order:
+        if groups:
+            q, b = max(max_q, m.query_len), max(max_b, m.num_blocks)
+            padded = cost(q, b) * (len(groups[-1]) + 1) - cost(max_q, max_b) * len(groups[-1])
+            if padded <= _CALL_US + cost(m.query_len, m.num_blocks):
+                groups[-1].append(m)
+                max_q, max_b = q, b
+                continue
+        groups.append([m])
+        max_q, max_b = m.query_len, m.num_blocks
+    return groups
+
+
+def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: list[int],
+                 sliding_window: int | None, dtype: torch.dtype) -> AttentionGroup:
+    bs, device = metadata.tokens_per_block, metadata.block_tables.device
+    n = len(members)
+    max_q = max(m.query_len for m in members)
+    num_blocks = max(m.num_blocks for m in members)
+    num_keys = num_blocks * bs
+    index = [m.index for m in members]
+    in_order = index == list(range(metadata.num_seqs))
+
+    def tensor(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+    # block columns past a table's end are clamped onto its last entry; the mask hides them
+    table = metadata.block_tables
+    cols = tensor([m.first_block for m in members])[:, None] + torch.arange(num_blocks,
+                                                                            device=device)
+    rows = tensor(index)
+    blocks = table[rows[:, None], cols.clamp_(max=table.shape[1] - 1)].flatten().long()
+
+    q_rows = [starts[m.index] + min(i, m.query_len - 1) for m in members for i in range(max_q)]
+    real = [b * max_q + i for b, m in enumerate(members) for i in range(m.query_len)]
+    out_rows = [starts[m.index] + i for m in members for i in range(m.query_len)]
+    all_real = len(real) == n * max_q
+    fresh = all(m.query_len == m.seq_len for m in members)
+    window_cuts = sliding_window is not None and any(
+        m.seq_len > sliding_window for m in members)
+    is_causal = max_q > 1 and fresh and not window_cuts
+    mask = None
+    needs_mask = window_cuts or any(m.seq_len != num_keys for m in members)
+    if not is_causal and (needs_mask or max_q > 1):
+        allowed = batched_causal_mask(
+            tensor([m.query_len for m in members]), tensor([m.seq_len for m in members]),
+            tensor([m.first_block * bs for m in members]), max_q, num_keys, sliding_window)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+        mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]
+    whole = in_order and all_real and len(out_rows) == metadata.num_tokens
+    return AttentionGroup(
+        num_seqs=n, max_query_len=max_q, num_keys=num_keys, blocks=blocks,
+        q_rows=None if whole else tensor(q_rows), out_rows=None if whole else tensor(out_rows),
+        real_rows=None if all_real else tensor(real), mask=mask, is_causal=is_causal)
+
+
+class GatherBuffers:
+    """What the keys and values are gathered into, reused by every layer and step: a fresh
+    tensor of 10 MB or more per layer costs page faults (the gather ran ~1.5x slower on a
+    2-core VM). Holds the largest gather seen so far, per cache (K, V)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def take(self, which: int, cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        shape = (num_blocks, *cache.shape[1:])
+        numel = math.prod(shape)
+        buf = self._buffers.get(which)
+        if (buf is None or buf.numel() < numel or buf.dtype != cache.dtype
+                or buf.device != cache.device):
+            # a quarter to spare, so a growing context does not reallocate every block
+            buf = torch.empty(numel * 5 // 4, dtype=cache.dtype, device=cache.device)
+            self._buffers[which] = buf
+        return buf[:numel].view(shape)
+
+
+def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scale: float,
+                 kv_scales: tuple[float, float] = NO_KV_SCALES,
+                 buffers: GatherBuffers | None = None) -> torch.Tensor:
+    """The group's real query rows, [rows, num_heads, head_dim], in out_rows order."""
+    n, max_q, num_keys = group.num_seqs, group.max_query_len, group.num_keys
+    num_kv_heads, head_dim = kv_cache[0].shape[2:]
+    num_heads = q.shape[1]
+    k, v = (from_cache(_gather(cache, group.blocks, buffers, which), s, q.dtype)
+            .view(n, num_keys, num_kv_heads, head_dim).transpose(1, 2)
+            for which, (cache, s) in enumerate(zip(kv_cache, kv_scales)))
+    qg = q if group.q_rows is None else q.index_select(0, group.q_rows)
+    if max_q == 1:
+        # decode: the query heads of one kv head act as its queries, so each kv head's keys
+        # and values are read once, with no repeat and no GQA broadcast
+        qg = qg.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
+        return o.reshape(n, num_heads, head_dim)
+    qg = qg.view(n, max_q, num_heads, head_dim).transpose(1, 2)
+    gqa = {}
+    if num_heads != num_kv_heads:
+        if _SDPA_GQA:
+            gqa = {"enable_gqa": True}
+        else:
+            group_size = num_heads // num_kv_heads
+            k, v = k.repeat_interleave(group_size, 1), v.repeat_interleave(group_size, 1)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask,
+                                       is_causal=group.is_causal, scale=scale, **gqa)
+    o = o.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
+    return o if group.real_rows is None else o.index_select(0, group.real_rows)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buffers: GatherBuffers | None,
+            which: int) -> torch.Tensor:
+    out = None if buffers is None else buffers.take(which, cache, block_ids.shape[0])
+    return gather_blocks(cache, block_ids, out)
+
+
+def paged_attention_batched(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                            scale: float, sliding_window: int | None = None,
+                            kv_scales: tuple[float, float] = NO_KV_SCALES,
+                            groups: list[AttentionGroup] | None = None,
+                            out: torch.Tensor | None = None,
+                            buffers: GatherBuffers | None = None) -> torch.Tensor:
+    """What `paged_attention_ref` computes, for the whole batch in a few calls. `groups`:
+    this step's plan (`plan_attention`), reused across layers; `out`: written in place;
+    `buffers`: reused for the gathered keys and values."""
+    if groups is None:
+        groups = plan_attention(metadata, sliding_window, q.dtype, _kv_bytes(kv_cache),
+                                q.shape[1], q.shape[2])
+    if len(groups) == 1 and groups[0].out_rows is None:
+        o = attend_group(q, kv_cache, groups[0], scale, kv_scales, buffers)
+        return o if out is None else out.copy_(o)
+    out = torch.empty_like(q) if out is None else out
+    for group in groups:
+        out.index_copy_(0, group.out_rows,
+                        attend_group(q, kv_cache, group, scale, kv_scales, buffers))
+    return out
+
+
+def _kv_bytes(kv_cache: KVCache) -> int:
+    k = kv_cache[0]
+    return 2 * k.shape[2] * k.shape[3] * k.element_size()
+
+
 class TorchAttentionBackend(AttentionBackend):
+    """The plain-PyTorch backend: the batched path, its plan built once per step (the model
+    shares one backend object across its layers, and every layer sees the same metadata)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._plan: tuple[AttentionMetadata, torch.dtype, list[AttentionGroup]] | None = None
+        self._buffers = GatherBuffers()
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
                 kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
-        return paged_attention_ref(q, kv_cache, metadata, self.scale, self.sliding_window,
-                                   kv_scales)
+        return paged_attention_batched(q, kv_cache, metadata, self.scale, self.sliding_window,
+                                       kv_scales, self._groups(q, kv_cache, metadata),
+                                       buffers=self._buffers)
+
+    def _groups(self, q: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata) -> list[AttentionGroup]:
+        plan = self._plan
+        if plan is None or plan[0] is not metadata or plan[1] != q.dtype:
+            groups = plan_attention(metadata, self.sliding_window, q.dtype, _kv_bytes(kv_cache),
+                                    q.shape[1], q.shape[2])
+            self._plan = plan = (metadata, q.dtype, groups)
+        return plan[2]

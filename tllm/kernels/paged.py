@@ -58,3 +58,31 @@ def causal_mask(query_len: int, seq_len: int, sliding_window: int | None,
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
     return mask
+
+
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Whole blocks of one cache, [len(block_ids), tokens_per_block, kv_heads, head_dim], as
+    stored: one index_select for a batch of sequences (block_ids holds all their tables).
+    `out`: a buffer of that shape and the cache's dtype to gather into."""
+    if is_fp8(cache):  # gather the bytes (no float8 indexing kernel on every device)
+        bytes_out = None if out is None else out.view(torch.uint8)
+        return torch.index_select(cache.view(torch.uint8), 0, block_ids,
+                                  out=bytes_out).view(cache.dtype)
+    return torch.index_select(cache, 0, block_ids, out=out)
+
+
+def batched_causal_mask(query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                        first_keys: torch.Tensor, max_query_len: int, num_keys: int,
+                        sliding_window: int | None) -> torch.Tensor:
+    """[n, max_query_len, num_keys] bool: True where query i of sequence b may attend key
+    column j, which holds position first_keys[b] + j. Queries sit at the last query_lens[b]
+    of seq_lens[b] positions; padding rows (i >= query_lens[b]) repeat the last query, so
+    every row attends at least one key; columns at or past seq_lens[b] are never attended."""
+    rows = torch.arange(max_query_len, device=seq_lens.device)
+    q_pos = torch.minimum((seq_lens - query_lens)[:, None] + rows, seq_lens[:, None] - 1)
+    k_pos = first_keys[:, None] + torch.arange(num_keys, device=seq_lens.device)
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]
+    if sliding_window is not None:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    return mask

@@ -177,7 +177,10 @@ class QKVLinear(MergedLinear):
 
 
 def process_loaded_weights(model: nn.Module) -> None:
-    """Every checkpoint tensor is in: let each layer's method convert its parameters."""
+    """Every checkpoint tensor is in: let each layer's method convert its parameters (and a
+    quantized embedding or LM head its own)."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.quant.process_after_loading(module)
+        elif hasattr(module, "process_after_loading"):
+            module.process_after_loading()

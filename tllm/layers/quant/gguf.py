@@ -1,0 +1,387 @@
+"""GGUF weights kept in llama.cpp's block formats until load, then in the form a torch kernel
+multiplies (read with the `gguf` package; the loader hands over each tensor's blocks as they
+lie in the file, [rows, blocks, bytes per block]).
+
+What each GGML type becomes on the CPU (GgufConfig decides per layer):
+- Q4_0, Q4_1, Q4_K, Q8_0: an exact repack onto torch's int4 kernel (`_weight_int4pack_mm_for_cpu`,
+  groups of 32 along the input, w = (q - 8) * scale + zero): Q4_0 is d * (q - 8), zero 0; Q4_1
+  is d * q + m, zero m + 8d; Q4_K's 32-value sub-blocks are (d * sc) * q - dmin * m, zero
+  8 * d * sc - dmin * m; Q8_0 is two int4 planes (its low and high nibbles, two products
+  summed). With float32 scales these reproduce gguf's dequantize bit for bit.
+- Q5_0, Q5_1, Q5_K, Q6_K: no torch CPU kernel takes 5- or 6-bit values in blocks (nor groups
+  of 16), so they are re-quantized per output channel to int8 (`_weight_int8pack_mm`): ~0.8%
+  weight error against gguf's values, a fifth of what the formats themselves lose (measured in
+  tests/layers/test_gguf_method.py). So is a merged layer whose projections come in different
+  types (Q4_K q/k with a Q6_K v, as in Q4_K_M files).
+- any other type (Q2_K, Q3_K, IQ*, ...): dequantized at load, with one logged note.
+
+Both kernels are vectorised on x86 for bf16 only (fp32 runs a scalar loop, ~30x slower here),
+so activations, scales and zeros are bf16 at the kernel and the layer casts x in and out: the
+int4 weights are then exact but for their scale and zero rounded to bf16 (~2^-9 relative).
+Off the CPU every layer is the dense weight in the model dtype, as dequantized GGUF was before.
+The token embedding keeps its blocks and decodes the rows it looks up (exact); the LM head
+(tied to it in SmolLM2) is int8 per vocabulary row: at 49152 x 576 its int8 product took
+1.8 ms against 2.7 ms for Q8_0's two int4 planes and 5.7 ms in float32 (batch 1, one thread);
+its re-quantization error is checked in SmolLM2's greedy parity (tests/loader)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tllm.distributed import comm
+from tllm.layers.embedding import Embedding, LMHead
+from tllm.layers.quant.base import (UNQUANTIZED, WEIGHT, ParamLayout, QuantConfig, QuantMethod,
+                                    add_param)
+
+INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0"})
+INT8_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+GROUP = 32                      # the int4 kernel's group: Q4_0/Q4_1 blocks, Q4_K sub-blocks
+COMPUTE_DTYPE = torch.bfloat16  # what the CPU kernels are vectorised for
+# llama-family layers that multiply several checkpoint projections at once (tllm.models.llama)
+MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+
+
+def block_shape(qtype: str) -> tuple[int, int]:
+    """(values per block, bytes per block) of a GGML type."""
+    import gguf
+    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
+
+
+def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """gguf's own dequantization of blocks [rows, blocks, bytes]: float32 [rows, values]."""
+    from gguf.quants import dequantize
+    import gguf
+    rows = blocks.shape[0]
+    data = blocks.detach().cpu().reshape(rows, -1).numpy()
+    out = dequantize(data, gguf.GGMLQuantizationType[qtype]).reshape(rows, -1)
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+
+def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    return blocks[..., offset:offset + 2].contiguous().view(torch.float16)[..., 0].float()
+
+
+def _low_high(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes -> 32 nibbles: low nibbles are values 0-15, high nibbles 16-31."""
+    return torch.cat((qs & 15, qs >> 4), dim=-1)
+
+
+def int4_planes(blocks: torch.Tensor, qtype: str):
+    """Blocks [rows, blocks, bytes] -> planes [(q uint8 [rows, K] in 0..15, scale and zero
+    float32 [rows, K / 32])], w = sum over planes of (q - 8) * scale + zero (torch's int4
+    convention). One plane for the 4-bit types; Q8_0's d * q splits into its low nibble
+    (scale d, zero 8d: d * lo) and its high one (scale 16d, zero 0: 16d * hi), both exact."""
+    if qtype == "Q8_0":
+        d = _f16(blocks, 0)
+        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)
+        rows = blocks.shape[0]
+        low = (q & 15).to(torch.uint8).reshape(rows, -1)
+        high = ((q >> 4) + 8).to(torch.uint8).reshape(rows, -1)
+        d = d.reshape(rows, -1)
+        return [(low, d, 8 * d), (high, 16 * d, torch.zeros_like(d))]
+    return [int4_groups(blocks, qtype)]
+
+
+def int4_groups(blocks: torch.Tensor, qtype: str):
+    """Blocks [rows, blocks, bytes] of a 4-bit type -> (q uint8 [rows, K] in 0..15, scale and
+    zero float32 [rows, K / 32]) with w = (q - 8) * scale + zero."""
+    rows = blocks.shape[0]
+    d = _f16(blocks, 0)
+    if qtype == "Q4_0":                                   # d * (q - 8)
+        q, scale, zero = _low_high(blocks[..., 2:]), d, torch.zeros_like(d)
+    elif qtype == "Q4_1":                                 # d * q + m
+        q, scale = _low_high(blocks[..., 4:]), d
+        zero = _f16(blocks, 2) + 8 * d
+    elif qtype == "Q4_K":                                 # 8 sub-blocks of 32 per 256 values
+        dmin = _f16(blocks, 2)
+        sc, mins = _k_scale_min(blocks[..., 4:16])
+        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
+        q = torch.stack((qs & 15, qs >> 4), dim=-2).reshape(rows, -1, 8, 32)
+        scale = d[..., None] * sc.float()
+        zero = 8 * scale - dmin[..., None] * mins.float()
+    else:
+        raise ValueError(f"{qtype} is not a 4-bit GGUF type with a torch int4 kernel")
+    return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and mins of a K-quant block (12 bytes), as gguf unpacks them."""
+    s = packed.reshape(*packed.shape[:-1], 3, 4)
+    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), dim=-1)
+    mins = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), dim=-1)
+    return sc, mins
+
+
+def quantize_rows_int8(weight: torch.Tensor, scale_dtype: torch.dtype = COMPUTE_DTYPE
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (q int8 [N, K], scale float32 [N]), the scale
+    already rounded to the kernel's dtype so that q is rounded against the scale it meets."""
+    absmax = weight.abs().amax(dim=1).float()
+    scale = (absmax / 127).clamp(min=torch.finfo(torch.bfloat16).tiny)
+    scale = scale.to(scale_dtype).float()
+    q = torch.round(weight.float() / scale[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def _int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times the int8 weight [N, K] with its per-row scale, in the scale's dtype."""
+    shape = x.shape
+    out = torch.ops.aten._weight_int8pack_mm(
+        x.reshape(-1, shape[-1]).to(scale.dtype).contiguous(), qweight, scale)
+    return out.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
+
+
+def _replace(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    if hasattr(module, name):
+        delattr(module, name)
+    add_param(module, name, tensor, WEIGHT)
+
+
+class GgufLinearMethod(QuantMethod):
+    """A linear layer whose checkpoint weight is GGUF blocks of `qtype` (or, with qtype None,
+    a float weight: the dequantized rows of projections stored in different types). `form`
+    is what it becomes on the CPU: "int4" (exact repack), "int8" (per-channel re-quantization)
+    or "dense" (the model dtype)."""
+
+    name = "gguf"
+
+    def __init__(self, qtype: str | None, form: str,
+                 compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
+        if form == "int4" and qtype not in INT4_TYPES:
+            raise ValueError(f"GGUF {qtype} has no exact int4 form")
+        self.qtype, self.form = qtype, form
+        self.dtype = torch.get_default_dtype()   # the model's, as the layer is built
+        # the kernels' activations, scales and zeros (float32: exact, a scalar loop; tests)
+        self.compute_dtype = compute_dtype
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
+                       num_shards: int) -> None:
+        if self.qtype is None:
+            add_param(layer, "weight", torch.empty(out_features, in_features), WEIGHT)
+            return
+        values, nbytes = block_shape(self.qtype)
+        if in_features % values:
+            raise ValueError(f"GGUF {self.qtype} stores blocks of {values} input features; "
+                             f"this layer (or its tensor-parallel slice) has {in_features}")
+        add_param(layer, "weight",
+                  torch.empty(out_features, in_features // values, nbytes, dtype=torch.uint8),
+                  ParamLayout(input_units=values))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        raw = layer.weight.data
+        form = self.form if raw.device.type == "cpu" else "dense"
+        if form == "int4" and raw.shape[0] % 16:  # the kernel packs 16 rows at a time
+            form = "int8"
+        if form == "int4":
+            planes = int4_planes(raw, self.qtype)
+            delattr(layer, "weight")
+            for i, (q, scale, zero) in enumerate(planes):
+                _replace(layer, f"qweight{'' if i == 0 else i}",
+                         torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
+                _replace(layer, f"scales_zeros{'' if i == 0 else i}",
+                         torch.stack((scale.t(), zero.t()), dim=-1).to(self.compute_dtype)
+                         .contiguous())
+            self.num_planes = len(planes)
+        else:
+            weight = raw if self.qtype is None else dequantize_blocks(raw, self.qtype)
+            delattr(layer, "weight")
+            if form == "int8":
+                q, scale = quantize_rows_int8(weight, self.compute_dtype)
+                _replace(layer, "qweight", q)
+                _replace(layer, "scale", scale.to(self.compute_dtype))
+            else:
+                _replace(layer, "weight", weight.to(device=raw.device, dtype=self.dtype))
+        self.form = form
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "int4":
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()
+            out = None
+            for qweight, scales_zeros in self._planes(layer):
+                part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, GROUP,
+                                                                  scales_zeros)
+                out = part if out is None else out.add_(part)
+            return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
+        if self.form == "int8":
+            return _int8_matmul(x, layer.qweight, layer.scale)
+        return F.linear(x, layer.weight)
+
+    def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
+        """float32 [out, in] as the kernel sees it (int4: unpacked by the kernel itself, from
+        an identity in float32, so scales and zeros meet the values exactly as in a product)."""
+        if self.form == "int4":
+            k = layer.scales_zeros.shape[0] * GROUP
+            eye = torch.eye(k, dtype=torch.float32)
+            planes = [torch.ops.aten._weight_int4pack_mm_for_cpu(
+                eye, qweight, GROUP, scales_zeros.float()).t().double()
+                for qweight, scales_zeros in self._planes(layer)]
+            return sum(planes).float()
+        if self.form == "int8":
+            return layer.qweight.float() * layer.scale.float()[:, None]
+        return layer.weight.float()
+
+
+    def _planes(self, layer: nn.Module):
+        return [(getattr(layer, f"qweight{'' if i == 0 else i}"),
+                 getattr(layer, f"scales_zeros{'' if i == 0 else i}"))
+                for i in range(self.num_planes)]
+
+
+class GgufEmbedding(Embedding):
+    """The token embedding as GGUF blocks [vocab, blocks, bytes]: looked-up rows are decoded
+    by gguf's own dequantize (exact, and the table stays the file's size). Dense in the model
+    dtype off the CPU or when `dense`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str,
+                 dense: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.qtype, self.dense, self.dtype = qtype, dense, torch.get_default_dtype()
+        values, nbytes = block_shape(qtype)
+        rows = self.weight.shape[0]
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim // values, nbytes,
+                                               dtype=torch.uint8), requires_grad=False)
+
+    def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
+        if tensor.shape[0] != self.num_embeddings or tensor.shape[1:] != self.weight.shape[1:]:
+            raise ValueError(f"checkpoint tensor {param_name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {self.num_embeddings} rows of "
+                             f"{tuple(self.weight.shape[1:])} {self.qtype} blocks")
+        part = tensor[self.vocab_start:self.vocab_start + self.weight.shape[0]]
+        self.weight.data[:part.shape[0]].copy_(part)
+        self.weight.data[part.shape[0]:].zero_()  # padding rows: never looked up
+
+    def process_after_loading(self) -> None:
+        if self.dense or self.weight.device.type != "cpu":
+            make_dense(self.weight, self.qtype, self.dtype)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype != torch.uint8:
+            return super().forward(token_ids)
+        local = token_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = self.weight[local.masked_fill(outside, 0)]
+        out = self._decode(rows)
+        if self.tp_size == 1:
+            return out
+        return comm.tp_all_reduce(out.masked_fill(outside[:, None], 0.0))
+
+    def _decode(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.qtype == "Q8_0":  # d * q, exact in float32 as gguf computes it
+            values = rows[..., 2:].contiguous().view(torch.int8).float() * _f16(rows, 0)[..., None]
+            out = values.reshape(rows.shape[0], -1)
+        else:
+            out = dequantize_blocks(rows, self.qtype)
+        return out.to(self.dtype)
+
+
+class GgufLMHead(LMHead):
+    """The vocabulary projection from GGUF blocks (its own, or the embedding's when tied: the
+    same block parameter). On the CPU re-quantized to int8 per vocabulary row at load;
+    dense in the model dtype elsewhere or when `dense` (shared with a tied dense embedding)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str,
+                 dense: bool = False) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.qtype, self.dense, self.dtype = qtype, dense, torch.get_default_dtype()
+        values, nbytes = block_shape(qtype)
+        rows = self.weight.shape[0]
+        self.weight = nn.Parameter(torch.empty(rows, embedding_dim // values, nbytes,
+                                               dtype=torch.uint8), requires_grad=False)
+
+    load_weight = GgufEmbedding.load_weight
+
+    def process_after_loading(self) -> None:
+        if self.dense or self.weight.device.type != "cpu":
+            make_dense(self.weight, self.qtype, self.dtype)
+            return
+        q, scale = quantize_rows_int8(dequantize_blocks(self.weight.data, self.qtype))
+        del self.weight  # a tied embedding keeps its own reference to the blocks
+        self.weight = None
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale.to(COMPUTE_DTYPE))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.weight is not None:
+            return super().forward(hidden)
+        logits = _int8_matmul(hidden, self.qweight, self.scale)
+        if self.tp_size == 1:
+            return logits
+        return comm.tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]
+
+
+def make_dense(param: nn.Parameter, qtype: str, dtype: torch.dtype) -> None:
+    """Blocks -> the dense weight in `dtype`, in place: a tied LM head holding the same
+    parameter sees it too (and then finds nothing left to do)."""
+    if param.dtype == torch.uint8:
+        param.data = dequantize_blocks(param.data, qtype).to(device=param.device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class GgufConfig(QuantConfig):
+    """The GGML type of every checkpoint tensor (HF names, e.g. "layers.0.mlp.up_proj.weight"
+    -> "Q4_1") and what each linear layer becomes (module docstring). `dequantize`
+    (quantization="none"): every weight dense in the model dtype, as gguf dequantizes it."""
+
+    tensor_types: dict[str, str] = field(default_factory=dict, compare=False)
+    dequantize: bool = False
+    name = "gguf"
+
+    def dequantized_types(self) -> set[str]:
+        """The quantized types in the file whose linear layers are dense (no kept form)."""
+        return set(self.tensor_types.values()) - INT4_TYPES - INT8_TYPES - FLOAT_TYPES
+
+    def keeps_blocks(self, hf_name: str) -> bool:
+        """Whether the loader hands this tensor over as its blocks (else dequantized to
+        float32): quantized, and for a merged layer's projection, all of them in one type."""
+        qtype = self.tensor_types.get(hf_name)
+        if qtype is None or qtype in FLOAT_TYPES:
+            return False
+        return hf_name in VOCAB_TENSORS or len(set(self._group_types(hf_name))) == 1
+
+    def linear_method(self, prefix: str, shard_names: tuple[str, ...] = ()) -> QuantMethod:
+        parent, _, leaf = prefix.rpartition(".")
+        names = [f"{parent}.{shard}.weight" for shard in shard_names or (leaf,)]
+        types = {self.tensor_types.get(name) for name in names}
+        if types & {None} or types <= FLOAT_TYPES:
+            return UNQUANTIZED
+        if len(types) > 1:  # merged projections in different types: float rows -> one form
+            return UNQUANTIZED if self.dequantize else GgufLinearMethod(None, "int8")
+        (qtype,) = types
+        return GgufLinearMethod(qtype, self._form(qtype))
+
+    def embedding_layer(self, vocab_size: int, hidden_size: int) -> nn.Module | None:
+        """The token embedding kept in its blocks, or None where the tensor is float."""
+        if not self.keeps_blocks("embed_tokens.weight"):
+            return None
+        return GgufEmbedding(vocab_size, hidden_size, self.tensor_types["embed_tokens.weight"],
+                             self.dequantize)
+
+    def lm_head_layer(self, vocab_size: int, hidden_size: int, tied: bool) -> nn.Module | None:
+        """The LM head from blocks (the embedding's when tied), or None where it is float."""
+        name = "embed_tokens.weight" if tied else "lm_head.weight"
+        if not self.keeps_blocks(name):
+            return None
+        return GgufLMHead(vocab_size, hidden_size, self.tensor_types[name], self.dequantize)
+
+    def _form(self, qtype: str) -> str:
+        if self.dequantize:
+            return "dense"
+        if qtype in INT4_TYPES:
+            return "int4"
+        return "int8" if qtype in INT8_TYPES else "dense"
+
+    def _group_types(self, hf_name: str) -> list[str | None]:
+        for group in MERGED_PROJECTIONS:
+            for leaf in group:
+                if f".{leaf}." in hf_name:
+                    return [self.tensor_types.get(hf_name.replace(f".{leaf}.", f".{other}."))
+                            for other in group]
+        return [self.tensor_types.get(hf_name)]

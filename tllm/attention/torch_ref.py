@@ -90,10 +90,12 @@ class _Member:
 
 
 def plan_attention(metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype,
-                   kv_bytes_per_token: int, num_heads: int, head_dim: int
-                   ) -> list[AttentionGroup]:
+                   kv_bytes_per_token: int, num_heads: int, head_dim: int,
+                   call_us: float = _CALL_US) -> list[AttentionGroup]:
     """Groups of this step's sequences and each group's gather indices and mask: the same
-    for every layer of the step. kv_bytes_per_token: K and V of one token, all kv heads."""
+    for every layer of the step. kv_bytes_per_token: K and V of one token, all kv heads;
+    call_us: what a call costs against padding (inf: one padded call for the whole step,
+    0: a call per distinct shape)."""
     bs = metadata.tokens_per_block
     members = []
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu,
@@ -110,10 +112,11 @@ def plan_attention(metadata: AttentionMetadata, sliding_window: int | None, dtyp
         starts.append(starts[-1] + query_len)
     # in batch order within a group, so a group of the whole batch needs no row indexing
     return [_build_group(sorted(g, key=lambda m: m.index), metadata, starts, sliding_window,
-                         dtype) for g in _partition(members, key_us, pair_us)]
+                         dtype) for g in _partition(members, key_us, pair_us, call_us)]
 
 
-def _partition(members: list[_Member], key_us: float, pair_us: float) -> list[list[_Member]]:
+def _partition(members: list[_Member], key_us: float, pair_us: float,
+               call_us: float) -> list[list[_Member]]:
     """Largest first; a sequence joins the open group while padding it there costs less than
     a call of its own (a greedy choice: one pass over the sorted sequences)."""
     def cost(query_len: int, num_blocks: int) -> float:  # one sequence, padded to this shape
@@ -126,7 +129,7 @@ def _partition(members: list[_Member], key_us: float, pair_us: float) -> list[li
         if groups:
             q, b = max(max_q, m.query_len), max(max_b, m.num_blocks)
             padded = cost(q, b) * (len(groups[-1]) + 1) - cost(max_q, max_b) * len(groups[-1])
-            if padded <= _CALL_US + cost(m.query_len, m.num_blocks):
+            if padded <= call_us + cost(m.query_len, m.num_blocks):
                 groups[-1].append(m)
                 max_q, max_b = q, b
                 continue

@@ -1,7 +1,10 @@
-"""GGUF files through the `gguf` package: an HF config built from the metadata, and weights
-dequantised to float32 under HF names."""
+"""GGUF files through the `gguf` package: an HF config built from the metadata (with the GGML
+type of every tensor as its `quantization_config`), and weights under HF names: the blocks of
+those tensors a quantization method keeps (tllm.layers.quant.gguf, [rows, blocks, bytes]),
+the rest dequantised to float32."""
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 from typing import Iterator
@@ -9,6 +12,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from tllm.layers.quant.gguf import GgufConfig
 from tllm.loader.hf import CheckpointError
 
 _ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -36,6 +40,12 @@ class GGUFCheckpoint:
             raise CheckpointError(f"GGUF architecture {self.arch!r} is not supported; tllm reads "
                                   f"{', '.join(_ARCHITECTURES)}")
         self.tensors = {t.name: t for t in self.reader.tensors}
+        # HF name -> GGML type name: what GgufConfig chooses each layer's form from (an
+        # unexpected name is refused by weights())
+        self.tensor_types = {}
+        for name, tensor in self.tensors.items():
+            with contextlib.suppress(CheckpointError):
+                self.tensor_types[self._hf_name(name)] = tensor.tensor_type.name
 
     def _field(self, key: str, default=None):
         field = self.reader.fields.get(key)
@@ -63,16 +73,24 @@ class GGUFCheckpoint:
             tie_word_embeddings="output.weight" not in self.tensors,
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_id=self._field("tokenizer.ggml.eos_token_id"),
+            quantization_config={"quant_method": "gguf", "tensor_types": self.tensor_types},
         )
         return AutoConfig.for_model(a, **kwargs)
 
     def weights(self, config) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf.quants import dequantize
+        kept = GgufConfig(self.tensor_types)
         for name, tensor in self.tensors.items():
             hf_name = self._hf_name(name)
-            array = dequantize(tensor.data, tensor.tensor_type)
-            array = np.ascontiguousarray(array.reshape(tuple(reversed(tensor.shape.tolist()))))
-            weight = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy
+            if kept.keeps_blocks(hf_name):
+                _, nbytes = gguf_block_shape(tensor.tensor_type)
+                rows = tensor.data.shape[0]
+                weight = torch.from_numpy(np.array(tensor.data).reshape(rows, -1, nbytes))
+            else:
+                array = dequantize(tensor.data, tensor.tensor_type)
+                array = np.ascontiguousarray(
+                    array.reshape(tuple(reversed(tensor.shape.tolist()))))
+                weight = torch.from_numpy(np.array(array, dtype=np.float32))  # writable copy
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 n_head = (config.num_attention_heads if "attn_q" in name
                           else config.num_key_value_heads)
@@ -88,6 +106,11 @@ class GGUFCheckpoint:
         if base in _GLOBAL_NAMES:
             return f"{_GLOBAL_NAMES[base]}.{kind}"
         raise CheckpointError(f"unexpected GGUF tensor {name!r}")
+
+
+def gguf_block_shape(tensor_type) -> tuple[int, int]:
+    import gguf
+    return gguf.GGML_QUANT_SIZES[tensor_type]
 
 
 def unpermute_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:

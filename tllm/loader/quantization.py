@@ -3,18 +3,25 @@ or what the checkpoint's own config says it holds (detected, never guessed from 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 from tllm.layers.quant import QuantConfig
 from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
+from tllm.layers.quant.gguf import GgufConfig
 from tllm.loader.hf import CheckpointError
 from tllm.loader.quant_formats import SUPPORTED, compressed, hf_fp8, modelopt
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_quant_config(kind: str, path: Path | None, hf_config,
                          requested: str | None) -> QuantConfig | None:
     """The model's QuantConfig: the checkpoint's format when it declares one, else the
-    requested on-the-fly quantization, else None (the checkpoint's dtype)."""
+    requested on-the-fly quantization, else None (the checkpoint's dtype). "none" runs a
+    GGUF file dequantized (as it ran before its blocks were kept) and anything unquantized."""
+    if kind == "gguf":
+        return gguf_quant_config(hf_config, requested)
     found = checkpoint_quant_config(path, hf_config) if kind == "hf" else None
     if found is not None:
         if requested is not None and requested != found.name:
@@ -23,9 +30,22 @@ def resolve_quant_config(kind: str, path: Path | None, hf_config,
         return found
     if requested == "fp8":
         return Fp8Config(Fp8Scheme(checkpoint_is_fp8=False))
-    if requested is not None:
+    if requested not in (None, "none"):
         raise ValueError(f"quantization: unknown scheme {requested!r}")
     return None
+
+
+def gguf_quant_config(hf_config, requested: str | None) -> GgufConfig:
+    """A GGUF file's blocks kept quantized (the default) or dequantized at load ("none")."""
+    if requested not in (None, "none"):
+        raise ValueError(f"quantization={requested!r}: a GGUF file is already quantized; "
+                         "leave quantization unset, or 'none' to run it dequantized")
+    types = dict(declared_quantization(None, hf_config)["tensor_types"])
+    config = GgufConfig(types, dequantize=requested == "none")
+    if not config.dequantize and config.dequantized_types():
+        logger.info("GGUF types %s have no kept-quantized form here: their linear layers are "
+                    "dequantized at load", ", ".join(sorted(config.dequantized_types())))
+    return config
 
 
 def checkpoint_quant_config(path: Path | None, hf_config) -> QuantConfig | None:

@@ -15,11 +15,10 @@ from torch import nn
 
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
 from tllm.layers.activation import SiluAndMul
-from tllm.layers.embedding import Embedding, LMHead
 from tllm.distributed import comm
 from tllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, _copy_checked
 from tllm.layers.norm import RMSNorm
-from tllm.layers.quant import QuantConfig, linear_method
+from tllm.layers.quant import QuantConfig, embedding_layer, linear_method, lm_head_layer
 from tllm.layers.quant.fp8 import input_quantization
 from tllm.layers.rotary import RotaryEmbedding, inverse_frequencies
 from tllm.models.registry import register_model
@@ -154,11 +153,12 @@ class LlamaForCausalLM(nn.Module):
         for i in self.stage_layers:  # one backend object, shared by every layer
             self.layers[i].self_attn.attn = backend
         self.tied = getattr(config, "tie_word_embeddings", False)
-        self.embed_tokens = (Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = (embedding_layer(quant_config, config.vocab_size, config.hidden_size)
                              if self.is_first_stage else MissingLayer())
         if self.is_last_stage:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-            self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+            self.lm_head = lm_head_layer(quant_config, config.vocab_size, config.hidden_size,
+                                         self.tied)
             if self.tied and self.is_first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
 

@@ -26,6 +26,7 @@ its re-quantization error is checked in SmolLM2's greedy parity (tests/loader)."
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -45,6 +46,7 @@ COMPUTE_DTYPE = torch.bfloat16  # what the CPU kernels are vectorised for
 # llama-family layers that multiply several checkpoint projections at once (tllm.models.llama)
 MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
+Form = Literal["int4", "int8", "dense"]   # a linear layer's run-time weight (class docstring)
 
 
 def block_shape(qtype: str) -> tuple[int, int]:
@@ -152,7 +154,7 @@ class GgufLinearMethod(QuantMethod):
 
     name = "gguf"
 
-    def __init__(self, qtype: str | None, form: str,
+    def __init__(self, qtype: str | None, form: Form,
                  compute_dtype: torch.dtype = COMPUTE_DTYPE) -> None:
         if form == "int4" and qtype not in INT4_TYPES:
             raise ValueError(f"GGUF {qtype} has no exact int4 form")
@@ -183,9 +185,10 @@ class GgufLinearMethod(QuantMethod):
             planes = int4_planes(raw, self.qtype)
             delattr(layer, "weight")
             for i, (q, scale, zero) in enumerate(planes):
-                _replace(layer, f"qweight{'' if i == 0 else i}",
+                packed_name, sz_name = _plane_names(i)
+                _replace(layer, packed_name,
                          torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1))
-                _replace(layer, f"scales_zeros{'' if i == 0 else i}",
+                _replace(layer, sz_name,
                          torch.stack((scale.t(), zero.t()), dim=-1).to(self.compute_dtype)
                          .contiguous())
             self.num_planes = len(planes)
@@ -204,11 +207,9 @@ class GgufLinearMethod(QuantMethod):
         if self.form == "int4":
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()
-            out = None
-            for qweight, scales_zeros in self._planes(layer):
-                part = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, GROUP,
-                                                                  scales_zeros)
-                out = part if out is None else out.add_(part)
+            parts = [torch.ops.aten._weight_int4pack_mm_for_cpu(x2, qweight, GROUP, sz)
+                     for qweight, sz in self._planes(layer)]
+            out = parts[0] if len(parts) == 1 else sum(p.float() for p in parts)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         if self.form == "int8":
             return _int8_matmul(x, layer.qweight, layer.scale)
@@ -228,11 +229,15 @@ class GgufLinearMethod(QuantMethod):
             return layer.qweight.float() * layer.scale.float()[:, None]
         return layer.weight.float()
 
-
-    def _planes(self, layer: nn.Module):
-        return [(getattr(layer, f"qweight{'' if i == 0 else i}"),
-                 getattr(layer, f"scales_zeros{'' if i == 0 else i}"))
+    def _planes(self, layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [tuple(getattr(layer, name) for name in _plane_names(i))
                 for i in range(self.num_planes)]
+
+
+def _plane_names(index: int) -> tuple[str, str]:
+    """Parameter names of int4 plane `index`: qweight / scales_zeros, then qweight1 / ..."""
+    suffix = str(index) if index else ""
+    return f"qweight{suffix}", f"scales_zeros{suffix}"
 
 
 class GgufEmbedding(Embedding):
@@ -371,7 +376,7 @@ class GgufConfig(QuantConfig):
             return None
         return GgufLMHead(vocab_size, hidden_size, self.tensor_types[name], self.dequantize)
 
-    def _form(self, qtype: str) -> str:
+    def _form(self, qtype: str) -> Form:
         if self.dequantize:
             return "dense"
         if qtype in INT4_TYPES:

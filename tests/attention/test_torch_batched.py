@@ -48,7 +48,25 @@ def make_step(query_lens, prefix_lens, num_kv_heads, group, head_dim, block, dty
         fp8 = torch.empty(0, dtype=FP8)
         cache, scales = tuple(to_cache(c, fp8, s) for c, s in zip(cache, kv_scales)), kv_scales
     write_kv_cache(batch.k, batch.v, cache, batch.metadata.slot_mapping, scales)
+    poison_unwritten(cache, batch.metadata)
     return batch, cache, scales
+
+
+def poison_unwritten(cache, metadata):
+    """NaN and inf in every slot no sequence owns, as a fresh torch.empty cache or a freed
+    request's blocks may hold: a masked-out key must not reach the output as 0 * NaN."""
+    bs = metadata.tokens_per_block
+    owned = torch.zeros(cache[0].shape[0] * bs, dtype=torch.bool)
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        pos = torch.arange(seq_len)
+        owned[metadata.block_tables[i, pos // bs].long() * bs + pos % bs] = True
+    for c in cache:
+        flat = c.view(-1, *c.shape[2:])
+        if c.dtype == FP8:  # 0x7f is e4m3's NaN
+            flat.view(torch.uint8)[~owned] = 0x7F
+        else:
+            flat[~owned] = float("nan")
+            flat[~owned & (torch.arange(len(owned)) % 2 == 0)] = float("inf")
 
 
 def reference(batch, cache, scale, window, scales):

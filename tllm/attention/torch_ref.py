@@ -78,6 +78,10 @@ class AttentionGroup:
     real_rows: torch.Tensor | None    # which padded rows are real queries; None: all
     mask: torch.Tensor | None         # additive, [num_seqs, 1, 1 | max_query_len, num_keys]
     is_causal: bool                   # fresh prefills: SDPA's own causal mask is exact
+    # gathered key rows past each sequence's end, zeroed after the gather: slots never
+    # written (or left by a freed request) may hold NaN or inf, and a masked-out key still
+    # enters P @ V as 0 * value; None: no such rows
+    pad_keys: torch.Tensor | None = None
 
 
 @dataclass
@@ -178,7 +182,18 @@ def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: li
     return AttentionGroup(
         num_seqs=n, max_query_len=max_q, num_keys=num_keys, blocks=blocks,
         q_rows=None if whole else tensor(q_rows), out_rows=None if whole else tensor(out_rows),
-        real_rows=None if all_real else tensor(real), mask=mask, is_causal=is_causal)
+        real_rows=None if all_real else tensor(real), mask=mask, is_causal=is_causal,
+        pad_keys=_pad_keys([m.seq_len - m.first_block * bs for m in members], num_keys,
+                           tensor))
+
+
+def _pad_keys(valid_keys: list[int], num_keys: int, tensor) -> torch.Tensor | None:
+    """Flat indices (sequence-major) of the gathered key rows past each sequence's end."""
+    if all(v == num_keys for v in valid_keys):
+        return None
+    valid = tensor(valid_keys)
+    past = torch.arange(num_keys, device=valid.device)[None, :] >= valid[:, None]
+    return past.flatten().nonzero().flatten()
 
 
 class GatherBuffers:
@@ -208,7 +223,7 @@ def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scal
     n, max_q, num_keys = group.num_seqs, group.max_query_len, group.num_keys
     num_kv_heads, head_dim = kv_cache[0].shape[2:]
     num_heads = q.shape[1]
-    k, v = (from_cache(_gather(cache, group.blocks, buffers, which), s, q.dtype)
+    k, v = (from_cache(_gather(cache, group, buffers, which), s, q.dtype)
             .view(n, num_keys, num_kv_heads, head_dim).transpose(1, 2)
             for which, (cache, s) in enumerate(zip(kv_cache, kv_scales)))
     qg = q if group.q_rows is None else q.index_select(0, group.q_rows)
@@ -232,10 +247,15 @@ def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scal
     return o if group.real_rows is None else o.index_select(0, group.real_rows)
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, buffers: GatherBuffers | None,
+def _gather(cache: torch.Tensor, group: AttentionGroup, buffers: GatherBuffers | None,
             which: int) -> torch.Tensor:
-    out = None if buffers is None else buffers.take(which, cache, block_ids.shape[0])
-    return gather_blocks(cache, block_ids, out)
+    """The group's blocks as stored, the rows past each sequence's end zeroed."""
+    out = None if buffers is None else buffers.take(which, cache, group.blocks.shape[0])
+    gathered = gather_blocks(cache, group.blocks, out)
+    if group.pad_keys is not None:  # zero bits are 0.0 in every cache dtype, fp8 included
+        rows = gathered.view(torch.uint8) if gathered.element_size() == 1 else gathered
+        rows.view(-1, *cache.shape[2:]).index_fill_(0, group.pad_keys, 0)
+    return gathered
 
 
 def paged_attention_batched(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,

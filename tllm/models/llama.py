@@ -135,6 +135,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.quant_config = quant_config
+        # the hidden states' dtype (what pipeline stages send), whatever the weights are kept in
+        self.activation_dtype = torch.get_default_dtype()
         mapping = comm.mapping()
         self.is_first_stage, self.is_last_stage = mapping.is_first_stage, mapping.is_last_stage
         self.stage_layers = mapping.stage_layers(config.num_hidden_layers)

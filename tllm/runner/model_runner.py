@@ -79,7 +79,7 @@ class ModelRunner:
         if logits is None:  # a later pipeline stage computes (and samples) them
             out._receive = receive_from_last_stage(
                 inputs.sample_requests, len(inputs.prompt_rows), self.model.config.vocab_size,
-                next(self.model.parameters()).dtype, self.device)
+                self.model.activation_dtype, self.device)
             return out
         num_sample = len(inputs.sample_requests)
         out.sample_logits = logits[:num_sample]

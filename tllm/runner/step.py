@@ -74,7 +74,7 @@ def run_plan(model: nn.Module, kv_caches, graphs, plan: StepPlan, input_ids: tor
     intermediate = None
     if not model.is_first_stage:
         shape = (plan.num_tokens, model.config.hidden_size)
-        intermediate = tuple(comm.recv_from_prev_stage([shape, shape], _dtype_of(model)))
+        intermediate = tuple(comm.recv_from_prev_stage([shape, shape], model.activation_dtype))
     out = model(input_ids, kv_caches, metadata, intermediate)
     if not model.is_last_stage:
         for work in comm.send_to_next_stage(list(out)):
@@ -107,6 +107,3 @@ class RankModel:
             comm.tp_broadcast_from_driver(input_ids)
         return run_plan(self.model, self.kv_caches, self.graphs, plan, input_ids, metadata)
 
-
-def _dtype_of(model: nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype

@@ -65,9 +65,11 @@ def test_text_prompt_is_tokenized_like_hf(llm):
 
 
 def test_raw_deltas_carry_the_generated_text(llm):
+    """Each sample's deltas add up to its token ids and to their detokenized text. (Compared
+    within one run: another run of the same seeded request may sample differently, as the
+    CPU's int8 kernels round differently with the number of rows in a step.)"""
     params = SamplingParams(max_tokens=16, temperature=0.8, n=2, seed=5, logprobs=0)
     prompts = [PROMPT, "日本の首都は"]
-    expected = llm.generate(prompts, params, use_tqdm=False)
 
     async def collect(result):
         return [delta async for delta in result.deltas()]
@@ -76,8 +78,11 @@ def test_raw_deltas_carry_the_generated_text(llm):
         results = await llm.submit_batch(prompts, [params] * 2, streaming=True)
         return await asyncio.gather(*(collect(r) for r in results))
 
-    for deltas, output in zip(asyncio.run(stream()), expected):
-        for sample in output.outputs:
-            mine = [d for d in deltas if d.index == sample.index]
-            assert "".join(d.text for d in mine) == sample.text
-            assert sum((d.token_ids for d in mine), []) == sample.token_ids
+    for deltas in asyncio.run(stream()):
+        assert {d.index for d in deltas} == {0, 1}
+        for index in (0, 1):
+            mine = [d for d in deltas if d.index == index]
+            token_ids = sum((d.token_ids for d in mine), [])
+            assert mine[-1].finish_reason is not None and len(token_ids) > 0
+            assert "".join(d.text for d in mine) == llm.tokenizer.decode(token_ids)
+            assert all(len(d.logprobs) == len(d.token_ids) for d in mine)

@@ -60,9 +60,11 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
                        help="share of the free memory the KV cache takes, "
                             "kv_cache_config.free_memory_fraction (default 0.9)")
-    group.add_argument("--quantization", choices=["fp8"],
-                       help="quantize the linear layers at load: fp8 (per-channel weights, "
-                            "per-token activations); a quantized checkpoint needs no flag")
+    group.add_argument("--quantization", choices=["fp8", "none", "gguf_int4"],
+                       help="fp8: quantize the linear layers at load (per-channel weights, "
+                            "per-token activations); a quantized checkpoint needs no flag. "
+                            "GGUF files: gguf_int4 keeps 4-bit blocks exact (int4 kernel, "
+                            "less memory), none dequantizes them")
     group.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
                        help="KV cache storage, kv_cache_config.dtype (default auto: the "
                             "model's dtype; fp8 halves its bytes)")

@@ -68,8 +68,9 @@ class LlmArgs(BaseModel):
     # "fp8": quantize a 16/32-bit checkpoint's linear layers to FP8 at load (per-channel
     # weights, per-token activations). A quantized checkpoint is detected from its own config.
     # "none": no quantized weights: a GGUF file is dequantized to the model dtype at load
-    # (by default its blocks stay quantized: int4/int8 kernels on the CPU).
-    quantization: Literal["fp8", "none"] | None = None
+    # (by default its blocks stay quantized: int8 kernels on the CPU). "gguf_int4": a GGUF
+    # file's 4-bit types as exact int4 (less memory, slower once requests batch).
+    quantization: Literal["fp8", "none", "gguf_int4"] | None = None
     device: str | None = None
     max_batch_size: int = Field(256, ge=1)
     max_num_tokens: int = Field(8192, ge=1)

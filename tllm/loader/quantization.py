@@ -30,18 +30,23 @@ def resolve_quant_config(kind: str, path: Path | None, hf_config,
         return found
     if requested == "fp8":
         return Fp8Config(Fp8Scheme(checkpoint_is_fp8=False))
+    if requested == "gguf_int4":
+        raise ValueError("quantization='gguf_int4' applies to GGUF files only")
     if requested not in (None, "none"):
         raise ValueError(f"quantization: unknown scheme {requested!r}")
     return None
 
 
 def gguf_quant_config(hf_config, requested: str | None) -> GgufConfig:
-    """A GGUF file's blocks kept quantized (the default) or dequantized at load ("none")."""
-    if requested not in (None, "none"):
+    """A GGUF file's blocks kept quantized (the default; "gguf_int4": its 4-bit types as
+    exact int4) or dequantized at load ("none")."""
+    if requested not in (None, "none", "gguf_int4"):
         raise ValueError(f"quantization={requested!r}: a GGUF file is already quantized; "
-                         "leave quantization unset, or 'none' to run it dequantized")
+                         "leave quantization unset, 'gguf_int4' to keep its 4-bit blocks "
+                         "exact, or 'none' to run it dequantized")
     types = dict(declared_quantization(None, hf_config)["tensor_types"])
-    config = GgufConfig(types, dequantize=requested == "none")
+    config = GgufConfig(types, dequantize=requested == "none",
+                        exact_int4=requested == "gguf_int4")
     if not config.dequantize and config.dequantized_types():
         logger.info("GGUF types %s have no kept-quantized form here: their linear layers are "
                     "dequantized at load", ", ".join(sorted(config.dequantized_types())))

@@ -3,26 +3,30 @@ multiplies (read with the `gguf` package; the loader hands over each tensor's bl
 lie in the file, [rows, blocks, bytes per block]).
 
 What each GGML type becomes on the CPU (GgufConfig decides per layer):
-- Q4_0, Q4_1, Q4_K, Q8_0: an exact repack onto torch's int4 kernel (`_weight_int4pack_mm_for_cpu`,
-  groups of 32 along the input, w = (q - 8) * scale + zero): Q4_0 is d * (q - 8), zero 0; Q4_1
-  is d * q + m, zero m + 8d; Q4_K's 32-value sub-blocks are (d * sc) * q - dmin * m, zero
-  8 * d * sc - dmin * m; Q8_0 is two int4 planes (its low and high nibbles, two products
-  summed). With float32 scales these reproduce gguf's dequantize bit for bit.
-- Q5_0, Q5_1, Q5_K, Q6_K: no torch CPU kernel takes 5- or 6-bit values in blocks (nor groups
-  of 16), so they are re-quantized per output channel to int8 (`_weight_int8pack_mm`): ~0.8%
-  weight error against gguf's values, a fifth of what the formats themselves lose (measured in
-  tests/layers/test_gguf_method.py). So is a merged layer whose projections come in different
-  types (Q4_K q/k with a Q6_K v, as in Q4_K_M files).
+- Q4_0, Q4_1, Q4_K, Q8_0 and Q5_0, Q5_1, Q5_K, Q6_K (the default): re-quantized per output
+  channel to int8 (tllm.kernels.int8_cpu: `_weight_int8pack_mm` for one row, per-token W8A8
+  through `torch._int_mm` above). ~0.8% weight error against gguf's values for the 5/6-bit
+  types, a fifth of what the formats themselves lose (tests/layers/test_gguf_method.py); at one
+  row it runs as fast as the int4 kernel, and at 32 rows 3-5x faster (benchmarks/RESULTS.md).
+  So is a merged layer whose projections come in different types (Q4_K q/k with a Q6_K v).
+- with quantization="gguf_int4", Q4_0, Q4_1, Q4_K, Q8_0 are instead an exact repack onto
+  torch's int4 kernel (`_weight_int4pack_mm_for_cpu`, groups of 32 along the input,
+  w = (q - 8) * scale + zero): Q4_0 is d * (q - 8), zero 0; Q4_1 is d * q + m, zero m + 8d;
+  Q4_K's 32-value sub-blocks are (d * sc) * q - dmin * m, zero 8 * d * sc - dmin * m; Q8_0 is
+  two int4 planes (its low and high nibbles, two products summed). With float32 scales these
+  reproduce gguf's dequantize bit for bit. The weights then take the file's size, but that
+  kernel's cost grows with every row (a 1000-token prefill is ~10x a dense bf16 one).
 - any other type (Q2_K, Q3_K, IQ*, ...): dequantized at load, with one logged note.
 
-Both kernels are vectorised on x86 for bf16 only (fp32 runs a scalar loop, ~30x slower here),
-so activations, scales and zeros are bf16 at the kernel and the layer casts x in and out: the
-int4 weights are then exact but for their scale and zero rounded to bf16 (~2^-9 relative).
-Off the CPU every layer is the dense weight in the model dtype, as dequantized GGUF was before.
-The token embedding keeps its blocks and decodes the rows it looks up (exact); the LM head
-(tied to it in SmolLM2) is int8 per vocabulary row: at 49152 x 576 its int8 product took
-1.8 ms against 2.7 ms for Q8_0's two int4 planes and 5.7 ms in float32 (batch 1, one thread);
-its re-quantization error is checked in SmolLM2's greedy parity (tests/loader)."""
+The int4 and int8 W8A16 kernels are vectorised on x86 for bf16 only (fp32 runs a scalar loop,
+~30x slower here), so activations, scales and zeros are bf16 at the kernel and the layer casts
+x in and out: the int4 weights are then exact but for their scale and zero rounded to bf16
+(~2^-9 relative). Off the CPU every layer is the dense weight in the model dtype, as
+dequantized GGUF was before. The token embedding keeps its blocks and decodes the rows it
+looks up (exact); the LM head (tied to it in SmolLM2) is int8 per vocabulary row: at
+49152 x 576 its int8 product took 1.8 ms against 2.7 ms for Q8_0's two int4 planes and 5.7 ms
+in float32 (batch 1, one thread); its re-quantization error is checked in SmolLM2's greedy
+parity (tests/loader)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tllm.distributed import comm
+from tllm.kernels.int8_cpu import int8_matmul
 from tllm.layers.embedding import Embedding, LMHead
 from tllm.layers.quant.base import (UNQUANTIZED, WEIGHT, ParamLayout, QuantConfig, QuantMethod,
                                     add_param)
@@ -132,14 +137,6 @@ def quantize_rows_int8(weight: torch.Tensor, scale_dtype: torch.dtype = COMPUTE_
     return q, scale
 
 
-def _int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] times the int8 weight [N, K] with its per-row scale, in the scale's dtype."""
-    shape = x.shape
-    out = torch.ops.aten._weight_int8pack_mm(
-        x.reshape(-1, shape[-1]).to(scale.dtype).contiguous(), qweight, scale)
-    return out.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
-
-
 def _replace(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     if hasattr(module, name):
         delattr(module, name)
@@ -212,7 +209,7 @@ class GgufLinearMethod(QuantMethod):
             out = parts[0] if len(parts) == 1 else sum(p.float() for p in parts)
             return out.to(x.dtype).reshape(*shape[:-1], out.shape[-1])
         if self.form == "int8":
-            return _int8_matmul(x, layer.qweight, layer.scale)
+            return int8_matmul(x, layer.qweight, layer.scale)
         return F.linear(x, layer.weight)
 
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
@@ -316,7 +313,7 @@ class GgufLMHead(LMHead):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.weight is not None:
             return super().forward(hidden)
-        logits = _int8_matmul(hidden, self.qweight, self.scale)
+        logits = int8_matmul(hidden, self.qweight, self.scale)
         if self.tp_size == 1:
             return logits
         return comm.tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]
@@ -337,6 +334,9 @@ class GgufConfig(QuantConfig):
 
     tensor_types: dict[str, str] = field(default_factory=dict, compare=False)
     dequantize: bool = False
+    # Q4_0/Q4_1/Q4_K/Q8_0 as exact int4 planes (quantization="gguf_int4": the file's size in
+    # memory, but the int4 kernel's cost grows with every row) instead of int8 per channel
+    exact_int4: bool = False
     name = "gguf"
 
     def dequantized_types(self) -> set[str]:
@@ -380,7 +380,7 @@ class GgufConfig(QuantConfig):
         if self.dequantize:
             return "dense"
         if qtype in INT4_TYPES:
-            return "int4"
+            return "int4" if self.exact_int4 else "int8"
         return "int8" if qtype in INT8_TYPES else "dense"
 
     def _group_types(self, hf_name: str) -> list[str | None]:

@@ -1,0 +1,62 @@
+"""int8-weight products on the CPU (W8A16: bf16 activations), with torch's own kernels.
+
+A weight is int8 per output channel, `qweight` [N, K] with `scale` [N] (w = q * scale).
+- Few rows (decode): `_weight_int8pack_mm`, a GEMV that reads the int8 weight once; its cost
+  grows with every row (it does not block over rows).
+- DEQUANT_MIN_ROWS rows or more (prefill, batched decode): the weight is widened to bf16 a
+  slice at a time into a reused scratch buffer (int8 values are exact in bf16) and multiplied
+  by oneDNN's bf16 GEMM (AMX or AVX512-BF16 where the CPU has them); the scale is applied to
+  the product. On a 2-core Sapphire Rapids VM at SmolLM2's shapes, 32 rows took 0.12-0.35 ms a
+  projection against 0.2-0.7 ms for the GEMV kernel; 256 rows 3-6x less; the crossover is
+  about 16 rows (benchmarks/RESULTS.md).
+
+Both paths see the same bf16 activations and int8 weights; they differ only in where the
+float32 scale meets the sum, so a row's result barely depends on the batch it is in.
+`int8_matmul_ref` is what both compute, in float64."""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+DEQUANT_MIN_ROWS = 16
+_SCRATCH_ELEMENTS = 1 << 21   # 4 MB of bf16 a slice: a layer's weight, or the LM head in parts
+_scratch = threading.local()  # one buffer per thread: engines in one process may run at once
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] times the weight [N, K]; the result in x's dtype. `scale` [N] in the
+    activations' compute dtype (bf16 for speed; float32 runs torch's scalar loops)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).to(scale.dtype).contiguous()
+    if x2.shape[0] >= DEQUANT_MIN_ROWS:
+        out = _widened_matmul(x2, qweight, scale)
+    else:
+        out = torch.ops.aten._weight_int8pack_mm(x2, qweight, scale)
+    return out.to(x.dtype).reshape(*shape[:-1], qweight.shape[0])
+
+
+def _widened_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    n, k = qweight.shape
+    rows_per_slice = max(1, min(n, _SCRATCH_ELEMENTS // k))
+    buf = _scratch_buffer(rows_per_slice * k, x.dtype)[:rows_per_slice * k].view(-1, k)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
+    for start in range(0, n, rows_per_slice):
+        part = buf[:min(rows_per_slice, n - start)]
+        part.copy_(qweight[start:start + part.shape[0]])
+        torch.matmul(x, part.t(), out=out[:, start:start + part.shape[0]])
+    return out.to(torch.float32).mul_(scale)
+
+
+def _scratch_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype:
+        buf = _scratch.buf = torch.empty(numel, dtype=dtype)
+    return buf
+
+
+def int8_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What int8_matmul computes, in float64: the activations rounded to the scale's dtype."""
+    xs = x.reshape(-1, x.shape[-1]).to(scale.dtype).double()
+    w = qweight.double() * scale.double()[:, None]
+    return (xs @ w.t()).reshape(*x.shape[:-1], qweight.shape[0])

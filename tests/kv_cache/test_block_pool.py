@@ -58,3 +58,17 @@ def test_caching_disabled_never_hits():
     [block] = pool.allocate(1)
     pool.cache_full_block(block, 5)
     assert pool.lookup(5) is None
+
+
+def test_empty_freed_blocks_go_out_first_then_fresh_then_cached():
+    """Freed blocks holding nothing reusable are handed out before never-used ones (their
+    memory is paged in), most recently freed first; cached blocks last."""
+    pool = BlockPool(6)
+    cached, empty_old, empty_new = pool.allocate(1), pool.allocate(1), pool.allocate(1)
+    pool.cache_full_block(cached[0], block_hash=9)
+    pool.free(cached)
+    pool.free(empty_old)
+    pool.free(empty_new)
+    order = pool.allocate(6)
+    assert order[:2] == empty_new + empty_old
+    assert order[2:5] == [3, 4, 5] and order[5] == cached[0]

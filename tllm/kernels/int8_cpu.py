@@ -8,7 +8,7 @@ A weight is int8 per output channel, `qweight` [N, K] with `scale` [N] (w = q * 
   by oneDNN's bf16 GEMM (AMX or AVX512-BF16 where the CPU has them); the scale is applied to
   the product. On a 2-core Sapphire Rapids VM at SmolLM2's shapes, 32 rows took 0.12-0.35 ms a
   projection against 0.2-0.7 ms for the GEMV kernel; 256 rows 3-6x less; the crossover is
-  about 16 rows (benchmarks/RESULTS.md).
+  about 20 rows with the weights out of cache (benchmarks/RESULTS.md).
 
 Both paths see the same bf16 activations and int8 weights; they differ only in where the
 float32 scale meets the sum, so a row's result barely depends on the batch it is in.
@@ -19,7 +19,7 @@ import threading
 
 import torch
 
-DEQUANT_MIN_ROWS = 16
+DEQUANT_MIN_ROWS = 24
 _SCRATCH_ELEMENTS = 1 << 21   # 4 MB of bf16 a slice: a layer's weight, or the LM head in parts
 _scratch = threading.local()  # one buffer per thread: engines in one process may run at once
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tllm.kernels import fp8
@@ -28,9 +29,12 @@ class RMSNorm(nn.Module):
         if residual is not None:
             x = x + residual
             residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
+        if x.dtype == torch.float32:  # the same arithmetic as below, in one op's C++
+            out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        else:
+            h = x.float()
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = self.weight * h.to(x.dtype)
         if quantize_to is not None:
             out = fp8.quantize_activation(out)
         return out if residual is None else (out, residual)

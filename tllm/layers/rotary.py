@@ -29,11 +29,6 @@ def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, heads, D] and k [T, kv_heads, D] at the given positions."""
 
@@ -47,6 +42,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        cos, signed_sin = self._tables(positions, q.dtype)
+        half = q.shape[-1] // 2
+        # HF's rotate_half(x) * sin == roll(x, half) * [-sin, sin] exactly (a sign flip is exact)
+        return (q * cos + q.roll(half, -1) * signed_sin,
+                k * cos + k.roll(half, -1) * signed_sin)
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos and [-sin, sin] at these positions: gathered once per step (every layer gets
+        the step's one positions tensor), not once per layer."""
+        cached = self.__dict__.get("_step_tables")
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2]
+        cos = self.cos[positions].to(dtype).unsqueeze(1)
+        sin = self.sin[positions].to(dtype).unsqueeze(1)
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        self.__dict__["_step_tables"] = (positions, dtype, (cos, signed_sin))
+        return cos, signed_sin

@@ -178,8 +178,9 @@ def run_worker(system: str, args) -> dict:
         return {"batch1": [hf_rate(hf, [p], args.max_tokens, 2) for p in prompts[:2]],
                 "batch32": [hf_rate(hf, prompts, args.max_tokens, 2)]}
     from tllm import LLM, KvCacheConfig
-    with LLM("smollm2", max_batch_size=32,
-             kv_cache_config=KvCacheConfig(max_tokens=32 * 512)) as llm:
+    quantization = "gguf_int4" if system == "tllm_int4" else args.quantization
+    with LLM("smollm2", max_batch_size=32, kv_cache_config=KvCacheConfig(max_tokens=32 * 512),
+             quantization=quantization) as llm:
         tllm_rate(llm, prompts[:2], 4)  # warm-up
         if system == "profile":
             return section_profile(llm, prompts)
@@ -190,6 +191,8 @@ def run_worker(system: str, args) -> dict:
 def spawn(system: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", system, "--threads", str(args.threads),
            "--max-tokens", str(args.max_tokens)]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"{system} worker failed:\n{done.stderr[-3000:]}")
@@ -213,6 +216,10 @@ def main() -> None:
     parser.add_argument("--sections", default="batch1,batch32,prefix",
                         help="any of batch1,batch32,prefix,profile")
     parser.add_argument("--json", help="write every figure here")
+    parser.add_argument("--quantization", help="tllm's LLM(quantization=...) (default: the "
+                        "GGUF's kept form)")
+    parser.add_argument("--with-int4", action="store_true",
+                        help="also tllm with quantization='gguf_int4' (exact int4 linears)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -221,9 +228,9 @@ def main() -> None:
     sections = args.sections.split(",")
     results: dict = {"threads": args.threads, "max_tokens": args.max_tokens}
     if "batch1" in sections or "batch32" in sections:
-        systems = ["tllm", "hf"] + (["llama_cpp"] if "batch1" in sections and has_llama_cpp()
-                                    else [])
-        runs: dict = {name: {"tllm": [], "hf": [], "llama_cpp": []}
+        systems = ["tllm", "hf"] + (["tllm_int4"] if args.with_int4 else []) + (
+            ["llama_cpp"] if "batch1" in sections and has_llama_cpp() else [])
+        runs: dict = {name: {system: [] for system in ("tllm", "hf", "llama_cpp", "tllm_int4")}
                       for name in ("batch1", "batch32")}
         for _ in range(args.repeats):
             for system in systems:
@@ -257,6 +264,11 @@ def print_table(results: dict) -> None:
         vs_cpp = f"{ours / cpp:.2f}x" if cpp else "-"
         print(f"| {name} (tok/s) | {ours:.1f} | {r['hf']:.1f} | {cpp_rate} | "
               f"{ours / r['hf']:.2f}x | {vs_cpp} |")
+        if r.get("tllm_int4"):
+            int4 = r["tllm_int4"]
+            vs_cpp = f"{int4 / cpp:.2f}x" if cpp else "-"
+            print(f"| {name}, tllm gguf_int4 (tok/s) | {int4:.1f} | {r['hf']:.1f} | {cpp_rate} | "
+                  f"{int4 / r['hf']:.2f}x | {vs_cpp} |")
     for name, p in results.get("profile", {}).items():
         parts = ", ".join(f"{k} {v:.1f}" for k, v in p["ms_per_step"].items())
         print(f"profile {name}: step {p['step_ms_unprofiled']:.1f} ms "

@@ -10,8 +10,10 @@ dequantized to float32 at load (quantization="none"), in the same run:
   pack kernels) from the torch profiler over one batch-1 and one batch-32 generation;
 - resident memory after load, each path in a fresh process (and the weights' bytes);
 - greedy parity: where the two paths' tokens first part on 4 prompts (32 tokens);
-- the kernels alone at SmolLM2's shapes, M = 1 and 32 rows: float32 and bf16 dense
-  F.linear, the int4 kernel with float32 and with bf16 activations, the int8 kernel.
+- the kernels alone at SmolLM2's shapes, 1, 16, 32 and 256 rows: float32 and bf16 dense
+  F.linear, the int4 kernel with float32 and with bf16 activations, the int8 GEMV kernel,
+  the int8 weight widened to bf16 a slice at a time (tllm.kernels.int8_cpu);
+  `--kernels-only` runs just these.
 
     python benchmarks/cpu_gguf.py --threads 2 --repeats 3
 
@@ -180,9 +182,10 @@ def kernel_us(fn, repeats: int, budget_s: float = 0.05) -> float:
 def kernel_table(repeats: int) -> dict:
     """us per call of each kernel (median of `repeats`), random weights of SmolLM2's shapes."""
     import torch.nn.functional as F
+    from tllm.kernels.int8_cpu import _widened_matmul
     int4, int8 = torch.ops.aten._weight_int4pack_mm_for_cpu, torch.ops.aten._weight_int8pack_mm
     table = {}
-    for rows in (1, 32):
+    for rows in (1, 16, 32, 256):
         for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k)
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
@@ -194,11 +197,22 @@ def kernel_table(repeats: int) -> dict:
             entry = {"fp32 dense": kernel_us(lambda: F.linear(x, w), repeats),
                      "bf16 dense": kernel_us(lambda: F.linear(xb, wb), repeats),
                      "int4 bf16 act": kernel_us(lambda: int4(xb, packed, 32, szb), repeats),
-                     "int8 bf16 act": kernel_us(lambda: int8(xb, w8, s8b), repeats)}
-            if name != "lm_head":  # the float32 int4 path is a scalar loop: minutes here
+                     "int8 bf16 act": kernel_us(lambda: int8(xb, w8, s8b), repeats),
+                     "int8 widened": kernel_us(lambda: _widened_matmul(xb, w8, s8b), repeats)}
+            if name != "lm_head" and rows <= 32:  # float32 int4 is a scalar loop: minutes
                 entry["int4 fp32 act"] = kernel_us(lambda: int4(x, packed, 32, sz), 1, 0.0)
             table[f"{name} M={rows}"] = entry
     return table
+
+
+def print_kernels(table: dict) -> None:
+    columns = ("fp32 dense", "bf16 dense", "int4 fp32 act", "int4 bf16 act", "int8 bf16 act",
+               "int8 widened")
+    print(f"| kernel (us) | {' | '.join(columns)} |")
+    print("|---|" + "---:|" * len(columns))
+    for shape, entry in table.items():
+        print(f"| {shape} | " + " | ".join(f"{entry[c]:.1f}" if c in entry else "-"
+                                         for c in columns) + " |")
 
 
 def main() -> None:
@@ -208,8 +222,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--out", default=os.path.join(os.environ["OUT"], "cpu_gguf.json")
                         if os.environ.get("OUT") else None)
+    parser.add_argument("--kernels-only", action="store_true",
+                        help="only the kernels at SmolLM2's shapes (1, 16, 32, 256 rows)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.kernels_only:
+        print_kernels(kernel_table(args.repeats))
+        return
     results = {"threads": args.threads, "load_average": os.getloadavg()}
     for name, quantization in PATHS.items():
         results[name] = resident_after_load(quantization)
@@ -240,11 +259,7 @@ def main() -> None:
                        ("weights_mb", "weights MB")):
         d, k = (results[p][key] for p in PATHS)
         print(f"{label:26}{d:18.1f}{k:18.1f}{k / d:8.2f}")
-    columns = ("fp32 dense", "bf16 dense", "int4 fp32 act", "int4 bf16 act", "int8 bf16 act")
-    print(f"{'kernel us':22}" + "".join(f"{c:>15}" for c in columns))
-    for shape, entry in results["kernels_us"].items():
-        print(f"{shape:22}" + "".join(f"{entry[c]:15.1f}" if c in entry else f"{'-':>15}"
-                                      for c in columns))
+    print_kernels(results["kernels_us"])
     for note in results["parity"]:
         print("parity", note["prompt"][:24], "identical" if note["parted_at"] is None else
               f"parted at {note['parted_at']} (top-5 both ways: "

@@ -6,9 +6,9 @@ A weight is int8 per output channel, `qweight` [N, K] with `scale` [N] (w = q * 
 - DEQUANT_MIN_ROWS rows or more (prefill, batched decode): the weight is widened to bf16 a
   slice at a time into a reused scratch buffer (int8 values are exact in bf16) and multiplied
   by oneDNN's bf16 GEMM (AMX or AVX512-BF16 where the CPU has them); the scale is applied to
-  the product. On a 2-core Sapphire Rapids VM at SmolLM2's shapes, 32 rows took 0.12-0.35 ms a
-  projection against 0.2-0.7 ms for the GEMV kernel; 256 rows 3-6x less; the crossover is
-  about 20 rows with the weights out of cache (benchmarks/RESULTS.md).
+  the product. On a 2-core Sapphire Rapids VM at SmolLM2's shapes, 32 rows took 0.10-0.45 ms
+  a projection against 0.14-0.75 ms for the GEMV kernel, 256 rows 4-6x less than it; the
+  crossover is about 20 rows with the weights out of cache (benchmarks/RESULTS.md).
 
 Both paths see the same bf16 activations and int8 weights; they differ only in where the
 float32 scale meets the sum, so a row's result barely depends on the batch it is in.

@@ -229,7 +229,14 @@ def test_raw_deltas_match_generate_and_build_no_request_output(llm, monkeypatch)
         for sample in output.outputs:
             mine = [d for d in deltas if d.index == sample.index]
             assert sum((d.token_ids for d in mine), []) == sample.token_ids
-            assert sum((d.logprobs for d in mine), []) == sample.logprobs
+            # close, not equal: the two runs may batch the prompts into different steps,
+            # and a matmul over another number of rows rounds in another order
+            streamed = sum((d.logprobs for d in mine), [])
+            assert [set(x) for x in streamed] == [set(x) for x in sample.logprobs]
+            for got, want in zip(streamed, sample.logprobs):
+                for token, logprob in want.items():
+                    assert got[token].rank == logprob.rank
+                    assert got[token].logprob == pytest.approx(logprob.logprob, abs=1e-5)
             assert [d.finish_reason for d in mine].count("length") == 1
             assert mine[-1].finish_reason == "length"
 

@@ -237,6 +237,14 @@ def _plane_names(index: int) -> tuple[str, str]:
     return f"qweight{suffix}", f"scales_zeros{suffix}"
 
 
+def _hold_blocks(layer: nn.Module, embedding_dim: int, qtype: str, dense: bool) -> None:
+    """A vocabulary layer's weight as `qtype` blocks [its rows, blocks, bytes per block]."""
+    layer.qtype, layer.dense, layer.dtype = qtype, dense, torch.get_default_dtype()
+    values, nbytes = block_shape(qtype)
+    layer.weight = nn.Parameter(torch.empty(layer.weight.shape[0], embedding_dim // values,
+                                            nbytes, dtype=torch.uint8), requires_grad=False)
+
+
 class GgufEmbedding(Embedding):
     """The token embedding as GGUF blocks [vocab, blocks, bytes]: looked-up rows are decoded
     by gguf's own dequantize (exact, and the table stays the file's size). Dense in the model
@@ -245,11 +253,7 @@ class GgufEmbedding(Embedding):
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str,
                  dense: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        self.qtype, self.dense, self.dtype = qtype, dense, torch.get_default_dtype()
-        values, nbytes = block_shape(qtype)
-        rows = self.weight.shape[0]
-        self.weight = nn.Parameter(torch.empty(rows, embedding_dim // values, nbytes,
-                                               dtype=torch.uint8), requires_grad=False)
+        _hold_blocks(self, embedding_dim, qtype, dense)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
         if tensor.shape[0] != self.num_embeddings or tensor.shape[1:] != self.weight.shape[1:]:
@@ -292,11 +296,7 @@ class GgufLMHead(LMHead):
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str,
                  dense: bool = False) -> None:
         super().__init__(num_embeddings, embedding_dim)
-        self.qtype, self.dense, self.dtype = qtype, dense, torch.get_default_dtype()
-        values, nbytes = block_shape(qtype)
-        rows = self.weight.shape[0]
-        self.weight = nn.Parameter(torch.empty(rows, embedding_dim // values, nbytes,
-                                               dtype=torch.uint8), requires_grad=False)
+        _hold_blocks(self, embedding_dim, qtype, dense)
 
     load_weight = GgufEmbedding.load_weight
 

@@ -51,6 +51,8 @@ from tllm.bench.offline import (LatencyConfig, ThroughputConfig, exact_length_pa
                                 synthetic_prompts)
 from tllm.bench.offline_cli import format_report, load_extra_options, no_nan  # noqa: E402
 
+from gpu_common import Tee, interval_union, round_up  # noqa: E402
+
 PARTS = ("floor", "hf", "latency", "throughput", "profile", "long")
 FLOOR_CONVENTION = ("copy bandwidth = (bytes read + bytes written) / time of a large "
                     "device-to-device tensor copy (median); floor tok/s at batch 1 = copy "
@@ -135,7 +137,7 @@ class Session:
     def llm(self, max_batch_size: int, isl: int, osl: int) -> LLM:
         block = (self.extra.get("kv_cache_config") or {}).get("tokens_per_block", 32)
         kwargs = {**self.extra, "dtype": self.plan.dtype, "device": self.plan.device,
-                  "max_batch_size": max_batch_size, "max_seq_len": _round_up(isl + osl, block)}
+                  "max_batch_size": max_batch_size, "max_seq_len": round_up(isl + osl, block)}
         started = time.perf_counter()
         llm = LLM(self.plan.model, **kwargs)
         self.log(f"built {self.plan.model} (max_batch_size {max_batch_size}, max_seq_len "
@@ -436,15 +438,6 @@ def trace_summary(events: list[dict]) -> dict:
             "per_name_us": per_name_us, "per_name_count": per_name_count, "runtime": runtime}
 
 
-def interval_union(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
 def diff_summaries(long: dict, short: dict, num_steps: int, top: int = 12) -> dict:
     per_step = {name: (long["per_name_us"][name] - short["per_name_us"].get(name, 0.0))
                 / num_steps / 1e3 for name in long["per_name_us"]}
@@ -621,24 +614,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class _Tee:
-    def __init__(self, *streams) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self.streams:
-            stream.flush()
-
-
 def _start_watchdog(session: Session) -> None:
     """A hung part must not cost the figures already measured: past the budget, dump every
     thread's stack, print the summary so far and exit."""
@@ -702,8 +677,8 @@ def main() -> int:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         log = open(out_dir / "fastpath.log", "w")  # noqa: SIM115 (open for the whole run)
-        sys.stdout = _Tee(sys.__stdout__, log)
-        sys.stderr = _Tee(sys.__stderr__, log)
+        sys.stdout = Tee(sys.__stdout__, log)
+        sys.stderr = Tee(sys.__stderr__, log)
     with tempfile.TemporaryDirectory() as tmp:
         plan = SMOKE if args.smoke else FULL
         if args.smoke:

@@ -53,6 +53,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from gpu_common import Tee, interval_union, round_up  # noqa: E402
+from tllm.bench.offline_cli import no_nan  # noqa: E402
 
 SECTIONS = ("tests", "micro", "bf16", "fp8", "fp8big", "bf16big")
 DEFAULT_SECTIONS = ("tests", "micro", "bf16", "fp8")
@@ -154,7 +156,7 @@ class Session:
 
     def save(self) -> None:
         if self.out_dir is not None:
-            (self.out_dir / "gpu_fp8.json").write_text(json.dumps(_no_nan(self.results),
+            (self.out_dir / "gpu_fp8.json").write_text(json.dumps(no_nan(self.results),
                                                                   indent=1, default=str))
 
 
@@ -429,7 +431,7 @@ def engine_kwargs(session: Session, fp8: bool, max_batch_size: int | None = None
     batch = max_batch_size or plan.max_batch_size
     longest = max(sum(plan.latency_shape), sum(plan.throughput_shape), sum(plan.long_shape))
     kwargs = {"dtype": plan.dtype, "device": plan.device, "max_batch_size": batch,
-              "max_seq_len": _round_up(longest, 32)}
+              "max_seq_len": round_up(longest, 32)}
     if fp8:
         kwargs.update(quantization="fp8", kv_cache_config=KvCacheConfig(dtype="fp8"))
     if batch > 256:  # CUDA graphs up to the batch (the default list stops at 256)
@@ -650,12 +652,8 @@ def trace_summary(path: Path) -> dict:
     per_name = Counter()
     for e in device:
         per_name[e["name"]] += float(e.get("dur", 0))
-    intervals = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in device)
-    busy, end = 0.0, float("-inf")
-    for start, stop in intervals:
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
+    busy = interval_union([(float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+                           for e in device])
     return {"busy_us": busy, "per_name_us": per_name}
 
 
@@ -791,16 +789,6 @@ def _meta(plan: Plan, budget_s: float) -> dict:
             "model": plan.model, "budget_s": budget_s}
 
 
-def _no_nan(value):
-    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-        return None
-    if isinstance(value, dict):
-        return {str(k): _no_nan(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_no_nan(v) for v in value]
-    return value
-
-
 def _free_memory() -> None:
     import torch
     gc.collect()
@@ -812,24 +800,6 @@ def _sync(cuda: bool) -> None:
     if cuda:
         import torch
         torch.cuda.synchronize()
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
-
-
-class _Tee:
-    def __init__(self, *streams) -> None:
-        self.streams = streams
-
-    def write(self, text: str) -> int:
-        for stream in self.streams:
-            stream.write(text)
-        return len(text)
-
-    def flush(self) -> None:
-        for stream in self.streams:
-            stream.flush()
 
 
 def _start_watchdog(session: Session) -> None:
@@ -910,8 +880,8 @@ def main() -> int:
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         log = open(out_dir / "gpu_fp8.log", "w")  # noqa: SIM115 (open for the whole run)
-        sys.stdout = _Tee(sys.__stdout__, log)
-        sys.stderr = _Tee(sys.__stderr__, log)
+        sys.stdout = Tee(sys.__stdout__, log)
+        sys.stderr = Tee(sys.__stderr__, log)
     with tempfile.TemporaryDirectory() as tmp:
         plan = SMOKE if args.smoke else FULL
         if args.smoke:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import faulthandler
 import gc
 import gzip
 import json
@@ -34,7 +33,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -51,7 +49,7 @@ from tllm.bench.offline import (LatencyConfig, ThroughputConfig, exact_length_pa
                                 synthetic_prompts)
 from tllm.bench.offline_cli import format_report, load_extra_options, no_nan  # noqa: E402
 
-from gpu_common import Tee, interval_union, round_up  # noqa: E402
+from gpu_common import Tee, interval_union, round_up, start_watchdog  # noqa: E402
 
 PARTS = ("floor", "hf", "latency", "throughput", "profile", "long")
 FLOOR_CONVENTION = ("copy bandwidth = (bytes read + bytes written) / time of a large "
@@ -91,7 +89,6 @@ SMOKE = Plan(model="", dtype="float32", device="cpu", max_batch_size=8,
              profile_osls=(2, 6), copy_bytes=64 << 20, latency_goal=None,
              throughput_goal=None)
 _RESERVE_S = 15.0  # kept for the summary and teardown
-_WATCHDOG_GRACE_S = 30.0  # past the budget: print what there is and exit
 
 
 class Session:
@@ -614,24 +611,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _start_watchdog(session: Session) -> None:
-    """A hung part must not cost the figures already measured: past the budget, dump every
-    thread's stack, print the summary so far and exit."""
-    def fire() -> None:
-        print(f"WATCHDOG: {_WATCHDOG_GRACE_S:.0f} s past the budget; stacks follow, then the "
-              "summary so far", flush=True)
-        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
-        session.results["watchdog"] = "the run was stopped past its budget"
-        session.save()
-        print(summary_table(session), flush=True)
-        os._exit(2)
-
-    delay = session.end - time.perf_counter() + _WATCHDOG_GRACE_S
-    timer = threading.Timer(delay, fire)
-    timer.daemon = True
-    timer.start()
-
-
 def _smoke_model(directory: Path) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
@@ -696,7 +675,7 @@ def main() -> int:
         session.log(f"{plan.model} {plan.dtype} on {session.results['meta']['device']}, "
                     f"parts {','.join(parts)}, budget {budget:.0f} s, "
                     f"versions {session.results['meta']['versions']}")
-        _start_watchdog(session)
+        start_watchdog(session, summary_table)
         run_parts(session, parts)
         print(summary_table(session), flush=True)
         session.save()

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import faulthandler
 import gc
 import json
 import math
@@ -43,7 +42,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import warnings
@@ -53,7 +51,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from gpu_common import Tee, interval_union, round_up  # noqa: E402
+from gpu_common import Tee, interval_union, round_up, start_watchdog  # noqa: E402
 from tllm.bench.offline_cli import no_nan  # noqa: E402
 
 SECTIONS = ("tests", "micro", "bf16", "fp8", "fp8big", "bf16big")
@@ -69,7 +67,6 @@ BYTES_CONVENTION = ("TB/s = (weight bytes + input activation bytes as handed to 
                     "output bytes) / time per call; TFLOP/s = 2 M N K / time per call; each "
                     "call's weight is a different copy, the copies together > 3x L2")
 _RESERVE_S = 15.0
-_WATCHDOG_GRACE_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -802,23 +799,6 @@ def _sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def _start_watchdog(session: Session) -> None:
-    """A hung section must not cost the figures already measured: past the budget, dump the
-    stacks, print the summary so far and exit."""
-    def fire() -> None:
-        print(f"WATCHDOG: {_WATCHDOG_GRACE_S:.0f} s past the budget; stacks, then the summary "
-              "so far", flush=True)
-        faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
-        session.results["watchdog"] = "stopped past its budget"
-        session.save()
-        print(summary_table(session), flush=True)
-        os._exit(2)
-
-    timer = threading.Timer(session.end - time.perf_counter() + _WATCHDOG_GRACE_S, fire)
-    timer.daemon = True
-    timer.start()
-
-
 def _smoke_model(directory: Path) -> str:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -898,7 +878,7 @@ def main() -> int:
         meta = session.results["meta"]
         session.log(f"{plan.model} on {meta['device']}, sections {','.join(sections)}, budget "
                     f"{budget:.0f} s, versions {meta['versions']}, commit {meta['commit']}")
-        _start_watchdog(session)
+        start_watchdog(session, summary_table)
         code = run_sections(session, sections, args.keep_going)
         print(summary_table(session), flush=True)
         session.save()

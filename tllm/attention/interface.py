@@ -54,16 +54,28 @@ class KVCacheSpec:
     head_dim: int
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """How one layer attends, beyond its head shape: the layers of a model that share these
+    share one backend object."""
+
+    sliding_window: int | None = None    # keys within the last `sliding_window` positions
+    scale: float | None = None           # softmax scale; None: head_dim ** -0.5
+    logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+
+
 class AttentionBackend(ABC):
     """Writes this step's keys and values into the paged cache, then attends."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,

@@ -17,8 +17,10 @@ _MAX_HEAD_DIM = 256
 
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+                 sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
+                         logits_soft_cap)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")

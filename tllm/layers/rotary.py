@@ -6,9 +6,12 @@ import torch
 from torch import nn
 
 
-def rope_parameters(config) -> dict:
-    """The rope settings of an HF config, in the transformers 5 layout."""
+def rope_parameters(config, layer_type: str | None = None) -> dict:
+    """The rope settings of an HF config, in the transformers 5 layout; `layer_type`: the
+    entry of a config that gives each kind of layer its own (Gemma 3)."""
     params = dict(getattr(config, "rope_parameters", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     scaling = getattr(config, "rope_scaling", None)
     if scaling and not params.get("rope_type"):
         params.update(scaling)
@@ -17,15 +20,18 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def inverse_frequencies(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    params = rope_parameters(config)
+def inverse_frequencies(config, head_dim: int,
+                        layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    params = rope_parameters(config, layer_type)
     if params["rope_type"] == "default":
         base = params["rope_theta"]
         return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {params['rope_type']!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"))
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"),
+                                                                 **kwargs)
     return inv_freq.float(), float(scaling)
 
 

@@ -17,7 +17,8 @@ CONFIG_FLAGS = ("--config", "--extra-llm-api-options")  # ours, TensorRT-LLM's
 
 # Flags that set an LLM argument of the same name (their argparse dest).
 _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
-              "tensor_parallel_size", "pipeline_parallel_size", "quantization")
+              "tensor_parallel_size", "pipeline_parallel_size", "quantization",
+              "model_impl", "enable_expert_parallel")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
@@ -56,6 +57,12 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                        metavar="N", help="tensor-parallel ranks (one GPU each)")
     group.add_argument("--pp-size", type=positive_int, dest="pipeline_parallel_size",
                        metavar="N", help="pipeline-parallel stages")
+    group.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                       help="MoE models: whole experts on each tensor-parallel rank "
+                            "instead of every expert split across them")
+    group.add_argument("--model-impl", choices=["auto", "tllm", "transformers"],
+                       help="whose modeling code runs (default auto: tllm's where it has the "
+                            "architecture, else transformers' with tllm's KV cache)")
     group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
                        help="share of the free memory the KV cache takes, "

@@ -84,11 +84,18 @@ class LlmArgs(BaseModel):
     # host before the next is scheduled. Outputs are the same either way.
     disable_overlap_scheduler: bool = False
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Whose modeling code runs: "tllm" (our own model files), "transformers" (transformers'
+    # modules with our paged KV cache and attention plugged in), "auto" (ours where we have
+    # the architecture, else transformers').
+    model_impl: Literal["auto", "tllm", "transformers"] = "auto"
     seed: int = 0
     # One process per rank: tensor parallelism splits every layer across tp ranks, pipeline
     # parallelism splits the layers into pp stages (see tllm.distributed.Mapping).
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    # Mixture-of-experts layers: whole experts placed on the tensor-parallel ranks (expert
+    # parallelism) instead of every expert sliced across them.
+    enable_expert_parallel: bool = False
     # Who starts the other ranks: local subprocesses ("mp") or Ray actors, across nodes ("ray").
     orchestrator: Literal["mp", "ray"] = "mp"
 

@@ -13,7 +13,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
+from tllm.attention.interface import (AttentionBackend, AttentionMetadata, AttentionOptions,
+                                      KVCache, KVCacheSpec)
 from tllm.layers.activation import SiluAndMul
 from tllm.distributed import comm
 from tllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, _copy_checked
@@ -99,9 +100,17 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = self.attention_cls(config, rotary, backend, quant_config,
                                             f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        self.mlp = self.make_mlp(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, quant_config: QuantConfig | None, prefix: str) -> nn.Module:
+        """The feed-forward block (a mixture of experts overrides this)."""
+        return LlamaMLP(config, quant_config, prefix)
+
+    @staticmethod
+    def layer_index(prefix: str) -> int:
+        return int(prefix.rsplit(".", 1)[-1])
 
     def forward(self, hidden, residual, kv_cache: KVCache, metadata: AttentionMetadata):
         # an FP8 projection may take its input quantized by the norm's kernel (None: as is)
@@ -113,7 +122,8 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual, quantize_to=fp8_in)
         hidden = self.self_attn(hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(
-            hidden, residual, quantize_to=input_quantization(self.mlp.gate_up_proj, hidden))
+            hidden, residual, quantize_to=input_quantization(
+                getattr(self.mlp, "gate_up_proj", None), hidden))
         return self.mlp(hidden), residual
 
 
@@ -140,20 +150,23 @@ class LlamaForCausalLM(nn.Module):
         mapping = comm.mapping()
         self.is_first_stage, self.is_last_stage = mapping.is_first_stage, mapping.is_last_stage
         self.stage_layers = mapping.stage_layers(config.num_hidden_layers)
-        head_dim = head_dim_of(config)
-        inv_freq, scaling = inverse_frequencies(config, head_dim)
-        rotary = RotaryEmbedding(inv_freq.to(torch.get_default_device()), scaling, max_position)
-        window = getattr(config, "sliding_window", None)
-        if not getattr(config, "use_sliding_window", True):
-            window = None
         self.layers = nn.ModuleList(MissingLayer() for _ in range(config.num_hidden_layers))
+        rotaries: dict[str | None, RotaryEmbedding] = {}
         for i in self.stage_layers:
-            self.layers[i] = self.layer_cls(config, rotary, None, quant_config, f"layers.{i}")
-        backend = backend_cls(self.layers[self.stage_layers.start].self_attn.num_heads,
-                              self.layers[self.stage_layers.start].self_attn.num_kv_heads,
-                              head_dim, head_dim ** -0.5, window)
-        for i in self.stage_layers:  # one backend object, shared by every layer
-            self.layers[i].self_attn.attn = backend
+            kind = self.rope_kind(i)  # layers of one kind share one rotary table
+            if kind not in rotaries:
+                rotaries[kind] = self.make_rotary(kind, max_position)
+            self.layers[i] = self.layer_cls(config, rotaries[kind], None, quant_config,
+                                            f"layers.{i}")
+        backends: dict[AttentionOptions, AttentionBackend] = {}
+        for i in self.stage_layers:  # one backend object per kind of layer
+            attn, options = self.layers[i].self_attn, self.attention_options(i)
+            if options not in backends:
+                backends[options] = backend_cls(
+                    attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                    options.scale or attn.head_dim ** -0.5, options.sliding_window,
+                    logits_soft_cap=options.logits_soft_cap)
+            attn.attn = backends[options]
         self.tied = getattr(config, "tie_word_embeddings", False)
         self.embed_tokens = (embedding_layer(quant_config, config.vocab_size, config.hidden_size)
                              if self.is_first_stage else MissingLayer())
@@ -163,6 +176,31 @@ class LlamaForCausalLM(nn.Module):
                                          self.tied)
             if self.tied and self.is_first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def rope_kind(self, layer: int) -> str | None:
+        """Which rotary table a layer uses: its `layer_types` entry where the config gives
+        each kind its own rope parameters (Gemma 3), else None (one table for all)."""
+        params = getattr(self.config, "rope_parameters", None) or {}
+        types = getattr(self.config, "layer_types", None)
+        if types and types[layer] in params and isinstance(params[types[layer]], dict):
+            return types[layer]
+        return None
+
+    def make_rotary(self, kind: str | None, max_position: int) -> RotaryEmbedding:
+        inv_freq, scaling = inverse_frequencies(self.config, head_dim_of(self.config), kind)
+        return RotaryEmbedding(inv_freq.to(torch.get_default_device()), scaling, max_position)
+
+    def attention_options(self, layer: int) -> AttentionOptions:
+        """Layer `layer`'s sliding window, softmax scale and logit soft-cap. The window is
+        the config's `sliding_window` on the layers `layer_types` marks as sliding (every
+        layer when it has no `layer_types`, unless `use_sliding_window` is off)."""
+        window = getattr(self.config, "sliding_window", None)
+        types = getattr(self.config, "layer_types", None)
+        if types is not None:
+            window = window if types[layer] == "sliding_attention" else None
+        elif not getattr(self.config, "use_sliding_window", True):
+            window = None
+        return AttentionOptions(sliding_window=window)
 
     @property
     def num_local_layers(self) -> int:

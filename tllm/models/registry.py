@@ -11,6 +11,14 @@ _MODULES = {
     "MistralForCausalLM": "tllm.models.llama",
     "Qwen2ForCausalLM": "tllm.models.qwen2",
     "Qwen3ForCausalLM": "tllm.models.qwen3",
+    "MixtralForCausalLM": "tllm.models.mixtral",
+    "Qwen2MoeForCausalLM": "tllm.models.qwen2_moe",
+    "Qwen3MoeForCausalLM": "tllm.models.qwen3_moe",
+    "Gemma2ForCausalLM": "tllm.models.gemma2",
+    "Gemma3ForCausalLM": "tllm.models.gemma3",
+    "Phi3ForCausalLM": "tllm.models.phi3",
+    "GPTNeoXForCausalLM": "tllm.models.gpt_neox",
+    "Olmo2ForCausalLM": "tllm.models.olmo2",
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

@@ -40,7 +40,10 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: KVCache, metadata: AttentionMetadata, rotary,
                           kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
-        """One kernel rotates q and k and writes k and v into the cache."""
+        """One kernel rotates q and k and writes k and v into the cache (a rotary that
+        covers only part of each head, as GPT-NeoX's, rotates first and writes after)."""
+        if getattr(rotary, "rotary_dim", self.head_dim) != self.head_dim:
+            return super().forward_with_rope(q, k, v, kv_cache, metadata, rotary, kv_scales)
         scales = _cache_scales(kv_cache, kv_scales)
         q = rope_and_write_kv(metadata.positions, q, k, v, rotary.cos, rotary.sin,
                               kv_cache[0], kv_cache[1], metadata.slot_mapping,

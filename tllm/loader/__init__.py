@@ -81,7 +81,7 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(config, backend_cls, dtype: torch.dtype, device: torch.device,
-                max_position: int, quant_config=None) -> nn.Module:
+                max_position: int, quant_config=None, model_impl: str = "auto") -> nn.Module:
     from tllm.models import get_model_class
     cls = get_model_class((config.architectures or ["?"])[0])
     with torch.device(device), _default_dtype(dtype):

@@ -59,7 +59,7 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     backend = pick_backend(args.attn_backend, device)
     quant = loader.quant_config(source, config, args.quantization)
     model = loader.build_model(config, get_attention_backend(backend), dtype, device,
-                               max_seq_len, quant)
+                               max_seq_len, quant, args.model_impl)
     loader.load_weights(model, source, checkpoint, args.seed + mapping.rank)
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)

@@ -75,9 +75,10 @@ class LlamaAttention(nn.Module):
 
 class LlamaMLP(nn.Module):
     def __init__(self, config, quant_config: QuantConfig | None = None,
-                 prefix: str = "mlp") -> None:
+                 prefix: str = "mlp", intermediate_size: int | None = None) -> None:
         super().__init__()
-        inter = config.intermediate_size
+        # a MoE model's shared expert has its own size
+        inter = intermediate_size or config.intermediate_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(
             config.hidden_size, [inter, inter], bias=bias,

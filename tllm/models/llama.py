@@ -213,13 +213,18 @@ class LlamaForCausalLM(nn.Module):
         attn = self.layers[self.stage_layers.start].self_attn
         return KVCacheSpec(self.num_local_layers, attn.num_kv_heads, attn.head_dim)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input hidden states (a model that scales its embeddings, as
+        Gemma does, overrides this)."""
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor | None, kv_caches: list[KVCache],
                 metadata: AttentionMetadata,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Hidden states after the last layer (last stage), or (hidden, residual) to hand
         to the next stage. Stages after the first start from `intermediate`."""
         if self.is_first_stage:
-            hidden, residual = self.embed_tokens(input_ids), None
+            hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = intermediate
         for i, kv_cache in zip(self.stage_layers, kv_caches):

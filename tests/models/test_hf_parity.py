@@ -22,8 +22,9 @@ def make_prompts(vocab: int, seed: int = 1) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(model, prompt: list[int]) -> tuple[list[int], list[torch.Tensor]]:
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False,
+def hf_greedy(model, prompt: list[int],
+              num_new: int = NUM_NEW) -> tuple[list[int], list[torch.Tensor]]:
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False,
                          output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens = out.sequences[0, len(prompt):].tolist()
     return tokens, [step[0].float().log_softmax(-1) for step in out.logits]

@@ -1,9 +1,11 @@
 """Mixture-of-experts feed-forward over routed tokens: each token goes through its top-k
 experts (gate_up, activation, down) and the outputs are summed with the routing weights.
 
-`fused_experts` is what the MoE layer calls: the grouped Triton kernels on CUDA, the torch
-version below on a CPU. `fused_experts_ref` sorts the (token, expert) pairs by expert and
-runs one pair of matmuls per expert that has tokens: the reference for the kernels."""
+`fused_experts` is what the MoE layer calls: the grouped Triton kernels of
+`tllm.kernels.triton.fused_moe` on CUDA, the torch version below on a CPU.
+`fused_experts_ref` sorts the (token, expert) pairs by expert and runs one pair of matmuls
+per expert that has tokens: the reference for the kernels, as `align_pairs_ref` is for
+their sort."""
 from __future__ import annotations
 
 import torch
@@ -17,7 +19,45 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     [E, H, I]; topk_weights [T, k] float32; topk_ids [T, k] global expert ids. This rank
     holds experts expert_start .. expert_start + E - 1 (expert parallelism); the pairs
     routed elsewhere add nothing here. Returns [T, H] in hidden's dtype."""
+    check_experts_args(hidden, w13, w2, topk_weights, topk_ids, expert_start)
+    if hidden.is_cuda:
+        from tllm.kernels.triton.fused_moe import fused_experts_triton
+        return fused_experts_triton(hidden, w13, w2, topk_weights, topk_ids, expert_start)
     return fused_experts_ref(hidden, w13, w2, topk_weights, topk_ids, expert_start)
+
+
+def check_experts_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       expert_start: int) -> None:
+    """ValueError naming the argument whose shape, dtype or layout does not fit."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [tokens, hidden], got {tuple(hidden.shape)}")
+    num_tokens, size = hidden.shape
+    if w13.dim() != 3 or w13.shape[2] != size or w13.shape[1] % 2:
+        raise ValueError(f"w13 must be [experts, 2 * intermediate, {size}], got "
+                         f"{tuple(w13.shape)}")
+    expected_w2 = (w13.shape[0], size, w13.shape[1] // 2)
+    if tuple(w2.shape) != expected_w2:
+        raise ValueError(f"w2 must be {list(expected_w2)}, got {tuple(w2.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != num_tokens:
+        raise ValueError(f"topk_ids must be [{num_tokens}, top_k], got "
+                         f"{tuple(topk_ids.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.shape != topk_ids.shape or not topk_weights.is_floating_point():
+        raise ValueError(f"topk_weights must be floating point of topk_ids' shape "
+                         f"{tuple(topk_ids.shape)}, got {topk_weights.dtype} "
+                         f"{tuple(topk_weights.shape)}")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != hidden.dtype or w.device != hidden.device:
+            raise ValueError(f"{name} is {w.dtype} on {w.device}; hidden is {hidden.dtype} "
+                             f"on {hidden.device}")
+        if w.stride(-1) != 1:
+            raise ValueError(f"{name} needs contiguous rows")
+    if hidden.stride(-1) != 1:
+        raise ValueError("hidden needs contiguous rows")
+    if expert_start < 0:
+        raise ValueError(f"expert_start must be >= 0, got {expert_start}")
 
 
 def fused_experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -43,3 +83,25 @@ def fused_experts_ref(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = (F.silu(gate) * up) @ w2[expert].t()
         out.index_add_(0, rows, y.float() * weights[pairs, None])
     return out.to(hidden.dtype)
+
+
+def align_pairs_ref(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                    expert_start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pairs (token * k + j) of local experts in a stable sort by expert, each expert's
+    run padded with num_pairs to a multiple of block_m, and the expert of each block_m
+    tile: (sorted_pairs [num_padded], block_expert [num_padded / block_m])."""
+    local = topk_ids.flatten().long() - expert_start
+    num_pairs = local.numel()
+    sorted_pairs, block_expert = [], []
+    for expert in range(num_experts):
+        pairs = torch.nonzero(local == expert).flatten()
+        if pairs.numel() == 0:
+            continue
+        tiles = -(-pairs.numel() // block_m)
+        padding = pairs.new_full((tiles * block_m - pairs.numel(),), num_pairs)
+        sorted_pairs.append(torch.cat([pairs, padding]))
+        block_expert += [expert] * tiles
+    if not sorted_pairs:
+        return torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    return (torch.cat(sorted_pairs).int().cpu(),
+            torch.tensor(block_expert, dtype=torch.int32))

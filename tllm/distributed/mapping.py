@@ -2,7 +2,11 @@
 
 Ranks are laid out tensor-parallel first, as in TensorRT-LLM's `Mapping`: with tp_size=2 and
 pp_size=2, ranks 0 and 1 form pipeline stage 0 and ranks 2 and 3 form stage 1; rank 0 and
-rank 2 hold the same tensor-parallel shard of different layers."""
+rank 2 hold the same tensor-parallel shard of different layers.
+
+Mixture-of-experts layers use the same tensor-parallel ranks in one of two ways: every expert
+sliced across them (moe_tp_size = tp_size, the default), or, with `enable_expert_parallel`,
+whole experts spread over them (moe_ep_size = tp_size, each rank holding E / tp_size)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,6 +18,7 @@ class Mapping:
     tp_size: int = 1
     pp_size: int = 1
     rank: int = 0
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp_size", "pp_size"):
@@ -31,7 +36,8 @@ class Mapping:
         return cls()
 
     def with_rank(self, rank: int) -> Mapping:
-        return Mapping(self.world_size, self.tp_size, self.pp_size, rank)
+        return Mapping(self.world_size, self.tp_size, self.pp_size, rank,
+                       self.enable_expert_parallel)
 
     @property
     def tp_rank(self) -> int:
@@ -46,6 +52,24 @@ class Mapping:
         """Ranks that hold the other shards of this rank's layers."""
         first = self.pp_rank * self.tp_size
         return list(range(first, first + self.tp_size))
+
+    @property
+    def moe_ep_size(self) -> int:
+        """Ranks the experts of a MoE layer are spread over (1: every rank holds all)."""
+        return self.tp_size if self.enable_expert_parallel else 1
+
+    @property
+    def moe_ep_rank(self) -> int:
+        return self.tp_rank if self.enable_expert_parallel else 0
+
+    @property
+    def moe_tp_size(self) -> int:
+        """Ranks each expert's intermediate features are sliced across."""
+        return 1 if self.enable_expert_parallel else self.tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return 0 if self.enable_expert_parallel else self.tp_rank
 
     @property
     def pp_group(self) -> list[int]:

@@ -59,7 +59,8 @@ class RankActor:
     def run(self, spec: dict, run_worker: Callable[..., None]) -> None:
         from tllm.llmapi.llm_args import LlmArgs
         args = LlmArgs.model_validate(spec["args"])
-        mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"])
+        mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"],
+                          args.enable_expert_parallel)
         device = torch.device("cuda", 0) if spec["device_type"] == "cuda" else torch.device("cpu")
         comm.init_distributed(mapping, device, spec["init_method"])
         try:

@@ -24,7 +24,8 @@ def worker_main(spec: dict) -> None:
     _exit_with_parent(spec["parent_pid"])
     try:
         args = LlmArgs.model_validate(spec["args"])
-        mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"])
+        mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"],
+                          args.enable_expert_parallel)
         device = torch.device(spec["device"])
         comm.init_distributed(mapping, device, None, store=_check_in(spec, mapping))
         run_worker(args, device)

@@ -49,7 +49,7 @@ def build_engine(args: LlmArgs) -> Engine:
     device = pick_device(args.device)
     if args.world_size > 1:  # start the other ranks; this process becomes rank 0
         mapping = Mapping(args.world_size, args.tensor_parallel_size,
-                          args.pipeline_parallel_size, 0)
+                          args.pipeline_parallel_size, 0, args.enable_expert_parallel)
         workers = start_workers(args, mapping, device)
         device = workers.device
     try:

@@ -35,6 +35,27 @@ PRESETS: dict[str, tuple[str, dict]] = {
         vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
         tie_word_embeddings=True, dtype="bfloat16")),
+    "mixtral-8x7b": ("mixtral", dict(
+        architectures=["MixtralForCausalLM"], hidden_size=4096, intermediate_size=14336,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-5, sliding_window=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16")),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        architectures=["Qwen3MoeForCausalLM"], hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+        max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16")),
+    "gemma-2-9b": ("gemma2", dict(
+        architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
+        num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
+        vocab_size=256000, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=True, dtype="bfloat16")),
 }
 
 

@@ -127,9 +127,12 @@ def kv_cache_dtype(kv_config: KvCacheConfig, dtype: torch.dtype, model) -> torch
 
 def activation_bytes(config, args: LlmArgs, dtype: torch.dtype) -> int:
     """A bound on the activations of the largest step (max_num_tokens tokens), kept out of
-    the KV budget: the merged gate/up output dominates, then the float32 logits."""
+    the KV budget: the merged gate/up output dominates, then the float32 logits. A MoE
+    layer's gate/up runs per (token, expert) pair: top_k of them per token."""
     size = torch.empty((), dtype=dtype).element_size()
-    per_token = (2 * config.intermediate_size + 6 * config.hidden_size) * size
+    expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    experts_width = getattr(config, "num_experts_per_tok", 0) * expert_size
+    per_token = (2 * max(config.intermediate_size, experts_width) + 6 * config.hidden_size) * size
     logits = args.max_batch_size * config.vocab_size * 4 * 3
     return args.max_num_tokens * per_token * 2 + logits
 

@@ -204,11 +204,11 @@ def _expert_gemm_kernel(out_ptr, a_ptr, w_ptr, sorted_ptr, block_expert_ptr, num
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + offs_kk
+        k_ok = offs_k < K
         if EVEN_K:
             a = tl.load(a_base + offs_k[None, :], mask=is_pair[:, None], other=0.0)
             w = tl.load(w_base + offs_k[:, None])
         else:
-            k_ok = offs_k < K
             a = tl.load(a_base + offs_k[None, :], mask=is_pair[:, None] & k_ok[None, :],
                         other=0.0)
             w = tl.load(w_base + offs_k[:, None], mask=k_ok[:, None], other=0.0)

@@ -78,7 +78,7 @@ class LlamaMLP(nn.Module):
                  prefix: str = "mlp", intermediate_size: int | None = None) -> None:
         super().__init__()
         # a MoE model's shared expert has its own size
-        inter = intermediate_size or config.intermediate_size
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedLinear(
             config.hidden_size, [inter, inter], bias=bias,

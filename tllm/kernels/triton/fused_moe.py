@@ -297,12 +297,14 @@ def sum_top_k(pair_out: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
 
 # ---- configurations and the whole layer ----
 
-# (largest average pairs per expert, config). Decode: 16-row tiles, narrow N so the weight
-# stream spreads over every SM; prefill: 64-128 row tiles grouped for weight reuse in L2.
+# (largest average pairs per expert, config), from the per-GEMM tile sweep of
+# benchmarks/gpu_moe_kernel.py on an H200 (2026-12-01; Mixtral-8x7B and Qwen3-30B-A3B expert
+# shapes, bf16). Decode: 16-row tiles, narrow N so the weight stream spreads over every SM
+# (3.8-4.3 TB/s of weights read); prefill: 64-128 row tiles grouped for weight reuse in L2.
 _CONFIGS = (
-    (4, MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))),
-    (16, MoeConfig(16, GemmTile(64, 128, 4, 3), GemmTile(64, 128, 4, 4))),
-    (48, MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3), group_m=8)),
+    (1, MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(64, 128, 4, 4))),
+    (8, MoeConfig(16, GemmTile(32, 128, 4, 4), GemmTile(128, 128, 4, 3))),
+    (32, MoeConfig(32, GemmTile(64, 128, 4, 3), GemmTile(128, 128, 4, 3), group_m=8)),
     (96, MoeConfig(64, GemmTile(64, 64, 4, 4), GemmTile(128, 64, 4, 4), group_m=8)),
     (float("inf"), MoeConfig(128, GemmTile(128, 64, 8, 3), GemmTile(256, 64, 8, 3),
                              group_m=16)),

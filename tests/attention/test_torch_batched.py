@@ -69,22 +69,24 @@ def poison_unwritten(cache, metadata):
             flat[~owned & (torch.arange(len(owned)) % 2 == 0)] = float("inf")
 
 
-def reference(batch, cache, scale, window, scales):
+def reference(batch, cache, scale, window, scales, logits_soft_cap=None):
     """The per-sequence loop in float32 from the same inputs."""
     as_fp32 = tuple(c if c.dtype == FP8 else c.float() for c in cache)
-    return paged_attention_ref(batch.q.float(), as_fp32, batch.metadata, scale, window, scales)
+    return paged_attention_ref(batch.q.float(), as_fp32, batch.metadata, scale, window, scales,
+                               logits_soft_cap)
 
 
 def check(query_lens, prefix_lens, num_kv_heads=2, group=3, head_dim=32, block=16,
-          dtype=torch.float32, window=None, kv_scales=None, min_groups=1):
+          dtype=torch.float32, window=None, kv_scales=None, min_groups=1,
+          logits_soft_cap=None):
     batch, cache, scales = make_step(query_lens, prefix_lens, num_kv_heads, group, head_dim,
                                      block, dtype, kv_scales)
     scale = head_dim ** -0.5
     out = torch.full_like(batch.q, float("nan"))  # poisoned: rows left unwritten show
     got = paged_attention_batched(batch.q, cache, batch.metadata, scale, window, scales,
-                                  out=out)
+                                  out=out, logits_soft_cap=logits_soft_cap)
     assert got is out
-    ref = reference(batch, cache, scale, window, scales)
+    ref = reference(batch, cache, scale, window, scales, logits_soft_cap)
     err = relative_error(out, ref)
     what = f"query_lens={query_lens} prefix_lens={prefix_lens} block={block} window={window}"
     assert not out.isnan().any(), what
@@ -122,6 +124,33 @@ def test_sliding_windows(window, block):
     rng = random.Random(f"{window}-{block}")
     for kind in ("decode", "mixed"):
         check(*random_step(rng, kind, rng.randint(2, 8), block), block=block, window=window)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("dtype, kv_scales", [(torch.float32, None), (torch.bfloat16, None),
+                                              (torch.float32, (0.05, 0.02))])
+def test_logits_soft_cap(kind, window, dtype, kv_scales):
+    # the capped path computes its scores explicitly, with the plan's masks (fresh prefills:
+    # SDPA's causal mask, made explicit) and the NaN-poisoned unowned slots
+    rng = random.Random(f"cap-{kind}-{window}-{dtype}-{kv_scales}")
+    for _ in range(2):
+        check(*random_step(rng, kind, rng.randint(2, 7), rng.choice([1, 4, 16])),
+              num_kv_heads=rng.choice([1, 2]), dtype=dtype, window=window,
+              kv_scales=kv_scales, logits_soft_cap=rng.choice([0.5, 2.0]))
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_soft_capped_reference_matches_kernel_reference(window):
+    """The per-sequence loop against the kernels' independent float32 reference, and the
+    cap changes the result."""
+    from tllm.kernels.triton.attention_ref import paged_attention_ref as kernel_ref
+    batch, cache, scales = make_step([9, 1, 30], [20, 44, 0], 2, 3, 32, 4, torch.float32)
+    m, scale = batch.metadata, 32 ** -0.5
+    args = (batch.q, *cache, m.block_tables, m.query_start_loc, m.seq_lens, scale, window)
+    ref = reference(batch, cache, scale, window, scales, 1.0)
+    assert relative_error(ref, kernel_ref(*args, logits_soft_cap=1.0)) < 1e-6
+    assert relative_error(ref, kernel_ref(*args)) > 1e-2
 
 
 def test_prefill_next_to_decodes_is_split():

@@ -12,7 +12,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def run_both(device, query_lens, prefix_lens, num_heads, num_kv_heads, head_dim, dtype,
-             sliding_window=None):
+             sliding_window=None, logits_soft_cap=None):
     batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim, 16,
                              dtype, device)
     scale = head_dim ** -0.5
@@ -20,7 +20,7 @@ def run_both(device, query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
     outs = {}
     for name in ("torch", "triton"):
         backend = get_attention_backend(name)(num_heads, num_kv_heads, head_dim, scale,
-                                              sliding_window)
+                                              sliding_window, logits_soft_cap=logits_soft_cap)
         caches[name] = tuple(c.clone() for c in batch.kv_cache)
         outs[name] = backend.forward(batch.q, batch.k, batch.v, caches[name], batch.metadata)
     return outs, caches
@@ -51,6 +51,14 @@ def test_tiny_head_dim(device, query_lens):
 
 def test_sliding_window(device):
     outs, _ = run_both(device, [20, 1], [50, 70], 4, 2, 64, torch.float32, sliding_window=16)
+    assert relative_error(outs["triton"], outs["torch"]) < 1e-5
+
+
+@pytest.mark.parametrize("query_lens", [[20, 1], [1, 1]])
+def test_logits_soft_cap(device, query_lens):
+    # the context kernel (a chunk beside a decode) and the decode kernel, windowed
+    outs, _ = run_both(device, query_lens, [50, 70], 4, 2, 64, torch.float32,
+                       sliding_window=16, logits_soft_cap=1.0)
     assert relative_error(outs["triton"], outs["torch"]) < 1e-5
 
 

@@ -24,7 +24,7 @@ def fp8_caches(kv_cache, kv_scales):
 
 def check(device, query_lens, prefix_lens, num_heads=8, num_kv_heads=2, head_dim=64,
           tokens_per_block=16, dtype=torch.bfloat16, sliding_window=None, q=None,
-          kv_scales=None):
+          kv_scales=None, logits_soft_cap=None):
     batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
                              tokens_per_block, dtype, device)
     m = batch.metadata
@@ -35,10 +35,15 @@ def check(device, query_lens, prefix_lens, num_heads=8, num_kv_heads=2, head_dim
     args = (*caches, m.block_tables, m.query_start_loc, m.seq_lens)
     out = torch.full_like(batch.q, float("nan"))
     paged_context_attention(q, *args, m.max_query_len, scale, sliding_window, out=out,
-                            k_scale=scales[0], v_scale=scales[1])
-    ref = paged_attention_ref(q, *args, scale, sliding_window, kv_scales=scales)
+                            k_scale=scales[0], v_scale=scales[1],
+                            logits_soft_cap=logits_soft_cap)
+    ref = paged_attention_ref(q, *args, scale, sliding_window, kv_scales=scales,
+                              logits_soft_cap=logits_soft_cap)
     err = relative_error(out, ref)
     assert err < TOL[dtype], err
+    if logits_soft_cap is not None:  # the cap changes the result far beyond the tolerance
+        uncapped = paged_attention_ref(q, *args, scale, sliding_window, kv_scales=scales)
+        assert relative_error(uncapped, ref) > 10 * TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -76,6 +81,20 @@ def test_many_decodes_around_one_prefill(device):
 @pytest.mark.parametrize("window", [8, 50])
 def test_sliding_window(device, window):
     check(device, [45, 2], [30, 90], sliding_window=window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("logits_soft_cap, window", [(0.5, None), (2.0, None), (1.0, 8)])
+def test_logits_soft_cap(device, dtype, logits_soft_cap, window):
+    # Gemma 2: scores -> cap * tanh(scores / cap) before the mask; prefixes, a decode
+    # request, a partial tile, and a window shorter than the chunk
+    check(device, [45, 1, 20], [30, 90, 0], dtype=dtype, sliding_window=window,
+          logits_soft_cap=logits_soft_cap)
+
+
+def test_logits_soft_cap_fp8_cache_gqa(device):
+    check(device, [23, 1, 40], [0, 17, 9], num_kv_heads=1, head_dim=96,
+          kv_scales=(0.013, 0.031), logits_soft_cap=1.5)
 
 
 def test_strided_query(device):

@@ -24,7 +24,7 @@ def fp8_caches(kv_cache, kv_scales):
 
 def check(device, prefix_lens, query_lens=None, num_heads=8, num_kv_heads=2, head_dim=64,
           tokens_per_block=16, dtype=torch.bfloat16, num_splits=None, sliding_window=None,
-          kv_scales=None):
+          kv_scales=None, logits_soft_cap=None):
     query_lens = query_lens or [1] * len(prefix_lens)
     batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
                              tokens_per_block, dtype, device)
@@ -36,10 +36,13 @@ def check(device, prefix_lens, query_lens=None, num_heads=8, num_kv_heads=2, hea
     out = torch.full_like(batch.q, float("nan"))
     paged_decode_attention(batch.q, *args, m.max_seq_len, scale, m.max_query_len,
                            sliding_window, num_splits, out=out, k_scale=scales[0],
-                           v_scale=scales[1])
-    ref = paged_attention_ref(batch.q, *args, scale, sliding_window, scales)
+                           v_scale=scales[1], logits_soft_cap=logits_soft_cap)
+    ref = paged_attention_ref(batch.q, *args, scale, sliding_window, scales, logits_soft_cap)
     err = relative_error(out, ref)
     assert err < TOL[dtype], err
+    if logits_soft_cap is not None:  # the cap changes the result far beyond the tolerance
+        uncapped = paged_attention_ref(batch.q, *args, scale, sliding_window, scales)
+        assert relative_error(uncapped, ref) > 10 * TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -71,6 +74,21 @@ def test_sliding_window(device, num_splits):
     # the 4-query request's window starts just below a 64-key tile boundary (190 < 192)
     check(device, [250, 20, 226], query_lens=[1, 2, 4], sliding_window=37,
           num_splits=num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("logits_soft_cap, window", [(0.5, None), (2.0, 37)])
+def test_logits_soft_cap(device, dtype, num_splits, logits_soft_cap, window):
+    # Gemma 2: scores -> cap * tanh(scores / cap) before the mask, split partitions merged
+    # by their log-sum-exp of the capped scores
+    check(device, [250, 20, 0, 63], query_lens=[1, 2, 1, 4], dtype=dtype,
+          num_splits=num_splits, sliding_window=window, logits_soft_cap=logits_soft_cap)
+
+
+def test_logits_soft_cap_fp8_cache(device):
+    check(device, [250, 20], query_lens=[1, 3], num_kv_heads=1, num_splits=2,
+          kv_scales=(0.5, 2.0), logits_soft_cap=1.0)
 
 
 @pytest.mark.parametrize("head_dim", [96, 256])

@@ -5,7 +5,8 @@ Triton kernels.
 sequences are grouped by shape, each group's blocks are gathered with one index_select and
 its queries padded to the group's longest, with a mask for per-sequence lengths, causality
 and sliding windows. `paged_attention_ref` (the per-sequence loop it replaced) stays as the
-reference the batched path is tested against."""
+reference the batched path is tested against. Soft-capped scores (Gemma 2), which SDPA cannot
+compute, take `soft_capped_attention` with the same masks; the uncapped path stays on SDPA."""
 from __future__ import annotations
 
 import math
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
 from tllm.kernels.paged import (batched_causal_mask, causal_mask, from_cache, gather_blocks,
-                                gather_kv, write_kv_cache)
+                                gather_kv, soft_capped_attention, write_kv_cache)
 
 
 # torch >= 2.5 broadcasts kv heads itself; older versions need them repeated.
@@ -40,29 +41,41 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                         scale: float, sliding_window: int | None = None,
-                        kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+                        kv_scales: tuple[float, float] = NO_KV_SCALES,
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
     """Attention of every query token over its sequence's cached context, one sequence at a
     time (the reference for the batched path)."""
     out = torch.empty_like(q)
-    num_heads, num_kv_heads = q.shape[1], kv_cache[0].shape[2]
-    group = num_heads // num_kv_heads
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
         k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, metadata.tokens_per_block)
         qi = q[start:start + query_len].transpose(0, 1)          # [heads, q, d]
         k, v = from_cache(k, kv_scales[0], q.dtype), from_cache(v, kv_scales[1], q.dtype)
-        ki, vi = _expand_kv(k, group), _expand_kv(v, group)
-        gqa = {"enable_gqa": True} if _SDPA_GQA and group > 1 else {}
-        window_matters = sliding_window is not None and sliding_window < seq_len
-        if not window_matters and query_len in (1, seq_len):  # no mask, or a plain causal one
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=query_len > 1,
-                                               scale=scale, **gqa)
-        else:
-            mask = causal_mask(query_len, seq_len, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, **gqa)
+        o = _attend_sequence(qi, k, v, scale, sliding_window, logits_soft_cap)
         out[start:start + query_len] = o.transpose(0, 1)
         start += query_len
     return out
+
+
+def _attend_sequence(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None,
+                     logits_soft_cap: float | None) -> torch.Tensor:
+    """One sequence's queries [heads, q, d] (the last q of its positions) over its keys and
+    values [seq, kv_heads, d]."""
+    query_len, seq_len = qi.shape[1], k.shape[0]
+    if logits_soft_cap is not None:
+        mask = causal_mask(query_len, seq_len, sliding_window, qi.device)
+        return soft_capped_attention(qi, k.transpose(0, 1), v.transpose(0, 1), mask, scale,
+                                     logits_soft_cap)
+    group = qi.shape[0] // k.shape[1]
+    ki, vi = _expand_kv(k, group), _expand_kv(v, group)
+    gqa = {"enable_gqa": True} if _SDPA_GQA and group > 1 else {}
+    window_matters = sliding_window is not None and sliding_window < seq_len
+    if not window_matters and query_len in (1, seq_len):  # no mask, or a plain causal one
+        return F.scaled_dot_product_attention(qi, ki, vi, is_causal=query_len > 1,
+                                              scale=scale, **gqa)
+    mask = causal_mask(query_len, seq_len, sliding_window, qi.device)
+    return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, **gqa)
 
 
 @dataclass
@@ -218,7 +231,8 @@ class GatherBuffers:
 
 def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scale: float,
                  kv_scales: tuple[float, float] = NO_KV_SCALES,
-                 buffers: GatherBuffers | None = None) -> torch.Tensor:
+                 buffers: GatherBuffers | None = None,
+                 logits_soft_cap: float | None = None) -> torch.Tensor:
     """The group's real query rows, [rows, num_heads, head_dim], in out_rows order."""
     n, max_q, num_keys = group.num_seqs, group.max_query_len, group.num_keys
     num_kv_heads, head_dim = kv_cache[0].shape[2:]
@@ -231,9 +245,18 @@ def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scal
         # decode: the query heads of one kv head act as its queries, so each kv head's keys
         # and values are read once, with no repeat and no GQA broadcast
         qg = qg.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
+        if logits_soft_cap is not None:
+            o = soft_capped_attention(qg, k, v, group.mask, scale, logits_soft_cap)
+        else:
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
         return o.reshape(n, num_heads, head_dim)
     qg = qg.view(n, max_q, num_heads, head_dim).transpose(1, 2)
+    if logits_soft_cap is not None:
+        mask = group.mask
+        if group.is_causal:  # SDPA's is_causal: query i sees keys 0..i
+            mask = torch.ones(max_q, num_keys, dtype=torch.bool, device=q.device).tril_()
+        o = soft_capped_attention(qg, k, v, mask, scale, logits_soft_cap)
+        return _real_rows(o, group)
     gqa = {}
     if num_heads != num_kv_heads:
         if _SDPA_GQA:
@@ -243,6 +266,12 @@ def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scal
             k, v = k.repeat_interleave(group_size, 1), v.repeat_interleave(group_size, 1)
     o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask,
                                        is_causal=group.is_causal, scale=scale, **gqa)
+    return _real_rows(o, group)
+
+
+def _real_rows(o: torch.Tensor, group: AttentionGroup) -> torch.Tensor:
+    """[n, heads, max_q, d] padded outputs -> the real query rows, [rows, heads, d]."""
+    n, num_heads, max_q, head_dim = o.shape
     o = o.transpose(1, 2).reshape(n * max_q, num_heads, head_dim)
     return o if group.real_rows is None else o.index_select(0, group.real_rows)
 
@@ -263,20 +292,22 @@ def paged_attention_batched(q: torch.Tensor, kv_cache: KVCache, metadata: Attent
                             kv_scales: tuple[float, float] = NO_KV_SCALES,
                             groups: list[AttentionGroup] | None = None,
                             out: torch.Tensor | None = None,
-                            buffers: GatherBuffers | None = None) -> torch.Tensor:
+                            buffers: GatherBuffers | None = None,
+                            logits_soft_cap: float | None = None) -> torch.Tensor:
     """What `paged_attention_ref` computes, for the whole batch in a few calls. `groups`:
     this step's plan (`plan_attention`), reused across layers; `out`: written in place;
-    `buffers`: reused for the gathered keys and values."""
+    `buffers`: reused for the gathered keys and values; `logits_soft_cap`: scores -> cap *
+    tanh(scores / cap) before the mask."""
     if groups is None:
         groups = plan_attention(metadata, sliding_window, q.dtype, _kv_bytes(kv_cache),
                                 q.shape[1], q.shape[2])
     if len(groups) == 1 and groups[0].out_rows is None:
-        o = attend_group(q, kv_cache, groups[0], scale, kv_scales, buffers)
+        o = attend_group(q, kv_cache, groups[0], scale, kv_scales, buffers, logits_soft_cap)
         return o if out is None else out.copy_(o)
     out = torch.empty_like(q) if out is None else out
     for group in groups:
-        out.index_copy_(0, group.out_rows,
-                        attend_group(q, kv_cache, group, scale, kv_scales, buffers))
+        out.index_copy_(0, group.out_rows, attend_group(q, kv_cache, group, scale, kv_scales,
+                                                        buffers, logits_soft_cap))
     return out
 
 
@@ -300,7 +331,8 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         return paged_attention_batched(q, kv_cache, metadata, self.scale, self.sliding_window,
                                        kv_scales, self._groups(q, kv_cache, metadata),
-                                       buffers=self._buffers)
+                                       buffers=self._buffers,
+                                       logits_soft_cap=self.logits_soft_cap)
 
     def _groups(self, q: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> list[AttentionGroup]:

@@ -61,10 +61,12 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.is_decode_only:
             return paged_decode_attention(*common, max_seq_len=metadata.max_seq_len,
                                           scale=self.scale, sliding_window=self.sliding_window,
-                                          out=out, k_scale=scales[0], v_scale=scales[1])
+                                          out=out, k_scale=scales[0], v_scale=scales[1],
+                                          logits_soft_cap=self.logits_soft_cap)
         return paged_context_attention(*common, max_query_len=metadata.max_query_len,
                                        scale=self.scale, sliding_window=self.sliding_window,
-                                       out=out, k_scale=scales[0], v_scale=scales[1])
+                                       out=out, k_scale=scales[0], v_scale=scales[1],
+                                       logits_soft_cap=self.logits_soft_cap)
 
 
 def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[float, float]:

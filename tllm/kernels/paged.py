@@ -86,3 +86,26 @@ def batched_causal_mask(query_lens: torch.Tensor, seq_lens: torch.Tensor,
     if sliding_window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     return mask
+
+
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(scores / cap) (Gemma 2's attention and final logits), in HF's order of
+    operations; None: the scores as they are."""
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          mask: torch.Tensor | None, scale: float,
+                          logits_soft_cap: float) -> torch.Tensor:
+    """softmax(soft_cap(q k^T * scale) + mask) v with the scores computed explicitly, in
+    float32 (SDPA cannot cap its scores). q [..., heads, Lq, D]; k, v [..., kv_heads, Lk, D]
+    (query heads grouped over kv heads); mask: bool (True: attend) or additive, broadcast to
+    [..., heads, Lq, Lk]; None: every key. Returns q's shape and dtype."""
+    group = q.shape[-3] // k.shape[-3]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
+    scores = soft_cap((q.float() @ k.float().transpose(-1, -2)) * scale, logits_soft_cap)
+    if mask is not None:
+        scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+                  else scores + mask)
+    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)

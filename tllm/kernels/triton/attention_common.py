@@ -5,20 +5,25 @@ Scores are kept in the log2 domain (the softmax scale is pre-multiplied by log2(
 kernels use exp2, which maps to one hardware instruction."""
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
+LOG2E = math.log2(math.e)
+
 
 @triton.jit
-def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale,
+def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, soft_cap,
                 k_base, v_base, table_ptr, stride_block, stride_token,
                 TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-                PRECISION: tl.constexpr):
+                PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Folds keys [start_n, start_n + BLOCK_N) into the running (acc, l_i, m_i) of the rows of
     q, whose positions are q_pos. MASKED applies the causal/length/window mask; tiles wholly
-    visible to every row skip it."""
+    visible to every row skip it. SOFT_CAP: scores are soft_cap * tanh(q.k * qk_scale) (the
+    wrapper passes qk_scale = scale / cap and soft_cap = cap * log2(e), see soft_cap_args)."""
     pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     in_seq = pos < seq_len
@@ -33,6 +38,8 @@ def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale,
         kv_mask = in_seq[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
     s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+    if SOFT_CAP:  # before the mask, as HF's Gemma 2 does
+        s = soft_cap * tanh(s)
     if MASKED:
         visible = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
         if USE_WINDOW:
@@ -47,6 +54,22 @@ def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale,
     v = tl.load(v_base + offs, mask=kv_mask, other=0.0)
     acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
+
+
+@triton.jit
+def tanh(x):
+    """tanh through exp2 (the interpreter has no libdevice): exp2(-2|x| log2 e) lies in
+    (0, 1], so nothing overflows, and tanh is odd."""
+    t = tl.math.exp2(-2.8853900817779268 * tl.abs(x))
+    y = (1.0 - t) / (1.0 + t)
+    return tl.where(x < 0, -y, y)
+
+
+def soft_cap_args(scale: float, logits_soft_cap: float | None) -> tuple[float, float]:
+    """(qk_scale, soft_cap) kernel arguments: scores in the log2 domain, soft-capped or not."""
+    if logits_soft_cap is None:
+        return scale * LOG2E, 1.0
+    return scale / logits_soft_cap, logits_soft_cap * LOG2E
 
 
 @triton.jit

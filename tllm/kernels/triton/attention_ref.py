@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import torch
 
-from tllm.kernels.paged import causal_mask, from_cache, gather_kv
+from tllm.kernels.paged import causal_mask, from_cache, gather_kv, soft_cap
 
 
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                         seq_lens: torch.Tensor, scale: float,
                         sliding_window: int | None = None,
-                        kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                        kv_scales: tuple[float, float] = (1.0, 1.0),
+                        logits_soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries (the last query_len positions of its
     seq_len-token context) over its cached keys and values; float32 [T, Hq, D]. An fp8
-    cache's values are dequantized with `kv_scales` (real = fp8 * scale)."""
+    cache's values are dequantized with `kv_scales` (real = fp8 * scale); with
+    `logits_soft_cap` the scores are capped (cap * tanh(scores / cap)) before the mask."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     tokens_per_block = k_cache.shape[1]
@@ -27,7 +29,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                                                                       torch.float32)
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)             # [Hq, s, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        scores = (qi @ k.transpose(1, 2)) * scale
+        scores = soft_cap((qi @ k.transpose(1, 2)) * scale, logits_soft_cap)
         mask = causal_mask(qi.shape[1], seq_len, sliding_window, q.device)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         out[starts[i]:starts[i + 1]] = (probs @ v).transpose(0, 1)

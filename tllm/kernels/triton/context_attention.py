@@ -10,7 +10,6 @@ value scale into the output (real = fp8 * scale).
 The reference is `paged_attention_ref` in attention_ref.py."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,7 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton.attention_common import (attend_tile, check_paged_layout,
-                                                  init_softmax_state)
+                                                  init_softmax_state, soft_cap_args)
 from tllm.kernels.triton.attention_ref import paged_attention_ref
 from tllm.kernels.triton.launch import dot_block_d, dot_precision, needs_fp32_dot, next_pow2
 
@@ -46,12 +45,13 @@ def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M: tl.constexpr):
 @triton.jit
 def _context_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-        seq_lens_ptr, qk_scale, window, num_seqs, k_scale, v_scale,
+        seq_lens_ptr, qk_scale, soft_cap, window, num_seqs, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_ct, stride_ch, stride_table,
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+        USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+        SOFT_CAP: tl.constexpr):
     head = tl.program_id(0)
     # Later causal tiles do more work: launch them first, so short ones fill the tail.
     slot = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -91,14 +91,14 @@ def _context_attention_kernel(
     hi = tl.minimum(seq_len, first_pos + BLOCK_M)
     for start_n in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, k_base, v_base,
-            table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, False, USE_WINDOW, PRECISION)
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, soft_cap,
+            k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
+            BLOCK_D, BLOCK_N, False, USE_WINDOW, PRECISION, SOFT_CAP)
     for start_n in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, k_base, v_base,
-            table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION)
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, soft_cap,
+            k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION, SOFT_CAP)
 
     # Rows past the query end may see no key (under a window); they are not stored.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # exact for v_scale 1
@@ -133,10 +133,12 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             sliding_window: int | None = None,
                             out: torch.Tensor | None = None,
                             config: ContextConfig | None = None, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
+                            v_scale: float = 1.0,
+                            logits_soft_cap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, tokens_per_block, Hkv, D]; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
-    overrides the tile sizes (for tuning); the scales are an fp8 cache's."""
+    overrides the tile sizes (for tuning); the scales are an fp8 cache's;
+    `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if out is None:
@@ -147,15 +149,16 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     check_paged_layout(q, k_cache, v_cache, out)
     cfg = config or context_config(max_query_len, head_dim)
     grid = (num_heads, num_tokens // cfg.block_m + num_seqs)
+    qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _context_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), sliding_window or 0, num_seqs, float(k_scale),
+        qk_scale, soft_cap, sliding_window or 0, num_seqs, float(k_scale),
         float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, TOKENS_PER_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=dot_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(q.dtype),
         DOT_FP32=needs_fp32_dot(_context_attention_kernel, q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFT_CAP=logits_soft_cap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -11,7 +11,6 @@ key scale folds into the softmax scale and the value scale into the output (real
 scale). The reference is `paged_attention_ref` in attention_ref.py."""
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +18,7 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton.attention_common import (attend_tile, check_paged_layout,
-                                                  init_softmax_state)
+                                                  init_softmax_state, soft_cap_args)
 from tllm.kernels.triton.attention_ref import paged_attention_ref
 from tllm.kernels.triton.launch import (cdiv, dot_block_d, dot_precision, needs_fp32_dot,
                                         next_pow2, num_sms)
@@ -35,14 +34,14 @@ _WAVES = 4                # programs per SM to aim for: enough loads in flight f
 @triton.jit
 def _decode_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        query_start_loc_ptr, seq_lens_ptr, qk_scale, window, partition, k_scale, v_scale,
-        stride_qt, stride_qh, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps,
-        stride_lt, stride_lh, stride_cb, stride_ct, stride_ch,
+        query_start_loc_ptr, seq_lens_ptr, qk_scale, soft_cap, window, partition,
+        k_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_cb, stride_ct, stride_ch,
         stride_table,
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-        DOT_FP32: tl.constexpr):
+        DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,14 +82,14 @@ def _decode_attention_kernel(
         mid = lo + tl.maximum(visible_end - lo, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, part_end, window, qk_scale, k_base, v_base,
-            table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, False, USE_WINDOW, PRECISION)
+            acc, l_i, m_i, q, q_pos, start_n, part_end, window, qk_scale, soft_cap,
+            k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
+            BLOCK_D, BLOCK_N, False, USE_WINDOW, PRECISION, SOFT_CAP)
     for start_n in range(mid, part_end, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, part_end, window, qk_scale, k_base, v_base,
-            table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION)
+            acc, l_i, m_i, q, q_pos, start_n, part_end, window, qk_scale, soft_cap,
+            k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION, SOFT_CAP)
 
     if IS_SPLIT:
         # A partition may hold no key a row can see (a window, an earlier draft token):
@@ -165,10 +164,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            num_splits: int | None = None,
                            out: torch.Tensor | None = None,
                            config: DecodeConfig | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
+                           v_scale: float = 1.0,
+                           logits_soft_cap: float | None = None) -> torch.Tensor:
     """q [T, Hq, D] holding 1..MAX_DECODE_QUERIES tokens per sequence; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
-    overrides the tile size and pipelining (for tuning); the scales are an fp8 cache's."""
+    overrides the tile size and pipelining (for tuning); the scales are an fp8 cache's;
+    `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if max_query_len > MAX_DECODE_QUERIES:
@@ -187,9 +188,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     is_split = num_splits > 1
     part_out, part_lse = _partial_buffers(q, num_splits)
+    qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _decode_attention_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        scale * math.log2(math.e), sliding_window or 0, partition, float(k_scale),
+        qk_scale, soft_cap, sliding_window or 0, partition, float(k_scale),
         float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
@@ -199,7 +201,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
         PRECISION=dot_precision(q.dtype),
         DOT_FP32=needs_fp32_dot(_decode_attention_kernel, q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFT_CAP=logits_soft_cap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if is_split:
         _merge_partitions_kernel[(num_seqs, num_heads)](
             out, part_out, part_lse, query_start_loc, seq_lens, partition,

@@ -1,5 +1,31 @@
-"""Rotary position embedding (the rotate-half form HF uses), with inverse frequencies from
-transformers' own RoPE initialisers so that every scaling type matches HF exactly."""
+"""Rotary position embedding (the rotate-half form HF uses) with every rope scaling HF reads
+from a config, over the whole head or only its first `rotary_dim` dims.
+
+Inverse frequencies come from transformers' own RoPE initialisers (ROPE_INIT_FUNCTIONS), so
+the static scalings (`linear`, `yarn`, `llama3`, ...) are HF's exactly, at every position.
+
+Two scalings depend on the sequence's length in HF, which recomputes them at each step from
+`seq_len = max(position) + 1` (`dynamic_rope_update`): `dynamic` (NTK) raises the rope base
+once a sequence exceeds `max_position_embeddings`, and `longrope` switches from
+`short_factor` to `long_factor` once it exceeds `original_max_position_embeddings` (Phi-3
+even drops its cache at that point and recomputes the whole sequence with the long factors).
+
+Our rule: **position p rotates as HF rotates the newest token of a (p + 1)-token sequence**
+(one table row per position). Within the original length that is HF's rotation of every
+token, at any step. Beyond it, each token gets the rotation HF gives it when it is decoded,
+while tokens before it keep the rotation of their own position; HF instead re-rotates the
+whole sequence by its current length. An engine cannot: a cached key must not depend on how
+long its sequence grows later, since prefix caching shares it between requests of any length
+and chunked prefill computes it before the prompt's end is seen (a choice per request by its
+length at the step would make outputs depend on chunking and on which request cached a
+prefix). vLLM and TensorRT-LLM choose engine-wide instead: long factors everywhere when the
+maximum model length exceeds the original length, which is not HF's rotation for the short
+sequences; TensorRT-LLM's earlier long-rope table was per position, as here. The rows stay a
+plain [max_position, rotary_dim] table, so the fused rope + cache-write kernel and CUDA
+graphs serve them as they serve any rope.
+
+Partial rotary (`partial_rotary_factor`, GPT-NeoX's `rotary_pct`): only the first
+rotary_dim = int(head_dim * factor) dims of each head rotate; the rest pass through."""
 from __future__ import annotations
 
 import torch
@@ -20,39 +46,116 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     return params
 
 
-def inverse_frequencies(config, head_dim: int,
-                        layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+def rotary_dim_of(config, head_dim: int, layer_type: str | None = None) -> int:
+    """How many leading dims of each head rotate: head_dim times the partial rotary factor."""
+    params = rope_parameters(config, layer_type)
+    factor = params.get("partial_rotary_factor",
+                        getattr(config, "partial_rotary_factor", None) or 1.0)
+    dim = int(head_dim * factor)
+    if not 0 < dim <= head_dim or dim % 2:
+        raise ValueError(f"partial_rotary_factor {factor} gives {dim} rotary dims of a "
+                         f"{head_dim}-dim head; they must be even and between 2 and head_dim")
+    return dim
+
+
+def inverse_frequencies(config, head_dim: int, layer_type: str | None = None,
+                        seq_len: int | torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, float]:
+    """HF's inverse frequencies [rotary_dim / 2] (or [n, rotary_dim / 2] for a [n, 1]
+    `seq_len`) and cos/sin scaling; `seq_len`: the sequence length a length-dependent
+    scaling is computed for (None: its value at load, HF's for short sequences)."""
     params = rope_parameters(config, layer_type)
     if params["rope_type"] == "default":
-        base = params["rope_theta"]
-        return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+        dim, base = rotary_dim_of(config, head_dim, layer_type), params["rope_theta"]
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
     if params["rope_type"] not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unsupported rope_type {params['rope_type']!r}")
+        raise ValueError(f"unsupported rope_type {params['rope_type']!r}; tllm supports "
+                         f"default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](config, torch.device("cpu"),
-                                                                 **kwargs)
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](
+        config, torch.device("cpu"), seq_len=seq_len, **kwargs)
     return inv_freq.float(), float(scaling)
 
 
+def position_inverse_frequencies(config, head_dim: int, max_position: int,
+                                 layer_type: str | None = None
+                                 ) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies for the rotary table: [rotary_dim / 2] for a static scaling, or
+    [max_position, rotary_dim / 2] for a length-dependent one, row p being HF's for the
+    newest token of a (p + 1)-token sequence (the rule in the module docstring)."""
+    params = rope_parameters(config, layer_type)
+    if params["rope_type"] == "longrope":
+        _check_longrope_factors(params, rotary_dim_of(config, head_dim, layer_type) // 2)
+    inv_freq, scaling = inverse_frequencies(config, head_dim, layer_type)
+    switch = _length_switch(config, params)
+    if switch is None or max_position <= switch:
+        return inv_freq, scaling
+    if params["rope_type"] == "longrope":  # the long factors, for any longer sequence
+        longer, _ = inverse_frequencies(config, head_dim, layer_type, seq_len=switch + 1)
+    else:  # dynamic: HF's base for each sequence length of switch + 1 .. max_position
+        lengths = torch.arange(switch + 1, max_position + 1)[:, None]
+        longer, _ = inverse_frequencies(config, head_dim, layer_type, seq_len=lengths)
+    rows = inv_freq.expand(max_position, -1).clone()
+    rows[switch:] = longer  # position p >= switch: the newest token of p + 1 > switch
+    return rows, scaling
+
+
+def _length_switch(config, params: dict) -> int | None:
+    """The sequence length past which a length-dependent scaling changes (None: static)."""
+    if params["rope_type"] == "dynamic":
+        return config.max_position_embeddings
+    if params["rope_type"] != "longrope":
+        return None
+    switch = (params.get("original_max_position_embeddings")
+              or getattr(config, "original_max_position_embeddings", None))
+    if not switch:
+        raise ValueError("longrope rope scaling needs original_max_position_embeddings")
+    return int(switch)
+
+
+def _check_longrope_factors(params: dict, num_frequencies: int) -> None:
+    for name in ("short_factor", "long_factor"):
+        if len(params.get(name) or ()) != num_frequencies:
+            raise ValueError(f"longrope {name} needs {num_frequencies} entries (rotary dims "
+                             f"/ 2), got {len(params.get(name) or ())}")
+
+
+def rotary_embedding(config, head_dim: int, max_position: int,
+                     layer_type: str | None = None) -> RotaryEmbedding:
+    """The rotary table of a config (of one layer type's rope parameters), on the default
+    device."""
+    inv_freq, scaling = position_inverse_frequencies(config, head_dim, max_position, layer_type)
+    return RotaryEmbedding(inv_freq.to(torch.get_default_device()), scaling, max_position)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    dim = cos.shape[-1]
+    # HF's rotate_half(x) * sin == roll(x, half) * [-sin, sin] exactly (a sign flip is exact)
+    if dim == x.shape[-1]:
+        return x * cos + x.roll(dim // 2, -1) * signed_sin
+    rot = x[..., :dim]
+    return torch.cat((rot * cos + rot.roll(dim // 2, -1) * signed_sin, x[..., dim:]), dim=-1)
+
+
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, heads, D] and k [T, kv_heads, D] at the given positions."""
+    """Applies RoPE to q [T, heads, D] and k [T, kv_heads, D] at the given positions, to the
+    first `rotary_dim` dims of each head. `inv_freq`: [rotary_dim / 2] for every position,
+    or one row per position ([max_position, rotary_dim / 2])."""
 
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float,
                  max_position: int) -> None:
         super().__init__()
+        self.rotary_dim = 2 * inv_freq.shape[-1]
         positions = torch.arange(max_position, dtype=torch.float)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[:, None] * (inv_freq if inv_freq.dim() == 2 else inv_freq[None, :])
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * attention_scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         cos, signed_sin = self._tables(positions, q.dtype)
-        half = q.shape[-1] // 2
-        # HF's rotate_half(x) * sin == roll(x, half) * [-sin, sin] exactly (a sign flip is exact)
-        return (q * cos + q.roll(half, -1) * signed_sin,
-                k * cos + k.roll(half, -1) * signed_sin)
+        return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and [-sin, sin] at these positions: gathered once per step (every layer gets

@@ -21,7 +21,7 @@ from tllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, _copy
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import QuantConfig, embedding_layer, linear_method, lm_head_layer
 from tllm.layers.quant.fp8 import input_quantization
-from tllm.layers.rotary import RotaryEmbedding, inverse_frequencies
+from tllm.layers.rotary import RotaryEmbedding, rotary_embedding
 from tllm.models.registry import register_model
 
 
@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
         bias = self.qkv_bias or getattr(config, "attention_bias", False)
         self.qkv_proj = QKVLinear(
             config.hidden_size, self.head_dim, config.num_attention_heads,
-            config.num_key_value_heads, bias=bias,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            bias=bias,
             quant=linear_method(quant_config, f"{prefix}.qkv_proj", QKV_SHARDS))
         self.num_heads = self.qkv_proj.num_heads        # this rank's heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -63,6 +64,12 @@ class LlamaAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        return self.attend(q, k, v, kv_cache, metadata)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        """This rank's flat q, k, v [T, heads * head_dim] -> heads, q/k norms, rotary,
+        attention over the cache, output projection."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -172,11 +179,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = (embedding_layer(quant_config, config.vocab_size, config.hidden_size)
                              if self.is_first_stage else MissingLayer())
         if self.is_last_stage:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.norm = self.make_final_norm(config)
             self.lm_head = lm_head_layer(quant_config, config.vocab_size, config.hidden_size,
                                          self.tied)
             if self.tied and self.is_first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def make_final_norm(self, config) -> nn.Module:
+        """The norm after the last layer; called with (hidden, residual), it adds them."""
+        return RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def rope_kind(self, layer: int) -> str | None:
         """Which rotary table a layer uses: its `layer_types` entry where the config gives
@@ -188,8 +199,7 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def make_rotary(self, kind: str | None, max_position: int) -> RotaryEmbedding:
-        inv_freq, scaling = inverse_frequencies(self.config, head_dim_of(self.config), kind)
-        return RotaryEmbedding(inv_freq.to(torch.get_default_device()), scaling, max_position)
+        return rotary_embedding(self.config, head_dim_of(self.config), max_position, kind)
 
     def attention_options(self, layer: int) -> AttentionOptions:
         """Layer `layer`'s sliding window, softmax scale and logit soft-cap. The window is

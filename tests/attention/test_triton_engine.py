@@ -33,3 +33,10 @@ def test_greedy_tokens_match_torch_backend(tiny_llama, device, monkeypatch):
     monkeypatch.setattr(TritonAttentionBackend, "_attend", counting_attend)
     assert greedy_tokens(path, "triton", device) == greedy_tokens(path, "torch", device)
     assert steps["decode"] and steps["context"]  # both kernels ran
+
+
+def test_gemma2_soft_cap_and_window_match_torch_backend(device, tmp_path):
+    # soft-capped, windowed and global layers through both kernels (window 8 < prompts)
+    from tests.models.test_gemma_parity import make_tiny_gemma
+    make_tiny_gemma("Gemma2", tmp_path, num_hidden_layers=2)  # one of each kind
+    assert greedy_tokens(tmp_path, "triton", device) == greedy_tokens(tmp_path, "torch", device)

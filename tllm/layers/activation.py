@@ -5,17 +5,39 @@ from torch import nn
 from tllm.kernels import fp8
 
 
+def _check_quantize_to(activation: nn.Module, quantize_to: torch.dtype | None) -> None:
+    if quantize_to is not None and quantize_to != fp8.FP8_DTYPE:
+        raise ValueError(f"{type(activation).__name__} quantizes to {fp8.FP8_DTYPE} only, "
+                         f"not {quantize_to}")
+
+
 class SiluAndMul(nn.Module):
     """silu(gate) * up, for a merged [gate | up] projection output. With `quantize_to` (fp8
     e4m3, asked for by the FP8 down projection) the output is a fp8.QuantizedActivation,
     quantized per token: in the same kernel on CUDA."""
 
     def forward(self, x: torch.Tensor, quantize_to: torch.dtype | None = None):
-        if quantize_to is not None and quantize_to != fp8.FP8_DTYPE:
-            raise ValueError(f"SiluAndMul quantizes to {fp8.FP8_DTYPE} only, not {quantize_to}")
+        _check_quantize_to(self, quantize_to)
         if x.is_cuda:
             from tllm.kernels.triton.activation import silu_and_mul, silu_and_mul_quant
             return (silu_and_mul if quantize_to is None else silu_and_mul_quant)(x)
         gate, up = x.chunk(2, dim=-1)
         out = F.silu(gate) * up
+        return out if quantize_to is None else fp8.quantize_activation(out)
+
+
+class GeluAndMul(nn.Module):
+    """gelu(gate) * up for a merged [gate | up] projection output: Gemma's gated MLP
+    (`approximate="tanh"`: HF's gelu_pytorch_tanh). `quantize_to` as in SiluAndMul."""
+
+    def __init__(self, approximate: str = "tanh") -> None:
+        super().__init__()
+        if approximate not in ("tanh", "none"):
+            raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+        self.approximate = approximate
+
+    def forward(self, x: torch.Tensor, quantize_to: torch.dtype | None = None):
+        _check_quantize_to(self, quantize_to)
+        gate, up = x.chunk(2, dim=-1)
+        out = F.gelu(gate, approximate=self.approximate) * up
         return out if quantize_to is None else fp8.quantize_activation(out)

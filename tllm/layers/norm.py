@@ -38,3 +38,24 @@ class RMSNorm(nn.Module):
         if quantize_to is not None:
             out = fp8.quantize_activation(out)
         return out if residual is None else (out, residual)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), all in float32 and cast
+    back at the end (Llama's RMSNorm casts before the weight); the checkpoint stores the
+    weight around 0. With `residual`, adds it first and returns the sum as the new residual,
+    as RMSNorm does."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from torch import nn
 from tllm.layers.linear import process_loaded_weights
 from tllm.loader.hf import CheckpointError
 from tllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,13 +83,32 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(previous)
 
 
+MODEL_IMPLS = ("auto", "tllm", "transformers")
+
+
 def build_model(config, backend_cls, dtype: torch.dtype, device: torch.device,
                 max_position: int, quant_config=None, model_impl: str = "auto") -> nn.Module:
-    from tllm.models import get_model_class
-    cls = get_model_class((config.architectures or ["?"])[0])
+    cls = model_class(config, model_impl)
     with torch.device(device), _default_dtype(dtype):
         model = cls(config, backend_cls, max_position, quant_config)
     return model.eval()
+
+
+def model_class(config, model_impl: str = "auto") -> type[nn.Module]:
+    """Our own model for the config's architecture ("tllm"; "auto" when we have one), or
+    transformers' modeling code with our KV cache and attention ("transformers"; "auto"
+    for any other architecture)."""
+    from tllm.models import get_model_class, supported_architectures
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}, "
+                         f"got {model_impl!r}")
+    arch = (getattr(config, "architectures", None) or ["?"])[0]
+    if model_impl == "tllm" or (model_impl == "auto" and arch in supported_architectures()):
+        return get_model_class(arch)
+    from tllm.models.transformers_impl import TransformersCausalLM
+    logger.info("%s runs on transformers' modeling code with tllm's paged attention",
+                arch)
+    return TransformersCausalLM
 
 
 def quant_config(source: ModelSource, config, requested: str | None):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -26,6 +27,27 @@ class AttentionMetadata:
     # Host-side copies, so a backend that loops over sequences need not sync the device.
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Several KV cache groups (full and sliding-window layers keep separate block tables):
+    # the group of each model layer, and the views of groups 1.. (this object is group 0's),
+    # which differ from it only in slot_mapping and block_tables. Empty: one group.
+    layer_groups: tuple[int, ...] = ()
+    group_views: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        """The metadata model layer `layer` (model-wide index) attends with."""
+        if not self.layer_groups:
+            return self
+        group = self.layer_groups[layer]
+        return self if group == 0 else self.group_views[group - 1]
+
+    def add_group_views(self, layer_groups: tuple[int, ...],
+                        tables: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Give KV cache groups 1.. their (slot_mapping, block_tables); every other field
+        is this object's."""
+        self.layer_groups = layer_groups
+        self.group_views = [dataclasses.replace(self, slot_mapping=slots, block_tables=table,
+                                                layer_groups=(), group_views=[])
+                            for slots, table in tables]
 
     @property
     def num_seqs(self) -> int:
@@ -47,11 +69,16 @@ NO_KV_SCALES = (1.0, 1.0)
 @dataclass(frozen=True)
 class KVCacheSpec:
     """What a model's paged KV cache holds on this rank: one (key, value) pair per local
-    layer, each token with num_kv_heads x head_dim values."""
+    layer, each token with num_kv_heads x head_dim values. `layer_windows` gives every
+    model layer's sliding window (all pipeline stages; None: full attention; empty: all
+    full), so the cache can drop the blocks a window has passed; this rank's layers are
+    `num_layers` from `first_layer` on."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    layer_windows: tuple[int | None, ...] = ()
+    first_layer: int = 0
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,12 @@ It is a resource manager (tllm.scheduler.interface): the scheduler asks it to ad
 (`try_admit`, which answers with the tokens it already holds) and to make room for a step's
 tokens (`try_grow`); the loop then calls `prepare(batch)` (blocks are allocated), `update(batch)`
 (newly full blocks become reusable) and `free(request)`. Its state is keyed by request id; it
-reads requests and never writes them."""
+reads requests and never writes them.
+
+A model with sliding-window layers has several KV cache groups (tllm.kv_cache.groups): each
+request holds one block table per group, and a window group's table gives the blocks its
+window has passed back to the pool, leaving the null block (never written, never read: the
+attention mask hides those positions) in their place."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -13,9 +18,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tllm.kv_cache.block_pool import BlockPool
+from tllm.kv_cache.groups import (KVCacheLayout, first_live_block, plan_layout,
+                                  window_peak_blocks)
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
+from tllm.kv_cache.prefix import PrefixHit, PrefixIndex, chain_hash, group_key
 from tllm.request import PLACEHOLDER, Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
+
+_NO_NULL_BLOCK = -1  # the null block's id when no group has a window (never in a table)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -30,6 +40,8 @@ class KVCacheStats:
     blocks_offloaded: int = 0    # evicted from the device into the host tier
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
+    blocks_freed_by_window: int = 0  # returned to the pool once a sliding window passed them
+    peak_requests: int = 0       # the most requests holding blocks in one step
 
     @property
     def hit_rate(self) -> float:
@@ -44,67 +56,98 @@ class Admission:
 
 
 @dataclass
-class _PrefixHit:
-    block_hash: int
-    block_id: int | None                 # on the device, or
-    data: torch.Tensor | None = None     # contents from the host or disk tier
-
-
-@dataclass
 class _BlockTable:
-    """One admitted request's blocks."""
-    block_ids: list[int]
+    """One admitted request's blocks: a table per KV cache group, all of one length (the
+    tokens they cover); a window group's first `num_null` entries are the null block."""
+    groups: list[list[int]]
+    num_null: list[int]
     block_hashes: list[int] = field(default_factory=list)  # of its first published blocks
     reserved: int = 0      # blocks promised to it and not allocated yet
-    num_pending: int = 0   # of those, blocks this step's prepare() allocates
+    num_pending: int = 0   # blocks per group this step's prepare() allocates
+
+    def num_live(self, group: int) -> int:
+        return len(self.groups[group]) - self.num_null[group]
 
 
 @dataclass
 class _Swapped:
-    data: list[torch.Tensor]             # block contents in host memory
+    data: list[list[torch.Tensor | None]]  # per group, block contents in host memory
     num_computed_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(d is not None for group in self.data for d in group)
 
 
 class KVCacheManager(ResourceManager):
-    """Owns one (key, value) pair of tensors per layer, each shaped
-    [num_blocks, tokens_per_block, num_kv_heads, head_dim].
+    """Owns the (key, value) tensors, each shaped [num_blocks, tokens_per_block,
+    num_kv_heads, head_dim]: one pair per layer, or with several groups one pair per slot
+    (`kv_caches` lists each layer's pair either way).
 
     With `reserve_full_generation` (GUARANTEED_NO_EVICT) admission reserves every block a
     request could need, so a running request never runs out; without it (MAX_UTILIZATION)
-    requests are admitted greedily and the scheduler preempts when `try_grow` fails.
+    requests are admitted greedily and the scheduler preempts when `try_grow` fails. A window
+    group's need is bounded by its window plus the largest step (`max_step_tokens`, the
+    scheduler's token budget; None: the request's remaining tokens).
     """
 
     def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  tokens_per_block: int, dtype: torch.dtype, device: torch.device | str,
                  enable_block_reuse: bool = True, reserve_full_generation: bool = True,
                  host_cache_blocks: int = 0, disk_cache_dir: str | None = None,
-                 disk_cache_blocks: int = 0) -> None:
+                 disk_cache_blocks: int = 0, layout: KVCacheLayout | None = None,
+                 max_step_tokens: int | None = None) -> None:
         self.tokens_per_block = tokens_per_block
         self.reserve_full_generation = reserve_full_generation
+        self.layout = layout or plan_layout(num_layers)
+        if len(self.layout.layer_slots) != num_layers:
+            raise ValueError(f"layout: {len(self.layout.layer_slots)} layers, expected "
+                             f"{num_layers}")
+        self.windows = self.layout.windows
+        self.num_groups = self.layout.num_groups
+        self.has_windows = any(w is not None for w in self.windows)
+        self.max_step_tokens = max_step_tokens
         shape = (num_blocks, tokens_per_block, num_kv_heads, head_dim)
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device),
-                           torch.empty(shape, dtype=dtype, device=device))
-                          for _ in range(num_layers)]
+        self.slot_caches = [(torch.empty(shape, dtype=dtype, device=device),
+                             torch.empty(shape, dtype=dtype, device=device))
+                            for _ in range(self.layout.num_slots)]
+        self.kv_caches = [self.slot_caches[s] for s in self.layout.layer_slots]
         self.host_capacity_blocks = host_cache_blocks
         disk = DiskBlockStore(disk_cache_dir, disk_cache_blocks) if disk_cache_dir else None
         self.host_store = (HostBlockStore(host_cache_blocks, torch.device(device).type == "cuda",
                                           disk) if host_cache_blocks or disk is not None else None)
         self.pool = BlockPool(num_blocks, enable_caching=enable_block_reuse,
                               on_evict=self._offload if self.host_store is not None else None)
+        self.prefixes = PrefixIndex(self.pool, self.host_store, self.windows, tokens_per_block)
+        self.null_block = _NO_NULL_BLOCK
+        if self.has_windows:
+            if num_blocks < 2:
+                raise ValueError("a KV cache with sliding-window groups needs at least two "
+                                 f"blocks (one is the null block), got {num_blocks}")
+            [self.null_block] = self.pool.allocate(1)  # held forever
+            for k, v in self.slot_caches:  # kernels may load it; it must hold numbers
+                k[self.null_block].zero_()
+                v[self.null_block].zero_()
         self.stats = KVCacheStats()
         self._tables: dict[str, _BlockTable] = {}
         self._num_reserved = 0
         self._swapped: dict[str, _Swapped] = {}
+        self._group_blocks = [0] * self.layout.num_groups  # distinct blocks each group holds
 
     # ---- capacity queries ----
 
     @property
     def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        """Blocks requests can hold (the null block aside)."""
+        return self.pool.num_blocks - int(self.has_windows)
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
+
+    @property
+    def layer_groups(self) -> tuple[int, ...]:
+        return self.layout.layer_groups
 
     @property
     def dtype(self) -> torch.dtype:
@@ -112,17 +155,26 @@ class KVCacheManager(ResourceManager):
 
     @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.tokens_per_block
+        """Tokens of every layer the cache memory holds (with several groups, as if every
+        layer attended fully)."""
+        num_layers = len(self.layout.layer_slots)
+        return self.num_blocks * self.tokens_per_block * self.layout.num_slots // num_layers
 
     def max_blocks(self, request: Request) -> int:
-        return cdiv(request.num_prompt_tokens + request.max_new_tokens, self.tokens_per_block)
+        """The most blocks the request holds at once, over all groups."""
+        return sum(self._peak_blocks(request, g, 0) for g in range(self.num_groups))
 
     def fits_ever(self, request: Request) -> bool:
-        return self.max_blocks(request) <= self.pool.num_blocks
+        return self.max_blocks(request) <= self.num_blocks
 
     def block_ids(self, request: Request) -> list[int]:
-        """The request's block table (the model runner reads it; do not modify)."""
-        return self._tables[request.request_id].block_ids
+        """The request's block table (of the first group; the model runner reads it; do not
+        modify)."""
+        return self._tables[request.request_id].groups[0]
+
+    def group_block_ids(self, request: Request) -> list[list[int]]:
+        """The request's block table of every group (do not modify)."""
+        return self._tables[request.request_id].groups
 
     # ---- admission and growth (the scheduler asks) ----
 
@@ -134,28 +186,33 @@ class KVCacheManager(ResourceManager):
             return self._swap_in(request)
         if request.request_id in self._tables:
             raise RuntimeError(f"request id {request.request_id!r} is already admitted")
-        hits = self._find_cached_prefix(request)
-        on_device = [h.block_id for h in hits if h.block_id is not None]
+        prefix = self.prefixes.find(request)
+        num_computed = len(prefix.block_hashes) * self.tokens_per_block
+        on_device = [h.block_id for hits in prefix.hits for h in hits
+                     if h is not None and h.block_id is not None]
         num_cached_free = sum(1 for b in on_device if self.pool.is_free(b))
-        total = (self.max_blocks(request) if self.reserve_full_generation
-                 else cdiv(request.num_tokens, self.tokens_per_block))
-        if self._available() < total - len(on_device) + num_cached_free:
+        need = sum(self._admission_need(request, g, num_computed)
+                   for g in range(self.num_groups))
+        if self._available() < need - len(on_device) + num_cached_free:
             return None
         self.stats.blocks_needed += (request.num_tokens - 1) // self.tokens_per_block
-        self.stats.blocks_reused += len(hits)
-        table = _BlockTable(self._attach_prefix(hits), [h.block_hash for h in hits])
+        self.stats.blocks_reused += len(prefix.block_hashes)
+        table = _BlockTable(self._attach_prefix(prefix.hits),
+                            [self._first_live(g, num_computed) for g in range(self.num_groups)],
+                            prefix.block_hashes)
         self._tables[request.request_id] = table
-        reserve = self.max_blocks(request) - len(hits) if self.reserve_full_generation else 0
-        self._set_reserved(table, reserve)
-        return Admission(len(hits) * self.tokens_per_block)
+        if self.reserve_full_generation:
+            self._set_reserved(table, self._future_need(request, table, num_computed))
+        return Admission(num_computed)
 
     def try_grow(self, request: Request, num_new_tokens: int) -> bool:
         """Room for the request's next `num_new_tokens` tokens this step: promised now (from
         its own reservation first), allocated by prepare(); False when there is none."""
         table = self._tables[request.request_id]
         needed = cdiv(request.num_computed_tokens + num_new_tokens, self.tokens_per_block)
-        num_new = max(0, needed - len(table.block_ids) - table.num_pending)
-        extra = max(0, num_new - (table.reserved - table.num_pending))
+        num_new = max(0, needed - len(table.groups[0]) - table.num_pending)  # per group
+        groups = self.num_groups
+        extra = max(0, num_new * groups - (table.reserved - table.num_pending * groups))
         if extra > self._available():
             return False
         self._set_reserved(table, table.reserved + extra)
@@ -166,19 +223,25 @@ class KVCacheManager(ResourceManager):
 
     def prepare(self, batch: ScheduledBatch) -> None:
         """Allocate the blocks promised for this step."""
+        self.stats.peak_requests = max(self.stats.peak_requests, len(self._tables))
         for request in batch.requests:
             table = self._tables[request.request_id]
             if table.num_pending:
-                table.block_ids.extend(self.pool.allocate(table.num_pending))
-                self._set_reserved(table, table.reserved - table.num_pending)
+                for g, blocks in enumerate(table.groups):
+                    blocks.extend(self._allocate(g, table.num_pending))
+                self._set_reserved(table, table.reserved - table.num_pending * self.num_groups)
                 table.num_pending = 0
 
     def update(self, batch: ScheduledBatch) -> None:
         """The step's tokens are computed: publish newly full blocks for prefix reuse, at
-        once, whatever the request does next (it may finish in this very step)."""
+        once, whatever the request does next (it may finish in this very step); window
+        groups give back the blocks their window has passed."""
         for request in batch.requests:
-            if request.request_id in self._tables:
+            table = self._tables.get(request.request_id)
+            if table is not None:
                 self._publish(request, request.num_computed_tokens)
+                if self.has_windows:
+                    self._free_behind_windows(request, table)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; the full ones it computed stay reusable (unless it
@@ -189,7 +252,8 @@ class KVCacheManager(ResourceManager):
         if request.error is None:
             self._publish(request, request.num_computed_tokens)
         table = self._tables.pop(request.request_id)
-        self.pool.free(table.block_ids)
+        for g, blocks in enumerate(table.groups):
+            self._release(g, [b for b in blocks if b != self.null_block])
         self._set_reserved(table, 0)
 
     # ---- preemption ----
@@ -197,35 +261,105 @@ class KVCacheManager(ResourceManager):
     def swap_out(self, request: Request) -> bool:
         """Move a request's blocks to host memory and free them on the device; False when the
         host tier has no room (the caller then recomputes instead)."""
-        block_ids = self.block_ids(request)
-        num_swapped = sum(len(s.data) for s in self._swapped.values())
-        if num_swapped + len(block_ids) > self.host_capacity_blocks:
+        table = self._tables[request.request_id]
+        num_live = sum(table.num_live(g) for g in range(self.num_groups))
+        num_swapped = sum(s.num_blocks for s in self._swapped.values())
+        if num_swapped + num_live > self.host_capacity_blocks:
             return False
-        data = [self._read_block(b).to("cpu") for b in block_ids]
+        data = [[None if b == self.null_block else self._read_block(b).to("cpu") for b in t]
+                for t in table.groups]
         self.free(request)
         self._swapped[request.request_id] = _Swapped(data, request.num_computed_tokens)
-        self.stats.blocks_swapped_out += len(data)
+        self.stats.blocks_swapped_out += num_live
         return True
 
     def _swap_in(self, request: Request) -> Admission | None:
         swapped = self._swapped[request.request_id]
-        num_blocks = len(swapped.data)
-        reserve = self.max_blocks(request) - num_blocks if self.reserve_full_generation else 0
+        num_computed = swapped.num_computed_tokens
+        live = [sum(d is not None for d in group) for group in swapped.data]
         # without a reservation, room for the tokens it computes next must be there now
-        room = reserve or max(0, cdiv(request.num_tokens, self.tokens_per_block) - num_blocks)
-        if self._available() < num_blocks + room:
+        room = sum(max(0, self._admission_need(request, g, num_computed) - live[g])
+                   for g in range(self.num_groups))
+        if self._available() < sum(live) + room:
             return None
         del self._swapped[request.request_id]
-        table = _BlockTable(self.pool.allocate(num_blocks))
-        for block_id, contents in zip(table.block_ids, swapped.data):
-            self._write_block(block_id, contents)
+        groups = []
+        for g, group in enumerate(swapped.data):
+            block_ids = iter(self._allocate(g, live[g]))
+            groups.append([self.null_block if d is None else next(block_ids) for d in group])
+            for block_id, contents in zip(groups[-1], group):
+                if contents is not None:
+                    self._write_block(block_id, contents)
+        num_null = [sum(d is None for d in group) for group in swapped.data]
+        table = _BlockTable(groups, num_null)
         self._tables[request.request_id] = table
-        self._set_reserved(table, reserve)
-        self._publish(request, swapped.num_computed_tokens)
-        self.stats.blocks_swapped_in += num_blocks
-        return Admission(swapped.num_computed_tokens)
+        if self.reserve_full_generation:
+            self._set_reserved(table, self._future_need(request, table, num_computed))
+        self._publish(request, num_computed)
+        self.stats.blocks_swapped_in += sum(live)
+        return Admission(num_computed)
+
+    # ---- how many blocks a group needs ----
+
+    def _first_live(self, group: int, num_computed: int) -> int:
+        return first_live_block(self.windows[group], num_computed, self.tokens_per_block)
+
+    def _peak_blocks(self, request: Request, group: int, num_computed: int) -> int:
+        """The most blocks `group` holds at once for the rest of the request's life: all of
+        its tokens' for full attention; for a window, what the window and one step span
+        (the largest step left is the rest of its known tokens, at most max_step_tokens)."""
+        bs = self.tokens_per_block
+        whole_life = cdiv(request.num_prompt_tokens + request.max_new_tokens, bs)
+        window = self.windows[group]
+        if window is None:
+            return whole_life
+        step = max(1, request.num_tokens - num_computed)
+        if self.max_step_tokens is not None:
+            step = min(step, self.max_step_tokens)
+        return min(whole_life, window_peak_blocks(window, step, bs))
+
+    def _admission_need(self, request: Request, group: int, num_computed: int) -> int:
+        """Blocks `group` must have room for to admit the request with `num_computed` tokens
+        in hand: its whole life's peak under a reservation, else the blocks its known tokens
+        span once computed."""
+        if self.reserve_full_generation:
+            return self._peak_blocks(request, group, num_computed)
+        return (cdiv(request.num_tokens, self.tokens_per_block)
+                - self._first_live(group, num_computed))
+
+    def _future_need(self, request: Request, table: _BlockTable, num_computed: int) -> int:
+        """What a reservation must still promise: each group's peak beyond what it holds."""
+        return sum(max(0, self._peak_blocks(request, g, num_computed) - table.num_live(g))
+                   for g in range(self.num_groups))
+
+    def _free_behind_windows(self, request: Request, table: _BlockTable) -> None:
+        """Blocks wholly behind a window (as of the tokens computed) go back to the pool; a
+        reservation shrinks to the peak still ahead."""
+        num_computed = request.num_computed_tokens
+        for g, blocks in enumerate(table.groups):
+            first = min(self._first_live(g, num_computed), len(blocks))
+            if first > table.num_null[g]:
+                self._release(g, blocks[table.num_null[g]:first])
+                self.stats.blocks_freed_by_window += first - table.num_null[g]
+                blocks[table.num_null[g]:first] = [self.null_block] * (first - table.num_null[g])
+                table.num_null[g] = first
+        if self.reserve_full_generation and not table.num_pending:
+            self._set_reserved(table, self._future_need(request, table, num_computed))
 
     # ---- internals ----
+
+    def _allocate(self, group: int, num_blocks: int) -> list[int]:
+        self._group_blocks[group] += num_blocks
+        return self.pool.allocate(num_blocks)
+
+    def _take(self, group: int, block_id: int) -> None:
+        """Add a reference to a cached block (found free or held by another request)."""
+        self._group_blocks[group] += self.pool.is_free(block_id)
+        self.pool.take_cached(block_id)
+
+    def _release(self, group: int, block_ids: list[int]) -> None:
+        self.pool.free(block_ids)
+        self._group_blocks[group] -= sum(map(self.pool.is_free, block_ids))
 
     def _available(self) -> int:
         return self.pool.num_free_blocks - self._num_reserved
@@ -242,72 +376,64 @@ class KVCacheManager(ResourceManager):
         num_full = min(num_computed_tokens, num_known) // self.tokens_per_block
         hashes = table.block_hashes
         for i in range(len(hashes), num_full):
-            block_hash = self._chain_hash(request, hashes[-1] if hashes else None, i)
+            block_hash = chain_hash(request, hashes[-1] if hashes else None, i,
+                                    self.tokens_per_block)
             hashes.append(block_hash)
-            self.pool.cache_full_block(table.block_ids[i], block_hash)
+            for g, blocks in enumerate(table.groups):
+                if blocks[i] != self.null_block:
+                    self.pool.cache_full_block(blocks[i], group_key(g, block_hash))
 
-    def _chain_hash(self, request: Request, parent: int | None, index: int) -> int:
-        if parent is None and request.cache_salt is not None:
-            parent = hash(("salt", request.cache_salt))
-        bs = self.tokens_per_block
-        return hash((parent, tuple(request.token_ids[index * bs:(index + 1) * bs])))
+    def _attach_prefix(self, hits: list[list[PrefixHit | None]]) -> list[list[int]]:
+        # take every device hit before onboarding, which allocates and may evict
+        for g, group in enumerate(hits):
+            for hit in group:
+                if hit is not None and hit.block_id is not None:
+                    self._take(g, hit.block_id)
+        return [[self.null_block if hit is None else self._onboard(g, hit) for hit in group]
+                for g, group in enumerate(hits)]
 
-    def _find_cached_prefix(self, request: Request) -> list[_PrefixHit]:
-        # Prompt logprobs need every prompt position computed; and the last token is always
-        # computed, since its logits give the next token.
-        if not self.pool.enable_caching or request.wants_prompt_logprobs:
-            return []
-        hits: list[_PrefixHit] = []
-        parent = None
-        for i in range((request.num_tokens - 1) // self.tokens_per_block):
-            parent = self._chain_hash(request, parent, i)
-            block_id = self.pool.lookup(parent)
-            if block_id is not None:
-                hits.append(_PrefixHit(parent, block_id))
-                continue
-            found = self.host_store.get(parent) if self.host_store is not None else None
-            if found is None:
-                break
-            hits.append(_PrefixHit(parent, None, found[0]))
-        return hits
-
-    def _attach_prefix(self, hits: list[_PrefixHit]) -> list[int]:
-        for hit in hits:
-            if hit.block_id is not None:
-                self.pool.take_cached(hit.block_id)
-        block_ids = []
-        for hit in hits:
-            if hit.block_id is None:  # onboard from host or disk
-                [hit.block_id] = self.pool.allocate(1)
-                self._write_block(hit.block_id, hit.data)
-                self.pool.cache_full_block(hit.block_id, hit.block_hash)
-                self.stats.blocks_onboarded += 1
-            block_ids.append(hit.block_id)
-        return block_ids
+    def _onboard(self, group: int, hit: PrefixHit) -> int:
+        """A hit's block id on the device, its contents brought from host or disk first."""
+        if hit.block_id is None:
+            [hit.block_id] = self._allocate(group, 1)
+            self._write_block(hit.block_id, hit.data)
+            self.pool.cache_full_block(hit.block_id, hit.key)
+            self.stats.blocks_onboarded += 1
+        return hit.block_id
 
     def _offload(self, block_id: int, block_hash: int) -> None:
         self.host_store.put(block_hash, self._read_block(block_id))
         self.stats.blocks_offloaded += 1
 
     def _read_block(self, block_id: int) -> torch.Tensor:
-        """[num_layers, 2, tokens_per_block, kv_heads, head_dim]"""
-        return torch.stack([torch.stack((k[block_id], v[block_id])) for k, v in self.kv_caches])
+        """[num_slots, 2, tokens_per_block, kv_heads, head_dim]"""
+        return torch.stack([torch.stack((k[block_id], v[block_id]))
+                            for k, v in self.slot_caches])
 
     def _write_block(self, block_id: int, data: torch.Tensor) -> None:
-        data = data.to(self.kv_caches[0][0].device, non_blocking=True)
-        for layer, (k, v) in enumerate(self.kv_caches):
-            k[block_id].copy_(data[layer, 0])
-            v[block_id].copy_(data[layer, 1])
+        data = data.to(self.slot_caches[0][0].device, non_blocking=True)
+        for slot, (k, v) in enumerate(self.slot_caches):
+            k[block_id].copy_(data[slot, 0])
+            v[block_id].copy_(data[slot, 1])
 
     def stats_dict(self) -> dict[str, float]:
         out = asdict(self.stats)
         out["hit_rate"] = self.stats.hit_rate
         out["device_evictions"] = self.pool.num_evictions
         out["blocks_free"] = self.pool.num_free_blocks
-        out["blocks_total"] = self.pool.num_blocks
+        out["blocks_total"] = self.num_blocks
         out["host_blocks"] = len(self.host_store) if self.host_store is not None else 0
         disk = self.host_store.next_tier if self.host_store is not None else None
         out["disk_blocks"] = len(disk) if disk is not None else 0
+        out.update(self._group_usage())
+        return out
+
+    def _group_usage(self) -> dict[str, float]:
+        """Per group: its window (0: full attention) and the distinct blocks it holds."""
+        out: dict[str, float] = {"num_groups": self.num_groups}
+        for g, window in enumerate(self.windows):
+            out[f"group{g}_window"] = window or 0
+            out[f"group{g}_blocks_used"] = self._group_blocks[g]
         return out
 
     def close(self) -> None:

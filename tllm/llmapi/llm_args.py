@@ -29,6 +29,9 @@ class KvCacheConfig(BaseModel):
     host_cache_size: int = Field(0, ge=0)
     disk_cache_dir: str | None = None
     disk_cache_size: int = Field(0, ge=0)
+    # Sliding-window layers give back the blocks their window has passed (their own block
+    # tables, beside the full-attention layers'); off, every layer keeps every block.
+    enable_sliding_window_savings: bool = True
 
 
 class CapacitySchedulerPolicy(str, Enum):

@@ -219,9 +219,13 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
-        """This rank's KV cache: its stage's layers, its share of the kv heads."""
+        """This rank's KV cache: its stage's layers, its share of the kv heads, and every
+        layer's sliding window (the cache drops what a window has passed)."""
         attn = self.layers[self.stage_layers.start].self_attn
-        return KVCacheSpec(self.num_local_layers, attn.num_kv_heads, attn.head_dim)
+        windows = tuple(self.attention_options(i).sliding_window
+                        for i in range(self.config.num_hidden_layers))
+        return KVCacheSpec(self.num_local_layers, attn.num_kv_heads, attn.head_dim,
+                           windows, self.stage_layers.start)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The first stage's input hidden states (a model that scales its embeddings, as
@@ -237,8 +241,9 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = self.embed(input_ids), None
         else:
             hidden, residual = intermediate
-        for i, kv_cache in zip(self.stage_layers, kv_caches):
-            hidden, residual = self.layers[i](hidden, residual, kv_cache, metadata)
+        for i, kv_cache in zip(self.stage_layers, kv_caches):  # each with its group's tables
+            hidden, residual = self.layers[i](hidden, residual, kv_cache,
+                                              metadata.for_layer(i))
         if not self.is_last_stage:
             return hidden, residual if residual is not None else torch.zeros_like(hidden)
         hidden, _ = self.norm(hidden, residual)

@@ -11,7 +11,9 @@ import torch
 
 from tllm import loader
 from tllm.attention import get_attention_backend, has_attention_backend
+from tllm.attention.interface import KVCacheSpec
 from tllm.distributed import comm
+from tllm.kv_cache.groups import KVCacheLayout, plan_layout
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
@@ -93,21 +95,24 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     number of blocks (the smallest any rank can fit), since rank 0 allocates for all."""
     kv_config = args.kv_cache_config
     block = kv_config.tokens_per_block
-    max_tokens_useful = args.max_batch_size * -(-max_seq_len // block) * block
     spec = model.kv_cache_spec
+    layout = kv_cache_layout(spec, kv_config.enable_sliding_window_savings)
     kv_dtype = kv_cache_dtype(kv_config, dtype, model)
-    bytes_per_token = (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim
-                       * torch.empty((), dtype=kv_dtype).element_size())
-    num_tokens = kv_config.max_tokens
-    if num_tokens is None:
+    layer_bytes_per_token = (2 * spec.num_kv_heads * spec.head_dim
+                             * torch.empty((), dtype=kv_dtype).element_size())
+    # a block id holds a block in every slot (with one group, every layer)
+    block_bytes = block * layout.num_slots * layer_bytes_per_token
+    if kv_config.max_tokens is not None:  # the memory of that many tokens of every layer
+        num_blocks = kv_config.max_tokens * spec.num_layers * layer_bytes_per_token // block_bytes
+    else:
         budget = kv_cache_budget(kv_config, device, activation_bytes(config, args, dtype))
-        num_tokens = int(budget // bytes_per_token)
-        num_tokens = min(num_tokens, max_tokens_useful)
-    num_blocks = max(1, num_tokens // block)
+        useful = args.max_batch_size * -(-max_seq_len // block) * layout.num_groups
+        num_blocks = min(int(budget // block_bytes), useful + int(layout.num_groups > 1))
+    num_blocks = max(1 + any(layout.windows), num_blocks)
     if comm.state() is not None:
         num_blocks = comm.all_reduce_min(num_blocks)
-    block_bytes = block * bytes_per_token
-    logger.info("KV cache: %d blocks of %d tokens, %s (%.2f GiB)", num_blocks, block,
+    logger.info("KV cache: %d blocks of %d tokens, %d group(s) of windows %s, %s (%.2f GiB)",
+                num_blocks, block, layout.num_groups, layout.windows,
                 str(kv_dtype).removeprefix("torch."), num_blocks * block_bytes / 2**30)
     return KVCacheManager(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                           head_dim=spec.head_dim, num_blocks=num_blocks,
@@ -116,7 +121,15 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
                           reserve_full_generation=reserve_full_generation,
                           host_cache_blocks=kv_config.host_cache_size // block_bytes,
                           disk_cache_dir=kv_config.disk_cache_dir,
-                          disk_cache_blocks=kv_config.disk_cache_size // block_bytes)
+                          disk_cache_blocks=kv_config.disk_cache_size // block_bytes,
+                          layout=layout, max_step_tokens=args.max_num_tokens)
+
+
+def kv_cache_layout(spec: KVCacheSpec, window_savings: bool) -> KVCacheLayout:
+    """The model's KV cache groups: with window savings, full and sliding-window layers in
+    groups of their own; without, one group where every layer keeps every block."""
+    windows = spec.layer_windows if window_savings else ()
+    return plan_layout(spec.num_layers, windows, spec.first_layer)
 
 
 def kv_cache_dtype(kv_config: KvCacheConfig, dtype: torch.dtype, model) -> torch.dtype:

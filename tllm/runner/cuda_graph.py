@@ -35,6 +35,11 @@ class CudaGraphRunner:
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
+        # KV cache groups 1.. (sliding-window layers) have slots and tables of their own
+        self.group_slot_mappings = [torch.full_like(self.slot_mapping, -1)
+                                    for _ in range(kv_cache.num_groups - 1)]
+        self.group_block_tables = [torch.zeros_like(self.block_tables)
+                                   for _ in range(kv_cache.num_groups - 1)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
@@ -44,13 +49,18 @@ class CudaGraphRunner:
     def _metadata(self, batch_size: int) -> AttentionMetadata:
         # max_seq_len is the static upper bound: the decode kernel sizes its split-K launch
         # from it, and a replay must work for any sequence length.
-        return AttentionMetadata(
+        metadata = AttentionMetadata(
             positions=self.positions[:batch_size], slot_mapping=self.slot_mapping[:batch_size],
             query_start_loc=self.query_start_loc[:batch_size + 1],
             seq_lens=self.seq_lens[:batch_size], block_tables=self.block_tables[:batch_size],
             max_query_len=1, max_seq_len=self.max_seq_len,
             tokens_per_block=self.kv_cache.tokens_per_block,
             query_lens_cpu=[1] * batch_size, seq_lens_cpu=[1] * batch_size)
+        if self.group_slot_mappings:
+            metadata.add_group_views(self.kv_cache.layer_groups, [
+                (slots[:batch_size], tables[:batch_size])
+                for slots, tables in zip(self.group_slot_mappings, self.group_block_tables)])
+        return metadata
 
     def _forward(self, batch_size: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:batch_size], self.kv_cache.kv_caches,
@@ -92,6 +102,11 @@ class CudaGraphRunner:
         self.seq_lens[n:padded].fill_(0)
         width = metadata.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(metadata.block_tables)
+        for slots, tables, view in zip(self.group_slot_mappings, self.group_block_tables,
+                                       metadata.group_views):
+            slots[:n].copy_(view.slot_mapping)
+            slots[n:padded].fill_(-1)
+            tables[:n, :width].copy_(view.block_tables)
         graph, logits = self.graphs[padded]
         graph.replay()
         return logits[:n]

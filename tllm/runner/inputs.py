@@ -25,10 +25,15 @@ class StepInputs:
 
 
 def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[int]],
-                   tokens_per_block: int) -> StepInputs:
-    """`block_ids(request)` is the request's block table (from the KV cache manager)."""
+                   tokens_per_block: int,
+                   group_block_ids: Callable[[Request], list[list[int]]] | None = None
+                   ) -> StepInputs:
+    """`block_ids(request)` is the request's block table (from the KV cache manager); with
+    several KV cache groups, `group_block_ids(request)` gives its table of every group."""
     bs = tokens_per_block
     ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+    group_slots: list[list[int]] = []          # groups 1..: the tokens' slots
+    group_tables: list[list[list[int]]] = []   # groups 1..: the requests' tables
     inputs = StepInputs(None)  # type: ignore[arg-type]
     for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
@@ -38,6 +43,9 @@ def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[in
         table = block_ids(request)
         tables.append(table)
         slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+        if group_block_ids is not None:
+            _add_group_tables(group_block_ids(request)[1:], start, end, bs, group_slots,
+                              group_tables)
         query_lens.append(num_new)
         seq_lens.append(end)
         if end == request.num_tokens:
@@ -49,12 +57,28 @@ def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[in
                 inputs.placeholder_requests.append(request)
         if request.wants_prompt_logprobs:
             _add_prompt_rows(inputs, request, start, end, first_row)
-    # one padded table: a tensor per request costs ~5 us each at batch 256
+    # one padded table (per group): a tensor per request costs ~5 us each at batch 256
     width = max(len(t) for t in tables)
-    padded = [t + [0] * (width - len(t)) for t in tables]
-    inputs.plan = StepPlan(ids, positions, slots, query_lens, seq_lens, padded,
-                           inputs.sample_rows + inputs.prompt_rows)
+    inputs.plan = StepPlan(ids, positions, slots, query_lens, seq_lens, _pad(tables, width),
+                           inputs.sample_rows + inputs.prompt_rows, group_slots=group_slots,
+                           group_block_tables=[_pad(t, width) for t in group_tables])
     return inputs
+
+
+def _pad(tables: list[list[int]], width: int) -> list[list[int]]:
+    return [t + [0] * (width - len(t)) for t in tables]
+
+
+def _add_group_tables(request_tables: list[list[int]], start: int, end: int, bs: int,
+                      group_slots: list[list[int]], group_tables: list[list[list[int]]]) -> None:
+    """A request's tables of groups 1.. (every group's table has the length of the first)
+    and its tokens' slots in each."""
+    if not group_tables:
+        group_slots.extend([] for _ in request_tables)
+        group_tables.extend([] for _ in request_tables)
+    for table, slots, tables in zip(request_tables, group_slots, group_tables):
+        tables.append(table)
+        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
 
 
 def _add_prompt_rows(inputs: StepInputs, request: Request, start: int, end: int,

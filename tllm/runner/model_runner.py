@@ -66,7 +66,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, in_flight: SampledBatch | None = None) -> StepOutput:
         """Launch the step. `in_flight` holds last step's sampled tokens, still on the device,
         which feed this step's inputs where the host has only placeholders."""
-        inputs = prepare_inputs(batch, self.kv_cache.block_ids, self.kv_cache.tokens_per_block)
+        kv = self.kv_cache
+        inputs = prepare_inputs(batch, kv.block_ids, kv.tokens_per_block,
+                                kv.group_block_ids if kv.num_groups > 1 else None)
         plan = self._complete_plan(inputs)
         if self.parallel is not None:
             comm.broadcast_object(plan)
@@ -89,6 +91,7 @@ class ModelRunner:
     def _complete_plan(self, inputs: StepInputs) -> StepPlan:
         """How this step runs, decided once here and carried in the plan to every rank."""
         plan = inputs.plan
+        plan.layer_groups = self.kv_cache.layer_groups
         graphs = self.cuda_graphs
         # A graph replay computes logits for every row: use it when every row samples.
         plan.use_graph = (graphs is not None and graphs.can_run(plan.num_tokens,

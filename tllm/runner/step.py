@@ -33,6 +33,11 @@ class StepPlan:
     # pipeline parallelism: what the last stage samples (the first len(row_request_ids)
     # logit rows; the rest are prompt-logprob rows, sent to rank 0 as logits)
     sampling: SamplingPlan | None = None
+    # several KV cache groups (sliding-window layers): groups 1..'s slots and padded block
+    # tables (slots and block_tables above are group 0's), and each model layer's group
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_block_tables: list[list[list[int]]] = field(default_factory=list)
+    layer_groups: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +66,10 @@ def plan_tensors(plan: StepPlan, device: torch.device,
         max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
         tokens_per_block=tokens_per_block,
         query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
+    if plan.group_slots:
+        metadata.add_group_views(plan.layer_groups, [
+            (to_device(slots, torch.long), to_device(tables, torch.int32))
+            for slots, tables in zip(plan.group_slots, plan.group_block_tables)])
     return to_device(plan.input_ids, torch.long), metadata
 
 

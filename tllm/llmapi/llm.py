@@ -64,7 +64,10 @@ class LLM:
         return self._engine.executor.stats()
 
     def get_kv_cache_stats(self) -> dict[str, float]:
-        """Prefix-reuse hit rate, onboards/offloads/swaps, per-tier usage, preemptions."""
+        """Prefix-reuse hit rate, onboards/offloads/swaps, per-tier usage, preemptions;
+        blocks freed by sliding windows, and per KV cache group (`group<g>_window`, 0 for
+        full attention) the blocks it holds; `peak_requests`: the most requests holding
+        blocks at once."""
         stats = self._engine.kv_cache.stats_dict()
         stats["preemptions"] = self._engine.executor.scheduler.num_preemptions
         return stats

@@ -25,6 +25,9 @@ ARCH_EXTRAS = {
                     attention_multiplier=0.2, logits_scaling=3.0),
     # parallel attention and MLP, interleaved rotary, logits multiplied
     "Cohere": dict(logit_scale=0.5),
+    # a mixture of experts saved per expert: transformers' converter stacks them at load
+    # (12, so that experts.10 sorts after experts.2)
+    "Olmoe": dict(num_experts=12, num_experts_per_tok=2),
 }
 LLM_KWARGS = dict(max_num_tokens=24, max_batch_size=3,
                   kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048))
@@ -132,6 +135,12 @@ def test_linear_attention_layers_are_refused():
     config.layer_types = ["full_attention", "linear_attention"]
     with pytest.raises(ValueError, match="linear_attention layers, whose state our paged KV"):
         _build(config, model_impl="transformers")
+
+
+def test_attention_sinks_are_refused():
+    config = transformers.GptOssConfig(**TINY, architectures=["GptOssForCausalLM"])
+    with pytest.raises(ValueError, match="GptOssAttention passes s_aux to attention"):
+        _build(config)
 
 
 def test_tllm_impl_of_unknown_architecture_is_refused():

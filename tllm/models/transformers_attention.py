@@ -25,6 +25,11 @@ ATTENTION_IMPL = "tllm_paged"
 STEP_KWARG = "tllm_step"
 # the layer types whose keys and values our paged cache holds
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+# what models pass to attention that our backends honour or that does not change the result;
+# anything else set (GPT-OSS's sinks `s_aux`, sparse-attention `indices`, T5's `position_bias`)
+# would be dropped silently, so the model is refused
+UNDERSTOOD_KWARGS = frozenset({"sliding_window", "softcap", "is_causal", "position_ids",
+                               "use_cache", "cache_position", "output_attentions"})
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -89,7 +94,12 @@ class AttentionProbe:
             raise UnservableModel(f"{name} has no layer_idx, so its KV cache cannot be found")
         if layer in self.layers:
             raise UnservableModel(f"layer {layer} ({name}) attends more than once per step")
-        if not getattr(module, "is_causal", True):
+        ignored = sorted(k for k, v in kwargs.items()
+                         if k not in UNDERSTOOD_KWARGS and v is not None and v is not False)
+        if ignored:
+            raise UnservableModel(f"{name} passes {', '.join(ignored)} to attention, which our "
+                                  "attention backends do not implement")
+        if not getattr(module, "is_causal", True) or kwargs.get("is_causal") is False:
             raise UnservableModel(f"{name} attends bidirectionally (is_causal=False); the "
                                   "fallback serves causal decoders only")
         if attention_mask is not None:

@@ -10,10 +10,13 @@ attention (ours) keeps the sequences apart by the step's metadata."""
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+import inspect
+import re
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from tllm.attention.interface import (AttentionBackend, AttentionMetadata, AttentionOptions,
                                       KVCache, KVCacheSpec)
@@ -44,12 +47,16 @@ class TransformersCausalLM(nn.Module):
         self.activation_dtype = torch.get_default_dtype()
         hf_config = copy.deepcopy(config)  # transformers writes dtype and attention into it
         self.hf = build_hf_model(hf_cls, hf_config, self.activation_dtype)
-        prefix = self.hf.base_model_prefix
-        self.decoder = getattr(self.hf, prefix)
-        # the HF model's own logits code (scales, soft-caps) over hidden states we give it
-        self.__dict__["_head"] = _logits_head(self.hf, prefix)
+        # not a submodule: it shares every module of self.hf
+        self.__dict__["_head"] = _logits_head(self.hf, self.hf.base_model_prefix)
         self.layer_attention = probe_attention(self.decoder, hf_config)
         self.backends = _layer_backends(self.layer_attention, backend_cls)
+        self._check_logits_head()
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The HF base model: embeddings, decoder layers, final norm."""
+        return getattr(self.hf, self.hf.base_model_prefix)
 
     @property
     def num_local_layers(self) -> int:
@@ -75,20 +82,42 @@ class TransformersCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._head(inputs_embeds=hidden[None], use_cache=False).logits[0]
 
+    @torch.inference_mode()
+    def _check_logits_head(self) -> None:
+        hidden = torch.zeros(1, self.config.get_text_config().hidden_size,
+                             device=next(self.parameters()).device)
+        try:
+            logits = self.compute_logits(hidden)
+        except Exception as exc:  # whatever HF's head code trips on, say it at load
+            raise UnservableModel(
+                f"{type(self.hf).__name__}'s logits cannot be computed apart from its base "
+                f"model ({type(exc).__name__}: {exc})") from exc
+        if logits.dim() != 2 or logits.shape[0] != 1:
+            raise UnservableModel(f"{type(self.hf).__name__}'s head returns logits of shape "
+                                  f"{tuple(logits.shape)} for one token; expected [1, vocab]")
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the HF module by name (transformers' renamings of
-        old checkpoint names applied). Returns the names of every parameter filled; a
-        tied tensor counts under all its names."""
+        """Copy checkpoint tensors into the HF module by name, mapped as transformers maps
+        them (legacy renamings; per-expert tensors merged). Returns the names of every
+        parameter filled; a tied tensor counts under all its names."""
         names = CheckpointNames(self.hf)
-        targets = self.hf.state_dict(keep_vars=True)
+        state = self.hf.state_dict(keep_vars=True)
         aliases = _aliases(self.hf)
         loaded: set[str] = set()
-        for name, tensor in weights:
-            target = names.target(name, targets)
-            if target is None:
-                continue
-            _copy_checked(targets[target], tensor, name)
+
+        def place(target: str, tensor: torch.Tensor, source: str) -> None:
+            _copy_checked(state[target], tensor, source)
             loaded.update(aliases.get(target, {target}))
+
+        for name, tensor in weights:
+            target = names.target(name, tensor, state)
+            if target is not None:
+                place(target, tensor, name)
+        for target, tensor in names.merged(self.hf):
+            if target not in state:
+                raise ValueError(f"transformers' conversion made {target!r}, which has no "
+                                 f"place in {names.arch}")
+            place(target, tensor, target)
         return loaded
 
     def expected_weights(self) -> set[str]:
@@ -113,11 +142,28 @@ def build_hf_model(hf_cls: type[nn.Module], config, dtype: torch.dtype) -> nn.Mo
 
 class _HiddenStates(nn.Module):
     """Stands in for the base model when the HF causal LM computes logits: its output is
-    the hidden states it is given."""
+    the hidden states it is given. Head code reaches base models in a few ways (OPT calls
+    `self.model.decoder`, GPT-2 passes input_ids first, MoE heads read `router_logits`):
+    any attribute of the stand-in is the stand-in, any field of its output not set is
+    None. A head it cannot stand in for fails at load (`_check_logits_head`)."""
 
-    def forward(self, inputs_embeds: torch.Tensor, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-        return BaseModelOutputWithPast(last_hidden_state=inputs_embeds)
+    def forward(self, *args, inputs_embeds: torch.Tensor, **kwargs):
+        return _PassedThrough(last_hidden_state=inputs_embeds)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return self
+
+
+class _PassedThrough(BaseModelOutputWithPast):
+    """The stand-in's output: fields a head reads that it never sets are None."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return None
 
 
 def _logits_head(hf: nn.Module, prefix: str) -> nn.Module:
@@ -179,12 +225,15 @@ def refuse_unservable(config, hf_cls: type[nn.Module], quant_config) -> None:
 def probe_attention(decoder: nn.Module, config) -> list[LayerAttention]:
     """Run the base model once on two tokens and check that every layer attends through our
     function, each once, with one KV head shape: the layers' attention, by layer index."""
+    arch = type(decoder).__name__
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        raise UnservableModel(f"{arch} takes no position_ids, so the sequences of a batch, "
+                              "flattened into one row, would be numbered as one")
     device = next(decoder.parameters()).device
     probe = AttentionProbe(config, _PROBE_TOKENS)
     ids = torch.ones(1, _PROBE_TOKENS, dtype=torch.long, device=device)
     decoder(input_ids=ids, position_ids=torch.arange(_PROBE_TOKENS, device=device)[None],
             use_cache=False, **{STEP_KWARG: probe})
-    arch = type(decoder).__name__
     num_layers = getattr(config, "num_hidden_layers", None) or len(probe.layers)
     missing = sorted(set(range(num_layers)) - set(probe.layers))
     if not probe.layers or missing or sorted(probe.layers) != list(range(num_layers)):
@@ -224,30 +273,49 @@ def _aliases(module: nn.Module) -> dict[str, set[str]]:
 
 class CheckpointNames:
     """Checkpoint tensor name -> the HF module's state-dict name, as transformers maps it
-    when it loads: its renamings of legacy names, the base-model prefix added or dropped."""
+    when it loads: its renamings of legacy names, the base-model prefix added or dropped,
+    and its converters (per-expert tensors stacked into one, a fused tensor split), whose
+    source tensors are held until every one has arrived."""
 
     def __init__(self, hf: nn.Module) -> None:
-        import re
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
         transforms = get_model_conversion_mapping(hf)
         self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.converter_of = {p: c for c in self.converters for p in c.source_patterns}
         self.prefix = hf.base_model_prefix
         self.ignored = [re.compile(p) for p in (hf._keys_to_ignore_on_load_unexpected or ())]
         self.arch = type(hf).__name__
+        # converted target -> its (checkpoint name, source pattern, tensor)s
+        self.pending: dict[str, list[tuple[str, str, torch.Tensor]]] = {}
 
-    def target(self, name: str, state: dict[str, torch.Tensor]) -> str | None:
-        """The state-dict name `name` loads into, or None for a tensor HF skips too."""
+    def target(self, name: str, tensor: torch.Tensor,
+               state: dict[str, torch.Tensor]) -> str | None:
+        """The state-dict name `name` loads into as it is; None for a tensor HF skips too,
+        or one held for a converter (`merged`)."""
         from transformers.core_model_loading import rename_source_key
-        renamed, converter = rename_source_key(name, self.renamings, self.converters,
-                                               self.prefix, state)
-        if converter is not None:
-            raise UnservableModel(
-                f"checkpoint tensor {name!r} needs transformers' {converter!r} conversion "
-                "(tensors merged or split at load), which the fallback does not do")
+        renamed, pattern = rename_source_key(name, self.renamings, self.converters,
+                                             self.prefix, state)
+        if renamed not in state and name in state:  # renamed where it should not have been
+            renamed, pattern = name, None
+        if renamed in state and pattern is not None:
+            self.pending.setdefault(renamed, []).append((name, pattern, tensor))
+            return None
         if renamed in state:
             return renamed
         if "rotary_emb.inv_freq" in name or any(p.search(name) for p in self.ignored):
             return None
         raise ValueError(f"checkpoint tensor {name!r} has no place in {self.arch}")
+
+    def merged(self, hf: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The converters' outputs, once every checkpoint tensor has been read."""
+        from transformers.core_model_loading import dot_natural_key
+        for target, sources in self.pending.items():
+            converter = copy.deepcopy(self.converter_of[sources[0][1]])
+            # stacked in checkpoint order (experts.2 before experts.10), as HF sorts them
+            for name, pattern, tensor in sorted(sources, key=lambda s: dot_natural_key(s[0])):
+                converter.add_tensor(target, name, pattern, lambda t=tensor: t)
+            for key, value in converter.convert(target, model=hf, config=hf.config).items():
+                yield key, value[0] if isinstance(value, list) else value
+        self.pending.clear()

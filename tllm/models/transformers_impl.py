@@ -15,8 +15,14 @@ import re
 from typing import Iterable, Iterator
 
 import torch
+import transformers
 from torch import nn
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import (WeightConverter, WeightRenaming, dot_natural_key,
+                                             rename_source_key)
+from transformers.initialization import no_init_weights
 from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from tllm.attention.interface import (AttentionBackend, AttentionMetadata, AttentionOptions,
                                       KVCache, KVCacheSpec)
@@ -130,7 +136,6 @@ def build_hf_model(hf_cls: type[nn.Module], config, dtype: torch.dtype) -> nn.Mo
     """The HF model with its buffers (rotary tables) set and its embeddings tied, and its
     parameters zero until the checkpoint fills them: HF's random init of every weight takes
     seconds per billion parameters on a CPU, for nothing."""
-    from transformers.initialization import no_init_weights
     with no_init_weights():
         hf = hf_cls._from_config(config, attn_implementation=ATTENTION_IMPL, dtype=dtype)
     for param in hf.parameters():
@@ -177,8 +182,6 @@ def _logits_head(hf: nn.Module, prefix: str) -> nn.Module:
 
 def causal_lm_class(config) -> type[nn.Module]:
     """The transformers class named by the config's `architectures`, if it is a causal LM."""
-    import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     arch = (getattr(config, "architectures", None) or ["?"])[0]
     if getattr(config, "is_encoder_decoder", False):
         raise UnservableModel(f"{arch} is an encoder-decoder model; the transformers fallback "
@@ -235,12 +238,12 @@ def probe_attention(decoder: nn.Module, config) -> list[LayerAttention]:
     decoder(input_ids=ids, position_ids=torch.arange(_PROBE_TOKENS, device=device)[None],
             use_cache=False, **{STEP_KWARG: probe})
     num_layers = getattr(config, "num_hidden_layers", None) or len(probe.layers)
-    missing = sorted(set(range(num_layers)) - set(probe.layers))
-    if not probe.layers or missing or sorted(probe.layers) != list(range(num_layers)):
+    if sorted(probe.layers) != list(range(num_layers)):
+        silent = sorted(set(range(num_layers)) - set(probe.layers))
         raise UnservableModel(
-            f"{arch}: layers {missing or sorted(probe.layers)} of {num_layers} do not attend "
-            "through transformers' attention interface (recurrent or state-space layers?), "
-            "so their state cannot live in our paged KV cache")
+            f"{arch}: layers {silent or sorted(probe.layers)} of {num_layers} do not attend "
+            "as layers 0..n-1 through transformers' attention interface (recurrent or "
+            "state-space layers?), so their state cannot live in our paged KV cache")
     layers = [probe.layers[i] for i in range(num_layers)]
     shapes = {(a.num_kv_heads, a.head_dim) for a in layers}
     if len(shapes) > 1:
@@ -278,8 +281,6 @@ class CheckpointNames:
     source tensors are held until every one has arrived."""
 
     def __init__(self, hf: nn.Module) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
         transforms = get_model_conversion_mapping(hf)
         self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
@@ -294,7 +295,6 @@ class CheckpointNames:
                state: dict[str, torch.Tensor]) -> str | None:
         """The state-dict name `name` loads into as it is; None for a tensor HF skips too,
         or one held for a converter (`merged`)."""
-        from transformers.core_model_loading import rename_source_key
         renamed, pattern = rename_source_key(name, self.renamings, self.converters,
                                              self.prefix, state)
         if renamed not in state and name in state:  # renamed where it should not have been
@@ -310,7 +310,6 @@ class CheckpointNames:
 
     def merged(self, hf: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The converters' outputs, once every checkpoint tensor has been read."""
-        from transformers.core_model_loading import dot_natural_key
         for target, sources in self.pending.items():
             converter = copy.deepcopy(self.converter_of[sources[0][1]])
             # stacked in checkpoint order (experts.2 before experts.10), as HF sorts them

@@ -21,9 +21,14 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str, gguf_file: str | None = None,
-                        eos_token_ids: set[int] | None = None) -> Tokenizer:
+                        eos_token_ids: set[int] | None = None,
+                        tokenizer_type: str | None = None) -> Tokenizer:
+        """`tokenizer_type`: an HF model type whose tokenizer class to build (for a GGUF file
+        whose architecture transformers cannot read a config from)."""
         from transformers import AutoTokenizer
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        if tokenizer_type:
+            kwargs["tokenizer_type"] = tokenizer_type
         hf = AutoTokenizer.from_pretrained(os.fspath(path), **kwargs)
         return cls(hf, eos_token_ids)
 

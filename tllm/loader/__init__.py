@@ -138,11 +138,11 @@ def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int) -
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer | None:
-    from tllm.loader import hf
+    from tllm.loader import gguf, hf
     if source.kind == "dummy":
         return None
     if source.kind == "gguf":
-        return Tokenizer.from_pretrained(source.path.parent, gguf_file=source.path.name)
+        return gguf.load_tokenizer(source.path)
     if not hf.has_tokenizer(source.path):
         return None
     return Tokenizer.from_pretrained(source.path, eos_token_ids=hf.generation_eos_ids(source.path))

@@ -362,6 +362,12 @@ class GgufConfig(QuantConfig):
         (qtype,) = types
         return GgufLinearMethod(qtype, self._form(qtype))
 
+    def moe_method(self, prefix: str):
+        """Experts come dequantized from the loader (tllm.loader.gguf): the unquantized MoE
+        method, in the model dtype."""
+        from tllm.layers.moe import UNQUANTIZED_MOE
+        return UNQUANTIZED_MOE
+
     def embedding_layer(self, vocab_size: int, hidden_size: int) -> nn.Module | None:
         """The token embedding kept in its blocks, or None where the tensor is float."""
         if not self.keeps_blocks("embed_tokens.weight"):

@@ -25,6 +25,8 @@ ARCH_EXTRAS = {
                     attention_multiplier=0.2, logits_scaling=3.0),
     # parallel attention and MLP, interleaved rotary, logits multiplied
     "Cohere": dict(logit_scale=0.5),
+    # a sliding-window layer (rotary) and a full one (no positions at all): two KV groups
+    "Cohere2": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     # a mixture of experts saved per expert: transformers' converter stacks them at load
     # (12, so that experts.10 sorts after experts.2)
     "Olmoe": dict(num_experts=12, num_experts_per_tok=2),
@@ -50,15 +52,18 @@ def generate(path, prompts, **kwargs):
         kv_cache = llm._engine.kv_cache
         assert kv_cache.num_free_blocks == kv_cache.num_blocks
         model = llm._engine.executor.runner.model
-    return [o.outputs[0] for o in outputs], model
+        freed = llm.get_kv_cache_stats()["blocks_freed_by_window"]
+    return [o.outputs[0] for o in outputs], model, freed
 
 
 @pytest.mark.parametrize("arch", list(ARCH_EXTRAS))
 def test_fallback_matches_hf_in_continuous_batch(arch, tmp_path):
     hf_model = make_model(arch, tmp_path)
     prompts = make_prompts(hf_model.config.vocab_size)
-    completions, model = generate(tmp_path, prompts)  # model_impl="auto"
+    completions, model, freed = generate(tmp_path, prompts)  # model_impl="auto"
     assert isinstance(model, TransformersCausalLM)
+    # window layers gave back the blocks behind their window (prompts up to 60 tokens)
+    assert (freed > 0) == ("sliding_window" in ARCH_EXTRAS[arch])
     for prompt, completion in zip(prompts, completions):
         ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
         assert completion.token_ids == ref_tokens
@@ -68,8 +73,8 @@ def test_fallback_matches_hf_in_continuous_batch(arch, tmp_path):
 def test_transformers_impl_on_llama_equals_native(tiny_llama):
     path, hf_model = tiny_llama
     prompts = make_prompts(hf_model.config.vocab_size)[:8]
-    native, native_model = generate(path, prompts, model_impl="tllm")
-    fallback, fallback_model = generate(path, prompts, model_impl="transformers")
+    native, native_model, _ = generate(path, prompts, model_impl="tllm")
+    fallback, fallback_model, _ = generate(path, prompts, model_impl="transformers")
     assert not isinstance(native_model, TransformersCausalLM)
     assert isinstance(fallback_model, TransformersCausalLM)
     for ours, theirs in zip(fallback, native):

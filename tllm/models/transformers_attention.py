@@ -65,7 +65,9 @@ class PagedStep:
         layer = module.layer_idx
         # [1, heads, T, D] -> [T, heads, D]: HF's views are token-major already
         q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
-        out = self.backends[layer].forward(q, k, v, self.kv_caches[layer], self.metadata)
+        # each layer with its KV cache group's slots and block tables
+        out = self.backends[layer].forward(q, k, v, self.kv_caches[layer],
+                                           self.metadata.for_layer(layer))
         return out.unsqueeze(0)
 
 

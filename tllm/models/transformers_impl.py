@@ -70,8 +70,11 @@ class TransformersCausalLM(nn.Module):
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:
+        """One head shape for all layers, and each layer's window (so the cache can give
+        back the blocks a window has passed)."""
         first = self.layer_attention[0]
-        return KVCacheSpec(self.num_local_layers, first.num_kv_heads, first.head_dim)
+        windows = tuple(a.options.sliding_window for a in self.layer_attention)
+        return KVCacheSpec(self.num_local_layers, first.num_kv_heads, first.head_dim, windows)
 
     def attention_options(self, layer: int) -> AttentionOptions:
         """Layer `layer`'s window, scale and soft-cap, as the HF model passes them."""

@@ -84,6 +84,10 @@ class LlamaMLP(nn.Module):
     def __init__(self, config, quant_config: QuantConfig | None = None,
                  prefix: str = "mlp", intermediate_size: int | None = None) -> None:
         super().__init__()
+        act = getattr(config, "hidden_act", "silu")
+        if act not in ("silu", "swish"):  # the merged gate/up kernel applies SiLU
+            raise ValueError(f"hidden_act {act!r} is not supported by the Llama-family MLP "
+                             "(silu only); model_impl='transformers' runs such a model")
         # a MoE model's shared expert has its own size
         inter = config.intermediate_size if intermediate_size is None else intermediate_size
         bias = getattr(config, "mlp_bias", False)

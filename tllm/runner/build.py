@@ -148,9 +148,12 @@ def activation_bytes(config, args: LlmArgs, dtype: torch.dtype) -> int:
     the KV budget: the merged gate/up output dominates, then the float32 logits. A MoE
     layer's gate/up runs per (token, expert) pair: top_k of them per token."""
     size = torch.empty((), dtype=dtype).element_size()
-    expert_size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    # GPT-2-style configs name no intermediate size: theirs is 4 x hidden
+    dense = (getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None)
+             or 4 * config.hidden_size)
+    expert_size = getattr(config, "moe_intermediate_size", None) or dense
     experts_width = getattr(config, "num_experts_per_tok", 0) * expert_size
-    per_token = (2 * max(config.intermediate_size, experts_width) + 6 * config.hidden_size) * size
+    per_token = (2 * max(dense, experts_width) + 6 * config.hidden_size) * size
     logits = args.max_batch_size * config.vocab_size * 4 * 3
     return args.max_num_tokens * per_token * 2 + logits
 

@@ -1,0 +1,231 @@
+"""Issue 17's GPU figures in one device call: MoE models, the fused MoE kernel, and the
+sliding-window KV capacity.
+
+  floor      device-to-device copy bandwidth (the roofline every floor below divides)
+  kernel     benchmarks/gpu_moe_kernel.py: the fused MoE kernels against a per-expert loop
+             of torch matmuls, in Mixtral-8x7B and Qwen3-30B-A3B shapes
+  mixtral    dummy:mixtral-8x7b, bf16: batch-1 decode (ISL 128 / OSL 256) against the
+             weight-read floor of the active experts, and ISL/OSL 128/128 max-load
+             throughput (1,000 requests)
+  qwen3moe   the same for dummy:qwen3-30b-a3b
+  window     benchmarks/sliding_window_capacity.py on dummy:gemma-2-9b: concurrent
+             requests that fit with and without window-aware KV in the same memory
+
+Each part runs in its own process (a model's memory is gone when the next one starts) with
+its share of the budget; results go to $OUT/models.json and the log to $OUT/models.log.
+
+    python benchmarks/gpu_models.py [--parts floor,kernel,mixtral,qwen3moe,window]
+        [--budget 560]
+    python benchmarks/gpu_models.py --smoke    # the plumbing on the CPU, tiny models
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+PARTS = ("floor", "kernel", "mixtral", "qwen3moe", "window")
+MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b"}
+# seconds per part at --budget 560 (scaled with it)
+SHARES = {"floor": 20, "kernel": 75, "mixtral": 200, "qwen3moe": 180, "window": 80}
+FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
+                    "read: every non-expert parameter (LM head included; the input "
+                    "embedding counted apart) plus top_k experts' weights per MoE layer")
+
+
+def active_weight_bytes(model: str, dtype: torch.dtype) -> dict:
+    """Bytes a batch-1 decode step reads, from the model tllm builds (on the meta device:
+    no memory). Expert weights are the 3-D parameters with the experts as first dim."""
+    from tllm import loader
+    from tllm.attention import get_attention_backend
+    config, _ = loader.load_config(loader.resolve_model(model))
+    built = loader.build_model(config, get_attention_backend("torch"), dtype,
+                               torch.device("meta"), 64)
+    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    top_k = getattr(config, "num_experts_per_tok", 0)
+    dense = experts = embedding = 0
+    for name, p in built.named_parameters():
+        size = p.numel() * p.element_size()
+        if p.dim() == 3 and num_experts and p.shape[0] == num_experts:
+            experts += size
+        else:
+            dense += size
+            embedding += size if "embed_tokens" in name else 0
+    active = dense + (experts * top_k // num_experts if num_experts else 0)
+    return {"total_bytes": dense + experts, "active_bytes": active, "embedding_bytes": embedding,
+            "num_experts": num_experts, "top_k": top_k}
+
+
+def part_floor(budget_s: float, smoke: bool) -> dict:
+    from gpu_fastpath import copy_bandwidth
+    device = torch.device("cpu" if smoke else "cuda")
+    nbytes = (64 << 20) if smoke else (4 << 30)
+    return {"copy_bw_gbs": copy_bandwidth(device, nbytes) / 1e9, "copy_bytes": nbytes}
+
+
+def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | None) -> dict:
+    from tllm import LLM
+    from tllm.bench.offline import LatencyConfig, ThroughputConfig, run_latency, run_throughput
+    from tllm.bench.offline_cli import format_report
+    deadline = time.perf_counter() + budget_s
+    dtype = "float32" if smoke else "bfloat16"
+    result = {"model": model, "dtype": dtype,
+              "weights": active_weight_bytes(model, getattr(torch, dtype))}
+    latency_shape, tput = ((8, 16), (16, 8, 24)) if smoke else ((128, 256), (128, 128, 1000))
+    kwargs = {"dtype": dtype, "device": "cpu" if smoke else "cuda",
+              "max_seq_len": 512 if not smoke else 64}
+    started = time.perf_counter()
+    with LLM(model, max_batch_size=1, **kwargs) as llm:
+        result["build_s"] = time.perf_counter() - started
+        config = LatencyConfig(isl=latency_shape[0], osl=latency_shape[1], batch_size=1,
+                               iterations=3, warmup=1, time_limit_s=budget_s * 0.2)
+        result["latency"] = run_latency(llm, config)
+    print(format_report(result["latency"]), flush=True)
+    if copy_bw_gbs:
+        w = result["weights"]
+        result["floor_tok_s"] = copy_bw_gbs * 1e9 / w["active_bytes"]
+        result["floor_tok_s_without_input_embedding"] = (
+            copy_bw_gbs * 1e9 / (w["active_bytes"] - w["embedding_bytes"]))
+        result["of_floor"] = result["latency"]["output_tokens_per_s"] / result["floor_tok_s"]
+        print(f"{model} batch 1: {result['latency']['output_tokens_per_s']:.1f} tok/s = "
+              f"{result['of_floor']:.1%} of the active-weight floor "
+              f"({result['floor_tok_s']:.1f} tok/s, {w['active_bytes'] / 1e9:.2f} GB a step)",
+              flush=True)
+    isl, osl, num = tput
+    with LLM(model, max_batch_size=256 if not smoke else 8, **kwargs) as llm:
+        config = ThroughputConfig(isl=isl, osl=osl, num_requests=num, warmup=8,
+                                  time_limit_s=max(5.0, deadline - time.perf_counter() - 20))
+        result["max_load"] = run_throughput(llm, config)
+    print(format_report(result["max_load"]), flush=True)
+    return result
+
+
+def run_script(argv: list[str], budget_s: float, json_path: Path) -> dict:
+    """Another benchmark script in its own process; its JSON (written to json_path)."""
+    try:
+        proc = subprocess.run([sys.executable, *argv], timeout=budget_s, text=True,
+                              capture_output=True)
+    except subprocess.TimeoutExpired as exc:
+        print((exc.stdout or "")[-4000:] if isinstance(exc.stdout, str) else "", flush=True)
+        return {"error": f"timed out after {budget_s:.0f} s"}
+    print(proc.stdout[-8000:], proc.stderr[-4000:], sep="\n", flush=True)
+    if proc.returncode != 0:
+        return {"error": f"exit {proc.returncode}", "stderr": proc.stderr[-4000:]}
+    return json.loads(json_path.read_text()) if json_path.is_file() else {"stdout": proc.stdout}
+
+
+def run_child(part: str, budget_s: float, smoke: bool, copy_bw: float | None,
+              out_dir: Path) -> dict:
+    json_path = out_dir / f"{part}.json"
+    if part == "kernel":
+        argv = [str(HERE / "gpu_moe_kernel.py"), "--out", str(json_path),
+                "--budget", str(budget_s - 15)]
+        return run_script(argv + (["--cpu-smoke"] if smoke else []), budget_s, json_path)
+    if part == "window":  # it writes $OUT/sliding_window_capacity.json
+        argv = [str(HERE / "sliding_window_capacity.py")]
+        if smoke:
+            argv += ["--model", "tiny", "--isl", "600", "--osl", "16", "--kv-gib", "0.002",
+                     "--requests", "12", "--max-num-tokens", "512"]
+        return run_script(argv, budget_s, out_dir / "sliding_window_capacity.json")
+    argv = [str(Path(__file__)), "--child", part, "--budget", str(budget_s),
+            "--child-out", str(json_path)] + (["--smoke"] if smoke else [])
+    if copy_bw:
+        argv += ["--copy-bw", str(copy_bw)]
+    return run_script(argv, budget_s + 30, json_path)
+
+
+def summary(results: dict) -> str:
+    lines = ["", "=== summary ==="]
+    if "floor" in results and "copy_bw_gbs" in results["floor"]:
+        lines.append(f"copy bandwidth {results['floor']['copy_bw_gbs']:.0f} GB/s")
+    for part in MODELS:
+        r = results.get(part, {})
+        if "latency" in r:
+            lines.append(f"{r['model']}: batch 1 {r['latency']['output_tokens_per_s']:.1f} "
+                         f"tok/s (floor {r.get('floor_tok_s', float('nan')):.1f}, "
+                         f"{r.get('of_floor', float('nan')):.1%}); 128/128 max load "
+                         f"{r.get('max_load', {}).get('output_tokens_per_s', float('nan')):.0f}"
+                         " tok/s")
+        elif r:
+            lines.append(f"{part}: {r.get('error', r)}"[:300])
+    if "kernel" in results:
+        lines.append("kernel: see kernel.json" if "error" not in results["kernel"]
+                     else f"kernel: {results['kernel']['error']}")
+    window = results.get("window", {})
+    if "on" in window:
+        off, on = window["off"]["max_running"], window["on"]["max_running"]
+        lines.append(f"window ({window['model']}): {off} requests at once without the "
+                     f"savings, {on} with ({on / off:.2f}x)")
+    elif window:
+        lines.append(f"window: {window.get('error', window)}"[:300])
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--budget", type=float, default=560.0)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--child", choices=list(MODELS), help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--copy-bw", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        model = _smoke_model() if args.smoke else MODELS[args.child]
+        result = part_model(model, args.budget, args.smoke, args.copy_bw)
+        args.child_out.write_text(json.dumps(result, indent=1, default=str))
+        return 0
+    out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_models")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {"meta": {"date": datetime.date.today().isoformat(), "argv": sys.argv,
+                        "device": torch.cuda.get_device_name() if torch.cuda.is_available()
+                        else "cpu", "torch": torch.__version__,
+                        "floor_convention": FLOOR_CONVENTION}}
+    parts = args.parts.split(",")
+    scale = args.budget / 560
+    end = time.perf_counter() + args.budget
+    for part in parts:
+        budget = min(SHARES[part] * scale, end - time.perf_counter() - 5)
+        if budget < 8:
+            results[part] = {"skipped": "out of time"}
+            continue
+        print(f"--- {part} (budget {budget:.0f} s)", flush=True)
+        started = time.perf_counter()
+        if part == "floor":
+            results[part] = part_floor(budget, args.smoke)
+        else:
+            copy_bw = results.get("floor", {}).get("copy_bw_gbs")
+            results[part] = run_child(part, budget, args.smoke, copy_bw, out_dir)
+        results[part]["part_s"] = time.perf_counter() - started
+        (out_dir / "models.json").write_text(json.dumps(results, indent=1, default=str))
+    print(summary(results), flush=True)
+    return 0
+
+
+def _smoke_model() -> str:
+    """A tiny random Mixtral saved to a temporary directory (the CPU smoke run)."""
+    import tempfile
+    import transformers
+    path = Path(tempfile.mkdtemp()) / "tiny_mixtral"
+    config = transformers.MixtralConfig(
+        vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=256, architectures=["MixtralForCausalLM"])
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

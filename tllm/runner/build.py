@@ -85,7 +85,13 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
     limit = min(config.max_batch_size, args.max_batch_size)
     sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s <= limit] or [limit]
     graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device)
-    graphs.capture()
+    try:
+        graphs.capture()
+    except RuntimeError as exc:  # e.g. transformers' modeling code syncing with the host
+        torch.cuda.synchronize(device)
+        logger.warning("CUDA graphs off: the model's decode step could not be captured (%s); "
+                       "decode runs eagerly", str(exc).splitlines()[0][:200])
+        return None
     return graphs
 
 

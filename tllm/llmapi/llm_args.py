@@ -3,7 +3,7 @@ the field)."""
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -61,6 +61,59 @@ class CudaGraphConfig(BaseModel):
     max_batch_size: int = Field(256, ge=1)
 
 
+class _SpeculativeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_draft_len: int = Field(4, ge=1, le=32)  # draft tokens proposed per request and step
+
+
+class NGramDecodingConfig(_SpeculativeConfig):
+    """Prompt lookup (TensorRT-LLM's name): drafts are what followed the latest earlier
+    occurrence of the request's last n tokens in its own prompt and output, trying
+    n = max_matching_ngram_size down to 1; no extra model."""
+
+    decoding_type: Literal["NGram"] = "NGram"
+    max_matching_ngram_size: int = Field(3, ge=1, le=64)
+    # Match the earliest occurrence instead of the latest.
+    is_use_oldest: bool = False
+
+
+class DraftTargetDecodingConfig(_SpeculativeConfig):
+    """A second, smaller model that shares the target's tokenizer proposes the drafts.
+    `speculative_model`: a checkpoint directory, a .gguf file, `dummy:<preset>`, or the
+    target's own checkpoint cut to its first layers (`self:layers=N`)."""
+
+    decoding_type: Literal["DraftTarget"] = "DraftTarget"
+    speculative_model: str
+
+
+class EagleDecodingConfig(_SpeculativeConfig):
+    """An EAGLE-3 head (`speculative_model`: its checkpoint directory) drafts from the
+    target's hidden states of three layers (low, mid, high; default: the head's config, else
+    layers 2, L/2 - 1 and L - 4 as EAGLE-3 picks them)."""
+
+    decoding_type: Literal["Eagle"] = "Eagle"
+    speculative_model: str
+    eagle3_layers_to_capture: tuple[int, ...] | None = None
+
+
+SpeculativeConfig = Union[NGramDecodingConfig, DraftTargetDecodingConfig, EagleDecodingConfig]
+
+
+def parse_speculative_config(data: dict) -> SpeculativeConfig:
+    """A speculative config from a plain dict (a YAML file): `decoding_type` picks the class
+    (NGram, DraftTarget, Eagle)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"speculative_config: expected a mapping, got {type(data).__name__}")
+    kinds = {"NGram": NGramDecodingConfig, "DraftTarget": DraftTargetDecodingConfig,
+             "Eagle": EagleDecodingConfig}
+    kind = data.get("decoding_type")
+    if kind not in kinds:
+        raise ValueError(f"speculative_config.decoding_type: one of {sorted(kinds)}, "
+                         f"got {kind!r}")
+    return kinds[kind](**data)
+
+
 class LlmArgs(BaseModel):
     """Arguments of LLM(...), in TensorRT-LLM's style."""
 
@@ -101,6 +154,8 @@ class LlmArgs(BaseModel):
     enable_expert_parallel: bool = False
     # Who starts the other ranks: local subprocesses ("mp") or Ray actors, across nodes ("ray").
     orchestrator: Literal["mp", "ray"] = "mp"
+    # Speculative decoding (off by default): who drafts, and how many tokens per step.
+    speculative_config: SpeculativeConfig | None = Field(None, discriminator="decoding_type")
 
     @property
     def world_size(self) -> int:
@@ -110,6 +165,9 @@ class LlmArgs(BaseModel):
     def _check_parallel_features(self) -> LlmArgs:
         if self.world_size == 1:
             return self
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config is not supported with tensor/pipeline "
+                             "parallelism yet")
         kv = self.kv_cache_config
         if kv.host_cache_size or kv.disk_cache_dir:
             raise ValueError("kv_cache_config: host and disk KV tiers are not supported with "

@@ -94,6 +94,16 @@ def test_sampled_certain_and_impossible_drafts():
         assert output[1].tolist() == [3, PAD_TOKEN]  # the residual is the target's 3
 
 
+def test_no_draft_positions_at_all():
+    """K = 0 (a batch where nobody drafted): one token per request, from the target."""
+    probs = torch.zeros(2, 1, VOCAB)
+    probs[0, 0, 4] = probs[1, 0, 1] = 1.0
+    no_drafts, zero = torch.zeros(2, 0, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    for output, num_accepted in (accept_greedy(probs, no_drafts, zero),
+                                 accept_sampled(probs, no_drafts, zero, None, _seeded([0, 1]))):
+        assert output.tolist() == [[4], [1]] and num_accepted.tolist() == [0, 0]
+
+
 def _random_case(seed: int, num_rows: int, width: int):
     generator = torch.Generator().manual_seed(seed)
     probs = torch.randn(num_rows, width, VOCAB, generator=generator).softmax(dim=-1)

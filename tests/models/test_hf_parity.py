@@ -39,16 +39,24 @@ def check_logprobs(ours, hf_logprobs, tokens):
         assert abs(entry[tokens[step]].logprob - ref[tokens[step]].item()) < 1e-3
 
 
-@pytest.mark.parametrize("arch", ["Llama", "Mistral", "Qwen2", "Qwen3"])
-def test_greedy_matches_hf_in_continuous_batch(arch, tmp_path):
-    hf_model = make_tiny_model(arch, tmp_path)
-    prompts = make_prompts(hf_model.config.vocab_size)
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, logprobs=TOP)
-    with LLM(str(tmp_path), max_num_tokens=24, max_batch_size=3,
+def generate_batch(path, prompts: list[list[int]], num_new: int = NUM_NEW, **params):
+    """Our greedy completions of `prompts` in one continuous batch: a 24-token step budget
+    (chunked prefill), 3 sequences at a time (queued requests), 4-token blocks (prefix
+    reuse across prompts); every block is back in the pool afterwards."""
+    params = SamplingParams(max_tokens=num_new, temperature=0, logprobs=TOP, **params)
+    with LLM(str(path), max_num_tokens=24, max_batch_size=3,
              kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048)) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
         assert llm._engine.kv_cache.num_free_blocks == llm._engine.kv_cache.num_blocks
+    return outputs
+
+
+@pytest.mark.parametrize("arch", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+def test_greedy_matches_hf_in_continuous_batch(arch, tmp_path):
+    hf_model = make_tiny_model(arch, tmp_path)
+    prompts = make_prompts(hf_model.config.vocab_size)
+    outputs = generate_batch(tmp_path, prompts)
     for prompt, output in zip(prompts, outputs):
         ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt)
         completion = output.outputs[0]

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
-from tllm import LLM, KvCacheConfig, SamplingParams
+from tests.models.test_hf_parity import check_logprobs, generate_batch, hf_greedy, make_prompts
 
 NUM_NEW = 16
 # a few experts, top-2; Qwen2-MoE with a shared expert and layer 1 dense (mlp_only_layers)
@@ -37,11 +36,7 @@ def make_tiny_moe(arch: str, path, seed: int = 0, **overrides):
 def test_moe_greedy_matches_hf_in_continuous_batch(arch, tmp_path):
     hf_model = make_tiny_moe(arch, tmp_path)
     prompts = make_prompts(hf_model.config.vocab_size)
-    params = SamplingParams(max_tokens=NUM_NEW, temperature=0, logprobs=TOP)
-    with LLM(str(tmp_path), max_num_tokens=24, max_batch_size=3,
-             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048)) as llm:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                               use_tqdm=False)
+    outputs = generate_batch(tmp_path, prompts, NUM_NEW)
     for prompt, output in zip(prompts, outputs):
         ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
         completion = output.outputs[0]

@@ -62,6 +62,11 @@ class Request:
     cumulative_logprob: float = 0.0
     prompt_logprobs: list[PositionLogprobs | None] = field(default_factory=list)
     error: Exception | None = None
+    # Speculative decoding: the drafts this step verifies after token_ids (the scheduler may
+    # shorten them to its budget or drop them), and their draft distribution [K, V] when the
+    # drafter sampled them (None: one-hot drafts).
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -96,6 +101,10 @@ class Request:
     @property
     def wants_prompt_logprobs(self) -> bool:
         return self.sampling_params.prompt_logprobs is not None
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids = []
+        self.draft_probs = None
 
     def append_token(self, token_id: int) -> None:
         if self.first_token_time is None and token_id != PLACEHOLDER:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from tllm.outputs import PositionLogprobs
 from tllm.request import FinishReason, Request
 from tllm.runner.model_runner import StepOutput
 from tllm.sampling.sampler import SampledBatch, Sampler, SamplerOutput, prompt_logprobs
@@ -83,6 +84,32 @@ class Postprocessor:
         if reason is not None:
             self._finish(request, reason, stop_reason)
         elif request.on_update is not None:
+            request.on_update(request)
+
+    def process_tokens(self, requests: list[Request], token_ids: list[list[int]],
+                       logprobs: list[list[tuple[PositionLogprobs, float]] | None]) -> None:
+        """Several new tokens per request (a verified speculative step), each checked for a
+        stop in turn: the ones after a stop are dropped."""
+        for request, tokens, token_logprobs in zip(requests, token_ids, logprobs):
+            if request.is_finished:
+                continue
+            try:
+                self._process_several(request, tokens, token_logprobs)
+            except Exception as exc:
+                self._fail_each([request], exc)
+
+    def _process_several(self, request: Request, tokens: list[int],
+                         token_logprobs: list[tuple[PositionLogprobs, float]] | None) -> None:
+        for j, token in enumerate(tokens):
+            request.append_token(token)
+            if token_logprobs is not None:
+                request.output_logprobs.append(token_logprobs[j][0])
+                request.cumulative_logprob += token_logprobs[j][1]
+            reason, stop_reason = check_stop(request, token)
+            if reason is not None:
+                self._finish(request, reason, stop_reason)
+                return
+        if request.on_update is not None:
             request.on_update(request)
 
     def _fail_each(self, requests: list[Request], exc: Exception) -> None:

@@ -18,12 +18,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tllm.executor.postprocess import Postprocessor
+from tllm.executor.speculation import Speculation, VerifiedBatch
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.runner.model_runner import ModelRunner, StepOutput
 from tllm.sampling.sampler import SampledBatch, Sampler
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 from tllm.scheduler.scheduler import Scheduler
+from tllm.speculative.interface import Drafter, VerifyResult
 
 logger = logging.getLogger(__name__)
 _SHUTDOWN = object()
@@ -53,7 +55,8 @@ def pipelined(num_micro_batches: int) -> StepOverlap:
 class InFlightStep:
     batch: ScheduledBatch
     output: StepOutput | None = None
-    sampled: SampledBatch | None = None   # its tokens, still on the device
+    sampled: SampledBatch | VerifiedBatch | None = None   # its tokens (on the device)
+    first_positions: list[int] | None = None  # with a drafter: where each request began
 
 
 class PyExecutor:
@@ -61,12 +64,20 @@ class PyExecutor:
     Other threads talk to it through `submit`, `abort` and `shutdown`."""
 
     def __init__(self, scheduler: Scheduler, kv_cache: KVCacheManager, runner: ModelRunner,
-                 sampler: Sampler, overlap: StepOverlap = OVERLAP) -> None:
+                 sampler: Sampler, overlap: StepOverlap = OVERLAP,
+                 drafter: Drafter | None = None) -> None:
         self.scheduler = scheduler
         self.kv_cache = kv_cache
         self.runner = runner
-        self.strategy = overlap
+        # speculation needs each step's tokens on the host before the next is drafted
+        self.strategy = SYNC if drafter is not None else overlap
         self.resource_managers: list[ResourceManager] = [kv_cache, *runner.resource_managers]
+        self.speculation = None
+        if drafter is not None:
+            self.speculation = Speculation(drafter, sampler)
+            self.resource_managers.append(drafter)
+            if drafter.hidden_state_layers:
+                runner.capture_hidden_states(drafter.hidden_state_layers)
         self.postprocess = Postprocessor(sampler, self._finish, self._fail)
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[str, Request] = {}
@@ -108,6 +119,7 @@ class PyExecutor:
                 "kv_capacity_tokens": self.kv_cache.capacity_tokens,
                 "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
                 "num_steps": self.num_steps,
+                **(self.speculation.stats.as_dict() if self.speculation is not None else {}),
                 **{f"kv_{k}": v for k, v in self.kv_cache.stats_dict().items()
                    if k not in ("blocks_free", "blocks_total")}}
 
@@ -180,6 +192,8 @@ class PyExecutor:
         limit = 1 if self.strategy.samples_at_launch else self.strategy.max_in_flight
         num_launched = 0
         while num_launched < limit and len(self._in_flight) < self.strategy.max_in_flight:
+            if self.speculation is not None:
+                self.speculation.propose(self.scheduler.running)
             batch = self.scheduler.schedule()
             if not batch.requests:
                 break
@@ -195,6 +209,8 @@ class PyExecutor:
         self.num_steps += 1
         for manager in self.resource_managers:
             manager.prepare(batch)
+        if self.speculation is not None:
+            step.first_positions = [r.num_computed_tokens for r in batch.requests]
         step.output = self.runner.execute(batch, previous)
         self.scheduler.advance(batch, hold=not self.strategy.samples_at_launch)
         for manager in self.resource_managers:
@@ -205,6 +221,9 @@ class PyExecutor:
         until `_complete_oldest` brings the tokens to the host."""
         output = step.output.wait()
         self.postprocess.record_prompt_logprobs(output)
+        if output.sample_counts is not None:  # drafts to verify: SYNC, no placeholders
+            step.sampled = self.speculation.verify(output)
+            return
         if output.sampled is not None:  # the last pipeline stage sampled every row
             step.sampled = output.sampled
         else:
@@ -219,8 +238,43 @@ class PyExecutor:
         if step.sampled is None:
             self._sample(step)
         self.scheduler.release(step.batch)
-        self.postprocess.process(step.sampled.requests, step.sampled.host())
+        if isinstance(step.sampled, VerifiedBatch):
+            self._process_verified(step.sampled)
+        else:
+            self.postprocess.process(step.sampled.requests, step.sampled.host())
+        if self.speculation is not None:
+            self._tell_drafter(step)
         self._in_flight.popleft()
+
+    def _process_verified(self, verified: VerifiedBatch) -> None:
+        """Rejected drafts rolled back first (their KV must never be published), then each
+        request's new tokens, stop checks and streaming."""
+        for request, drafted, accepted in zip(verified.requests, verified.num_drafts,
+                                              verified.num_accepted):
+            if not request.is_finished:
+                self.scheduler.rollback(request, drafted - accepted)
+        self.postprocess.process_tokens(verified.requests, verified.token_ids,
+                                        verified.logprobs)
+
+    def _tell_drafter(self, step: InFlightStep) -> None:
+        """The drafter learns what each request of the step gained (and the hidden states)."""
+        batch, gained = step.batch, {}
+        if isinstance(step.sampled, VerifiedBatch):
+            gained = {id(r): (t, a) for r, t, a in zip(step.sampled.requests,
+                                                      step.sampled.token_ids,
+                                                      step.sampled.num_accepted)}
+        elif step.sampled is not None:
+            gained = {id(r): (r.token_ids[-1:], 0) for r in step.sampled.requests}
+        for request in batch.requests:
+            request.clear_drafts()
+        starts = [0]
+        for n in batch.num_scheduled_tokens[:-1]:
+            starts.append(starts[-1] + n)
+        self.speculation.drafter.on_verified(VerifyResult(
+            batch.requests, step.first_positions, batch.num_scheduled_tokens,
+            [gained.get(id(r), ([], 0))[1] for r in batch.requests],
+            [list(gained.get(id(r), ([], 0))[0]) for r in batch.requests], starts,
+            step.output.hidden_states if step.output is not None else None))
 
     def _fail_in_flight(self, error: Exception) -> None:
         """Fail what the in-flight steps still owe: a sampled step its tokens, an unsampled

@@ -243,6 +243,21 @@ class KVCacheManager(ResourceManager):
                 if self.has_windows:
                     self._free_behind_windows(request, table)
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Give back the request's blocks wholly past its first `num_tokens` tokens (KV of
+        rejected speculative tokens); under a reservation they are promised to it again.
+        Window groups lose nothing here: their blocks behind the window were freed only up
+        to the tokens known before the drafts (see update)."""
+        table = self._tables[request.request_id]
+        keep = cdiv(num_tokens, self.tokens_per_block)
+        if table.num_pending or len(table.groups[0]) <= keep:
+            return
+        for g, blocks in enumerate(table.groups):
+            self._release(g, [b for b in blocks[keep:] if b != self.null_block])
+            del blocks[keep:]
+        if self.reserve_full_generation:
+            self._set_reserved(table, self._future_need(request, table, num_tokens))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; the full ones it computed stay reusable (unless it
         failed: a failed step may have left them half written)."""
@@ -333,9 +348,10 @@ class KVCacheManager(ResourceManager):
                    for g in range(self.num_groups))
 
     def _free_behind_windows(self, request: Request, table: _BlockTable) -> None:
-        """Blocks wholly behind a window (as of the tokens computed) go back to the pool; a
-        reservation shrinks to the peak still ahead."""
-        num_computed = request.num_computed_tokens
+        """Blocks wholly behind a window (as of the tokens computed, drafts not counted: a
+        rollback may take those back) go back to the pool; a reservation shrinks to the peak
+        still ahead."""
+        num_computed = request.num_computed_tokens - len(request.draft_token_ids)
         for g, blocks in enumerate(table.groups):
             first = min(self._first_live(g, num_computed), len(blocks))
             if first > table.num_null[g]:

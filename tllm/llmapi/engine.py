@@ -96,4 +96,20 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
         overlap = pipelined(pp_size)
     else:
         overlap = SYNC if args.disable_overlap_scheduler else OVERLAP
-    return PyExecutor(scheduler, parts.kv_cache, runner, sampler, overlap)
+    return PyExecutor(scheduler, parts.kv_cache, runner, sampler, overlap,
+                      build_drafter(args, parts))
+
+
+def build_drafter(args: LlmArgs, parts: RankParts):
+    """The drafter `args.speculative_config` asks for (None: no speculation)."""
+    config = args.speculative_config
+    if config is None:
+        return None
+    if config.decoding_type == "NGram":
+        from tllm.speculative.ngram import NGramDrafter
+        return NGramDrafter(config)
+    if config.decoding_type == "DraftTarget":
+        from tllm.speculative import draft_model
+        return draft_model.build_drafter(config, parts)
+    from tllm.speculative import eagle3
+    return eagle3.build_drafter(config, parts)

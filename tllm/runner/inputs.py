@@ -22,6 +22,10 @@ class StepInputs:
     # rows whose token was sampled last step and is still only on the device
     placeholder_rows: list[int] = field(default_factory=list)
     placeholder_requests: list[Request] = field(default_factory=list)
+    # speculative decoding: per sample request, how many consecutive sample rows it has
+    # (1 + its drafts: the target's logits after its last token and after each draft);
+    # None when no request of the step has drafts (one row each)
+    sample_counts: list[int] | None = None
 
 
 def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[int]],
@@ -35,10 +39,17 @@ def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[in
     group_slots: list[list[int]] = []          # groups 1..: the tokens' slots
     group_tables: list[list[list[int]]] = []   # groups 1..: the requests' tables
     inputs = StepInputs(None)  # type: ignore[arg-type]
+    if any(r.draft_token_ids for r in batch.requests):
+        inputs.sample_counts = []
     for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
         start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
         first_row = len(ids)
-        ids.extend(request.token_ids[start:end])
+        num_drafts = len(request.draft_token_ids)
+        if num_drafts:
+            ids.extend(request.token_ids[start:] + request.draft_token_ids)
+            _add_draft_rows(inputs, request, first_row + num_new - 1 - num_drafts, num_drafts)
+        else:
+            ids.extend(request.token_ids[start:end])
         positions.extend(range(start, end))
         table = block_ids(request)
         tables.append(table)
@@ -48,9 +59,11 @@ def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[in
                               group_tables)
         query_lens.append(num_new)
         seq_lens.append(end)
-        if end == request.num_tokens:
+        if end == request.num_tokens and not num_drafts:
             inputs.sample_rows.append(first_row + num_new - 1)
             inputs.sample_requests.append(request)
+            if inputs.sample_counts is not None:
+                inputs.sample_counts.append(1)
             if request.token_ids[-1] == PLACEHOLDER:
                 ids[-1] = 0
                 inputs.placeholder_rows.append(first_row + num_new - 1)
@@ -63,6 +76,14 @@ def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[in
                            inputs.sample_rows + inputs.prompt_rows, group_slots=group_slots,
                            group_block_tables=[_pad(t, width) for t in group_tables])
     return inputs
+
+
+def _add_draft_rows(inputs: StepInputs, request: Request, last_known_row: int,
+                    num_drafts: int) -> None:
+    """The rows of a speculating request's last known token and of each of its drafts."""
+    inputs.sample_rows.extend(range(last_known_row, last_known_row + num_drafts + 1))
+    inputs.sample_requests.append(request)
+    inputs.sample_counts.append(num_drafts + 1)
 
 
 def _pad(tables: list[list[int]], width: int) -> list[list[int]]:

@@ -29,6 +29,11 @@ class StepOutput:
     prompt_targets: list[tuple[Request, int]]
     # pipeline parallelism: the last stage sampled; its tokens are on their way to rank 0
     sampled: SampledBatch | None = None
+    # speculative decoding: rows per sample request (sample_logits then has sum of them);
+    # None: one each
+    sample_counts: list[int] | None = None
+    # the hidden states of the layers a drafter asked for, [num_tokens, layers * hidden]
+    hidden_states: torch.Tensor | None = None
     _receive: Callable[[], tuple[SampledBatch, torch.Tensor | None]] | None = None
 
     def wait(self) -> StepOutput:
@@ -52,6 +57,20 @@ class ModelRunner:
         # pipeline parallelism: the last stage samples, keeping a shadow of each request
         is_pipelined = self.parallel is not None and self.parallel.mapping.pp_size > 1
         self.shadows = LastStageShadows() if is_pipelined else None
+        self._captured: dict[int, torch.Tensor] = {}
+        self.capture_layers: tuple[int, ...] = ()
+
+    def capture_hidden_states(self, layers: tuple[int, ...]) -> None:
+        """From now on every step also returns these layers' hidden states (each layer's
+        output with its residual added; the steps then run without CUDA graphs)."""
+        def keep(index: int):
+            def hook(module, args, output) -> None:
+                hidden, residual = output if isinstance(output, tuple) else (output, None)
+                self._captured[index] = hidden if residual is None else hidden + residual
+            return hook
+        for index in layers:
+            self.model.layers[index].register_forward_hook(keep(index))
+        self.capture_layers = tuple(layers)
 
     @property
     def samples_on_last_stage(self) -> bool:
@@ -77,14 +96,18 @@ class ModelRunner:
             def fill(input_ids: torch.Tensor) -> None:
                 self._fill_placeholders(input_ids, inputs, in_flight)
         logits = self.rank.run(plan, fill)
-        out = StepOutput(None, inputs.sample_requests, None, inputs.prompt_targets)
+        out = StepOutput(None, inputs.sample_requests, None, inputs.prompt_targets,
+                         sample_counts=inputs.sample_counts)
         if logits is None:  # a later pipeline stage computes (and samples) them
             out._receive = receive_from_last_stage(
                 inputs.sample_requests, len(inputs.prompt_rows), self.model.config.vocab_size,
                 self.model.activation_dtype, self.device)
             return out
-        num_sample = len(inputs.sample_requests)
+        num_sample = len(inputs.sample_rows)
         out.sample_logits = logits[:num_sample]
+        if self.capture_layers:
+            out.hidden_states = torch.cat([self._captured.pop(i) for i in self.capture_layers],
+                                          dim=-1)
         out.prompt_logits = logits[num_sample:] if inputs.prompt_rows else None
         return out
 
@@ -96,6 +119,7 @@ class ModelRunner:
         # A graph replay computes logits for every row: use it when every row samples.
         plan.use_graph = (graphs is not None and graphs.can_run(plan.num_tokens,
                                                                 plan.is_decode_only)
+                          and not self.capture_layers
                           and len(inputs.sample_rows) == plan.num_tokens
                           and not inputs.prompt_rows)
         plan.ids_from_driver = bool(inputs.placeholder_rows) and self.parallel is not None

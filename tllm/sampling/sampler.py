@@ -143,6 +143,13 @@ class Sampler:
         return logits
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        probs = self.processed_probs(logits, requests)
+        return (probs / self._exponential_noise(probs, requests)).argmax(dim=-1)
+
+    @staticmethod
+    def processed_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The distribution each row samples from: its request's temperature, top-k, top-p
+        and min-p applied to its (float) logits (speculative verification needs it too)."""
         params = [r.sampling_params for r in requests]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device)
@@ -156,8 +163,7 @@ class Sampler:
             logits = P.apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
         if any(p.min_p > 0.0 for p in params):
             logits = P.apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-        probs = logits.softmax(dim=-1)
-        return (probs / self._exponential_noise(probs, requests)).argmax(dim=-1)
+        return logits.softmax(dim=-1)
 
     def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Exp(1) noise; argmax(probs / noise) is a sample from probs (the Gumbel trick).
@@ -168,6 +174,15 @@ class Sampler:
             if request.generator is not None:
                 noise[i].exponential_(generator=request.generator)
         return noise
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
+                   requests: list[Request]) -> SamplerOutput:
+    """Each row's chosen token with its logprob, rank and the request's top-k (from the raw
+    logits, as `Sampler.sample` reports them); rows of requests that asked for none get None."""
+    raw_logprobs = logits.float().log_softmax(dim=-1)
+    return _logprobs_output(token_ids.tolist(),
+                            *_logprob_tensors(raw_logprobs, token_ids, requests), requests)
 
 
 def _logprob_tensors(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,

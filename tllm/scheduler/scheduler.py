@@ -65,11 +65,15 @@ class Scheduler:
 
     def rollback(self, request: Request, num_tokens: int) -> None:
         """Forget the last `num_tokens` computed tokens (speculative tokens the target
-        rejected); their KV entries are overwritten when those positions are computed again."""
+        rejected); the KV blocks wholly past what stays computed go back to the pool, the
+        entries left in the last block are overwritten when those positions are computed
+        again."""
         if not 0 <= num_tokens <= request.num_computed_tokens:
             raise ValueError(f"cannot roll back {num_tokens} of "
                              f"{request.num_computed_tokens} computed tokens")
         request.num_computed_tokens -= num_tokens
+        if num_tokens:
+            self.kv_cache.truncate(request, request.num_computed_tokens)
 
     def finish(self, request: Request) -> None:
         """Remove a finished or aborted request (the loop frees its resources)."""
@@ -82,10 +86,17 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> ScheduledBatch:
+        """This step's requests and tokens; a request with drafts gets 1 + len(drafts) (its
+        drafts shortened to the budget, or dropped), one left out keeps none."""
         batch = ScheduledBatch()
         self._step_limit = self._micro_batch_limit()
         budget = self._schedule_running(batch, self.max_num_tokens)
         self._admit_waiting(batch, budget)
+        if len(batch) < len(self.running):
+            scheduled = set(map(id, batch.requests))
+            for request in self.running:
+                if request.draft_token_ids and id(request) not in scheduled:
+                    request.clear_drafts()
         return batch
 
     def _micro_batch_limit(self) -> int:
@@ -102,6 +113,9 @@ class Scheduler:
             if num_new == 0:
                 i += 1
                 continue
+            if request.draft_token_ids and not self.kv_cache.try_grow(request, num_new):
+                request.clear_drafts()  # no room for the drafts: decode one token
+                num_new = self._num_new_tokens(request, budget)
             if not self._make_room(request, num_new):
                 break  # the request preempted itself: it was the newest
             batch.add(request, num_new)
@@ -122,6 +136,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        request.clear_drafts()
         if not (self.preemption_mode == "swap" and self.kv_cache.swap_out(request)):
             self.kv_cache.free(request)
             request.num_computed_tokens = 0  # recompute prompt and outputs when readmitted
@@ -167,6 +182,12 @@ class Scheduler:
         if request.num_output_tokens >= request.max_new_tokens:
             return 0  # its last token is in flight: it finishes once that reaches the host
         num_new = request.num_tokens - request.num_computed_tokens
+        if request.draft_token_ids:
+            if num_new != 1:  # drafts follow a decode step only
+                request.clear_drafts()
+            else:  # shortened to the budget
+                del request.draft_token_ids[max(0, budget - 1):]
+                num_new += len(request.draft_token_ids)
         if num_new > budget:
             return budget if self.enable_chunked_prefill else 0
         return num_new

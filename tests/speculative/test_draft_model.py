@@ -164,3 +164,30 @@ def test_draft_with_another_vocabulary_size_is_refused(tiny_llama, tmp_path):
     parts = target_parts(tiny_llama[0])
     with pytest.raises(ValueError, match="vocabulary of 512 tokens, the target has 384"):
         draft_model.load_draft_model(str(tmp_path / "draft"), parts)
+
+
+def engine_greedy(path, spec, prompts_: list[list[int]]):
+    from tllm import LLM, KvCacheConfig
+    args = dict(max_num_tokens=24, max_batch_size=3,
+                kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048))
+    if spec is not None:
+        args["speculative_config"] = spec
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    with LLM(str(path), **args) as llm:
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts_], params, use_tqdm=False)
+        kv = llm._engine.kv_cache
+        assert kv.num_free_blocks == kv.num_blocks
+        stats = llm.get_stats()
+    return [o.outputs[0].token_ids for o in out], stats
+
+
+def test_engine_greedy_identical_with_draft_models(tiny_llama):
+    path, _ = tiny_llama
+    batch = prompts() + [list(range(3, 20))]
+    plain, _ = engine_greedy(path, None, batch)
+    cut, stats = engine_greedy(path, DraftTargetDecodingConfig(
+        speculative_model="self:layers=1", max_draft_len=3), batch)
+    assert cut == plain and stats["spec_draft_tokens"] > 0
+    same, stats = engine_greedy(path, DraftTargetDecodingConfig(  # the target as its draft
+        speculative_model=str(path), max_draft_len=3), batch)
+    assert same == plain and stats["spec_acceptance_rate"] == 1.0

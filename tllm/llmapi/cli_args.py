@@ -72,6 +72,10 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                             "per-token activations); a quantized checkpoint needs no flag. "
                             "GGUF files: gguf_int4 keeps 4-bit blocks exact (int4 kernel, "
                             "less memory), none dequantizes them")
+    group.add_argument("--speculative-config", metavar="YAML",
+                       help="speculative decoding: a YAML mapping with decoding_type "
+                            "(NGram, DraftTarget, Eagle), max_draft_len and the kind's "
+                            "fields (e.g. max_matching_ngram_size, speculative_model)")
     group.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
                        help="KV cache storage, kv_cache_config.dtype (default auto: the "
                             "model's dtype; fp8 halves its bytes)")
@@ -88,6 +92,9 @@ def llm_kwargs(args: argparse.Namespace, model: str | None = None,
     kwargs["model"] = model or kwargs.get("model") or DEFAULT_MODEL
     kwargs.update({name: getattr(args, name) for name in _LLM_FLAGS
                    if getattr(args, name) is not None})
+    if getattr(args, "speculative_config", None) is not None:
+        kwargs["speculative_config"] = read_llm_options(args.speculative_config,
+                                                        "--speculative-config")
     kv_cache = _kv_cache_config(kwargs.pop("kv_cache_config", None), args, flag)
     if kv_cache:
         kwargs["kv_cache_config"] = kv_cache

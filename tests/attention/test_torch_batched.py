@@ -187,4 +187,5 @@ def test_backend_plans_once_per_step():
             out = backend.forward(batch.q, batch.k, batch.v, layer_cache, batch.metadata)
             ref = reference(batch, layer_cache, backend.scale, None, (1.0, 1.0))
             assert relative_error(out, ref) < 1e-5
-        assert backend._plan[0] is batch.metadata
+        assert backend._plans[-1][0] is batch.metadata
+    assert len(backend._plans) == 2  # one plan per step (per metadata object), not per layer

@@ -316,13 +316,18 @@ def _kv_bytes(kv_cache: KVCache) -> int:
     return 2 * k.shape[2] * k.shape[3] * k.element_size()
 
 
+_MAX_PLANS = 8  # plans kept: more than the KV cache groups any model has in one step
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """The plain-PyTorch backend: the batched path, its plan built once per step (the model
-    shares one backend object across its layers, and every layer sees the same metadata)."""
+    """The plain-PyTorch backend: the batched path, its plan built once per step and KV cache
+    group (the model shares one backend object across its layers of one kind)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._plan: tuple[AttentionMetadata, torch.dtype, list[AttentionGroup]] | None = None
+        # this step's plans, one per metadata object: layers of several KV cache groups
+        # (Gemma 3's five window groups) share this backend and take turns with their views
+        self._plans: list[tuple[AttentionMetadata, torch.dtype, list[AttentionGroup]]] = []
         self._buffers = GatherBuffers()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
@@ -336,9 +341,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _groups(self, q: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> list[AttentionGroup]:
-        plan = self._plan
-        if plan is None or plan[0] is not metadata or plan[1] != q.dtype:
-            groups = plan_attention(metadata, self.sliding_window, q.dtype, _kv_bytes(kv_cache),
-                                    q.shape[1], q.shape[2])
-            self._plan = plan = (metadata, q.dtype, groups)
-        return plan[2]
+        for plan_metadata, dtype, groups in self._plans:
+            if plan_metadata is metadata and dtype == q.dtype:
+                return groups
+        groups = plan_attention(metadata, self.sliding_window, q.dtype, _kv_bytes(kv_cache),
+                                q.shape[1], q.shape[2])
+        if len(self._plans) == _MAX_PLANS:  # the oldest: an earlier step's
+            self._plans.pop(0)
+        self._plans.append((metadata, q.dtype, groups))
+        return groups

@@ -114,3 +114,31 @@ def test_sampling_with_speculation_reproduces_with_seeds(tiny_llama):
     again, _ = run(path, prompts[:1], spec=True, params=params)
     assert first[0] == again[0]
     assert stats["spec_draft_tokens"] > 0
+
+
+def test_spec_config_from_yaml_and_metrics(tiny_llama, tmp_path):
+    """`--speculative-config spec.yml` reaches LlmArgs; /metrics shows the counters."""
+    import argparse
+
+    from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
+    from tllm.serve.metrics import ServerMetrics
+    path, _ = tiny_llama
+    spec = tmp_path / "spec.yml"
+    spec.write_text("decoding_type: NGram\nmax_draft_len: 3\nmax_matching_ngram_size: 2\n")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    kwargs = llm_kwargs(parser.parse_args(["--speculative-config", str(spec)]), str(path))
+    with LLM(**kwargs) as llm:
+        assert llm.args.speculative_config == NGramDecodingConfig(
+            max_draft_len=3, max_matching_ngram_size=2)
+        llm.generate({"prompt_token_ids": [5, 6, 7] * 6},
+                     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        text = ServerMetrics("m", llm.get_stats).render().decode()
+        drafted = llm.get_stats()["spec_draft_tokens"]
+    assert f'tllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(drafted)}' in text
+    assert "tllm:spec_decode_mean_accepted_length" in text
+    bad = tmp_path / "bad.yml"
+    bad.write_text("decoding_type: Medusa\n")
+    with pytest.raises(ValueError, match="decoding_type"):
+        LLM(**llm_kwargs(parser.parse_args(["--speculative-config", str(bad)]), str(path)))

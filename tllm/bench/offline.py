@@ -207,7 +207,20 @@ def run_throughput(llm: LLM, config: ThroughputConfig) -> dict:
         "max_in_flight": run.max_in_flight,
         "engine_steps": after["num_steps"] - before["num_steps"],
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        **speculation_counters(before, after),
         "peak_gpu_memory_gib": _peak_memory_gib(llm)}
+
+
+def speculation_counters(before: dict, after: dict) -> dict:
+    """Speculative decoding over a run (nothing without a drafter): drafted and accepted
+    tokens, acceptance rate, mean accepted length (tokens a verify step gains)."""
+    if "spec_draft_tokens" not in after:
+        return {}
+    drafted, accepted, steps = (after[k] - before[k] for k in (
+        "spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps"))
+    return {"spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_accepted_length": (accepted + steps) / steps if steps else 0.0}
 
 
 def run_latency(llm: LLM, config: LatencyConfig) -> dict:

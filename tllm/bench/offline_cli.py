@@ -192,7 +192,17 @@ def _throughput_rows(result: dict) -> list[tuple[str, str]]:
             ("Total tokens/s", f"{result['total_tokens_per_s']:.1f}"),
             ("Requests/s", f"{result['requests_per_s']:.2f}"),
             ("Most in flight / engine steps",
-             f"{result['max_in_flight']} / {result['engine_steps']}")]
+             f"{result['max_in_flight']} / {result['engine_steps']}"),
+            *_speculation_rows(result)]
+
+
+def _speculation_rows(result: dict) -> list[tuple[str, str]]:
+    if "spec_draft_tokens" not in result:
+        return []
+    return [("Draft / accepted tokens",
+             f"{result['spec_draft_tokens']} / {result['spec_accepted_tokens']}"),
+            ("Acceptance rate", f"{result['spec_acceptance_rate']:.3f}"),
+            ("Mean accepted length", f"{result['spec_mean_accepted_length']:.2f}")]
 
 
 def _latency_rows(result: dict) -> list[tuple[str, str]]:

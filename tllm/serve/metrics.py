@@ -284,10 +284,22 @@ class _EngineCollector:
                 ("tllm:kv_cache_blocks_offloaded", "kv_blocks_offloaded",
                  "Blocks moved from the device to the host tier."),
                 ("tllm:kv_cache_blocks_onboarded", "kv_blocks_onboarded",
-                 "Blocks brought back from the host or disk tier.")):
+                 "Blocks brought back from the host or disk tier."),
+                ("tllm:spec_decode_num_draft_tokens", "spec_draft_tokens",
+                 "Speculative draft tokens verified by the target."),
+                ("tllm:spec_decode_num_accepted_tokens", "spec_accepted_tokens",
+                 "Speculative draft tokens accepted."),
+                ("tllm:spec_decode_num_verify_steps", "spec_verify_steps",
+                 "Request steps that verified drafts.")):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self._model, stats.get(key, 0))
             yield counter
+        if "spec_draft_tokens" in stats:
+            yield self._gauge("tllm:spec_decode_acceptance_rate", "Accepted / drafted "
+                              "tokens.", stats["spec_acceptance_rate"])
+            yield self._gauge("tllm:spec_decode_mean_accepted_length", "Tokens a verify "
+                              "step gains (accepted drafts + 1).",
+                              stats["spec_mean_accepted_length"])
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(name, doc, labels=["model_name"])

@@ -117,9 +117,8 @@ class ModelRunner:
         plan.layer_groups = self.kv_cache.layer_groups
         graphs = self.cuda_graphs
         # A graph replay computes logits for every row: use it when every row samples.
-        plan.use_graph = (graphs is not None and graphs.can_run(plan.num_tokens,
-                                                                plan.is_decode_only)
-                          and not self.capture_layers
+        plan.use_graph = (graphs is not None and not self.capture_layers
+                          and graphs.can_run(plan.num_tokens, plan.is_decode_only)
                           and len(inputs.sample_rows) == plan.num_tokens
                           and not inputs.prompt_rows)
         plan.ids_from_driver = bool(inputs.placeholder_rows) and self.parallel is not None

@@ -75,18 +75,19 @@ def main() -> int:
     parser.add_argument("--isl", type=int, default=128)
     parser.add_argument("--osl", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     model = "dummy:smollm2-135m" if args.smoke else args.model
     osl = 16 if args.smoke else args.osl
-    kwargs = dict(dtype="float32" if args.smoke else "bfloat16",
+    kwargs = dict(dtype="float32" if args.smoke else args.dtype,
                   device="cpu" if args.smoke else "cuda", max_batch_size=1,
                   max_seq_len=args.isl + osl + 64)
     vocab = 1000
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (args.isl,), generator=g).tolist()]
     params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
-    results = {"model": model, "k": args.k, "isl": args.isl, "osl": osl, "rows": []}
+    results = {"model": model, "dtype": kwargs["dtype"], "k": args.k, "isl": args.isl, "osl": osl, "rows": []}
     with LLM(model, **kwargs) as llm:  # the plain run: its time and its greedy continuation
         base_s, base_tokens = timed_generate(llm, prompts, params, args.repeats)
     results["baseline_tok_s"] = osl / base_s

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from tllm.llmapi.llm import LLM
     from tllm.llmapi.llm_args import (CapacitySchedulerPolicy, CudaGraphConfig,
-                                      KvCacheConfig, LlmArgs, SchedulerConfig)
+                                      DraftTargetDecodingConfig, EagleDecodingConfig,
+                                      KvCacheConfig, LlmArgs, NGramDecodingConfig,
+                                      SchedulerConfig)
     from tllm.outputs import CompletionOutput, Logprob, RequestOutput
-    from tllm.sampling_params import SamplingParams
+    from tllm.sampling_params import GuidedDecodingParams, SamplingParams
     from tllm.visual_gen import VisualGen, VisualGenParams
 
 __version__ = "0.1.0"
@@ -22,7 +24,10 @@ _EXPORTS = {
     "LlmArgs": "tllm.llmapi.llm_args", "KvCacheConfig": "tllm.llmapi.llm_args",
     "SchedulerConfig": "tllm.llmapi.llm_args", "CapacitySchedulerPolicy": "tllm.llmapi.llm_args",
     "CudaGraphConfig": "tllm.llmapi.llm_args",
-    "SamplingParams": "tllm.sampling_params",
+    "NGramDecodingConfig": "tllm.llmapi.llm_args",
+    "DraftTargetDecodingConfig": "tllm.llmapi.llm_args",
+    "EagleDecodingConfig": "tllm.llmapi.llm_args",
+    "SamplingParams": "tllm.sampling_params", "GuidedDecodingParams": "tllm.sampling_params",
     "RequestOutput": "tllm.outputs", "CompletionOutput": "tllm.outputs", "Logprob": "tllm.outputs",
     "VisualGen": "tllm.visual_gen", "VisualGenParams": "tllm.visual_gen",
 }

@@ -114,16 +114,19 @@ class ContextConfig:
     num_stages: int
 
 
-def context_config(max_query_len: int, head_dim: int) -> ContextConfig:
+def context_config(max_query_len: int, head_dim: int, element_size: int = 2) -> ContextConfig:
     """Tiles for H100/H200: 128x128 with 8 warps and 3 stages was the fastest on an H200 at
     head dim 128 for long queries (bench_attention --sweep, 2026-11-29: 1.1-1.3x over 128x64);
-    short query batches (chunks, mixed decode) get a smaller BLOCK_M to waste less."""
+    short query batches (chunks, mixed decode) get a smaller BLOCK_M to waste less. 4-byte
+    (fp32) tiles take twice the shared memory: 128x128 at head dim 128 asked 262,656 B of the
+    H200's 232,448, so they get 64-row tiles and two stages."""
     block_d = next_pow2(head_dim)
     block_n = 64 if block_d <= 128 else 32
+    wide = element_size >= 4
     if max_query_len <= 16:
-        return ContextConfig(16, block_n, 4, 3)
-    if max_query_len <= 64 or block_d > 128:
-        return ContextConfig(64, block_n, 4, 3 if block_d <= 128 else 2)
+        return ContextConfig(16, block_n, 4, 2 if wide and block_d >= 128 else 3)
+    if max_query_len <= 64 or block_d > 128 or wide:
+        return ContextConfig(64, block_n, 4, 3 if block_d <= 128 and not wide else 2)
     return ContextConfig(128, 128, 8, 3)
 
 
@@ -147,7 +150,7 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_paged_layout(q, k_cache, v_cache, out)
-    cfg = config or context_config(max_query_len, head_dim)
+    cfg = config or context_config(max_query_len, head_dim, q.element_size())
     grid = (num_heads, num_tokens // cfg.block_m + num_seqs)
     qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _context_attention_kernel[grid](

@@ -26,9 +26,11 @@ from tllm.serve.params import ModelLimits
 from tllm.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                  CompletionRequest, CompletionResponse,
                                  HealthResponse, ModelCard, ModelList, VersionResponse)
+from tllm.serve.responses import responses_routes
 
 logger = logging.getLogger(__name__)
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/version",
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+             "/health", "/version",
              "/metrics", "/dashboard", "/dashboard/stats.json", "/openapi.json", "/docs",
              "/redoc")
 _SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent "
@@ -85,6 +87,7 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
                          max_model_len=ctx.llm.max_seq_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
+    api.include_router(responses_routes(ctx, limits, with_body))
     return api
 
 

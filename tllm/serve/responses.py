@@ -1,0 +1,242 @@
+"""POST /v1/responses (OpenAI's Responses API) on the chat completions' engine path: input
+items and instructions through the chat template, one output message, usage, the streaming
+events with sequence numbers, and stored responses (in memory, least recently used dropped
+past a bound) that `previous_response_id` continues and GET /v1/responses/{id} returns."""
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi import APIRouter
+from jinja2 import TemplateError
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tllm.serve.context import ServingContext, check_text, event_stream
+from tllm.serve.errors import APIError, bad_request, error_responses
+from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
+from tllm.serve.params import ModelLimits, max_new_tokens, sampling_params
+from tllm.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputItem,
+                                           IncompleteDetails, MessageItem, OutputMessage,
+                                           OutputText, ResponseObject, ResponsesRequest,
+                                           ResponseUsage, TextFormat)
+
+MAX_STORED_RESPONSES = 1000
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: ResponseObject
+    messages: list[dict]    # the conversation up to and with its output, less instructions
+
+
+class ResponseStore:
+    """Stored responses by id, in memory; past max_size the least recently used goes."""
+
+    def __init__(self, max_size: int = MAX_STORED_RESPONSES) -> None:
+        if max_size < 1:
+            raise ValueError(f"max_size must be at least 1, got {max_size}")
+        self.max_size = max_size
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put(self, stored: StoredResponse) -> None:
+        self._items[stored.response.id] = stored
+        self._items.move_to_end(stored.response.id)
+        while len(self._items) > self.max_size:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None) -> StoredResponse:
+        """The stored response; 404 in OpenAI's shape for an unknown (or dropped) id."""
+        stored = self._items.get(response_id)
+        if stored is None:
+            raise APIError(404, f"no response with id {response_id!r} is stored (responses "
+                           f"are kept in memory, the last {self.max_size})", param=param,
+                           code="response_not_found")
+        self._items.move_to_end(response_id)
+        return stored
+
+
+def responses_routes(ctx: ServingContext, limits: ModelLimits, dependencies: list,
+                     store: ResponseStore | None = None) -> APIRouter:
+    """The /responses routes (for the /v1 router, which checks the API key); `dependencies`
+    are those of a route with a JSON body."""
+    store = store if store is not None else ResponseStore()
+    router = APIRouter()
+
+    @router.post("/responses", dependencies=dependencies, summary="Create a response",
+                 responses={200: {"model": ResponseObject, "description": "The response; "
+                                  "with `stream`, its events"},
+                            **error_responses(400, 404, 408, 413, 415, 429, 503)})
+    async def create(request: Request, body: ResponsesRequest) -> Response:
+        limits.check(body)
+        return await create_response(ctx, store, request, body)
+
+    @router.get("/responses/{response_id}", summary="Retrieve a stored response",
+                responses={200: {"model": ResponseObject}, **error_responses(404)})
+    async def retrieve(response_id: str) -> Response:
+        return JSONResponse(store.get(response_id).response.model_dump())
+
+    return router
+
+
+async def create_response(ctx: ServingContext, store: ResponseStore, request: Request,
+                          body: ResponsesRequest) -> Response:
+    arrival = time.monotonic()
+    ctx.check_model(body.model)
+    history = (store.get(body.previous_response_id, "previous_response_id").messages
+               if body.previous_response_id is not None else [])
+    messages = history + input_messages(body)
+    prompt = await _encode(ctx, _with_instructions(body.instructions, messages))
+    max_tokens = max_new_tokens(len(prompt.token_ids), body.max_output_tokens,
+                                ctx.llm.max_seq_len, "input")
+    _check_format(body.text and body.text.format)
+    params = sampling_params(body, max_tokens)
+    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="input")
+    response = _echo(ctx, body)
+    on_done = functools.partial(_finish, store, body, messages, len(prompt.token_ids))
+    if body.stream:
+        return event_stream(request, generation, _events(generation, response, on_done))
+    async with generation, abort_on_disconnect(request, generation):
+        choices = await generation.wait()
+    return JSONResponse(on_done(response, choices[0]).model_dump())
+
+
+def input_messages(body: ResponsesRequest) -> list[dict]:
+    """The request's input as chat-template messages (function calls in the shape HF
+    templates take: assistant tool_calls, then role "tool" results)."""
+    if isinstance(body.input, str):
+        check_text(body.input, "input")
+        return [{"role": "user", "content": body.input}]
+    messages = []
+    for item in body.input:
+        if isinstance(item, MessageItem):
+            role = "system" if item.role == "developer" else item.role
+            messages.append({"role": role, "content": item.text()})
+        elif isinstance(item, FunctionCallItem):
+            call = {"name": item.name, "arguments": _arguments(item.arguments)}
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"id": item.call_id, "type": "function", "function": call}]})
+        elif isinstance(item, FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": item.output})
+    for message in messages:
+        check_text(message["content"], "input")
+    return messages
+
+
+def _arguments(arguments: str) -> dict:
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        raise bad_request(f"input: a function_call's arguments are not JSON: {exc}",
+                          param="input") from exc
+    if not isinstance(parsed, dict):
+        raise bad_request("input: a function_call's arguments must be a JSON object",
+                          param="input")
+    return parsed
+
+
+def _with_instructions(instructions: str | None, messages: list[dict]) -> list[dict]:
+    """Instructions as the first system message (they are not carried to the next turn)."""
+    if instructions is None:
+        return messages
+    check_text(instructions, "instructions")
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+async def _encode(ctx: ServingContext, messages: list[dict]) -> PromptInput:
+    kwargs = {"add_generation_prompt": True}
+    if ctx.config.chat_template is not None:
+        kwargs["chat_template"] = ctx.config.chat_template
+    encode = functools.partial(ctx.tokenizer.encode_chat, messages, **kwargs)
+    try:
+        token_ids = await ctx.run_in_tokenizer(encode)
+    except (ValueError, TemplateError) as exc:
+        raise bad_request(f"input: the chat template failed: {exc}", param="input") from exc
+    if not token_ids:
+        raise bad_request("input: the chat template produced an empty prompt", param="input")
+    return PromptInput(token_ids)
+
+
+def _check_format(text_format: TextFormat | None) -> None:
+    """Only plain text for now: the JSON formats wait for guided decoding in the server."""
+    if text_format is not None and text_format.type != "text":
+        raise bad_request(f"text.format {text_format.type!r} is not supported by this server "
+                          "yet (only 'text')", param="text.format")
+
+
+def _echo(ctx: ServingContext, body: ResponsesRequest) -> ResponseObject:
+    """The response in progress, with the request's settings as OpenAI echoes them."""
+    text = {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
+                       if body.text and body.text.format else {"type": "text"})}
+    return ResponseObject(model=ctx.config.model_name, instructions=body.instructions,
+                          max_output_tokens=body.max_output_tokens,
+                          temperature=body.temperature, top_p=body.top_p,
+                          previous_response_id=body.previous_response_id, store=body.store,
+                          text=text, metadata=body.metadata)
+
+
+def _finish(store: ResponseStore, body: ResponsesRequest, messages: list[dict],
+            num_prompt_tokens: int, response: ResponseObject, choice: Choice,
+            message: OutputMessage | None = None) -> ResponseObject:
+    """The completed response (incomplete when it stopped by length), stored if asked."""
+    is_incomplete = choice.finish_reason == "length"
+    message = message or OutputMessage(content=[OutputText(text=choice.text)])
+    message.status = "incomplete" if is_incomplete else "completed"
+    done = response.model_copy(update={
+        "status": "incomplete" if is_incomplete else "completed",
+        "incomplete_details": (IncompleteDetails(reason="max_output_tokens")
+                               if is_incomplete else None),
+        "output": [message],
+        "usage": ResponseUsage(input_tokens=num_prompt_tokens,
+                               output_tokens=len(choice.token_ids))})
+    if body.store:
+        store.put(StoredResponse(done, [*messages, {"role": "assistant",
+                                                    "content": choice.text}]))
+    return done
+
+
+class _Events:
+    """Responses streaming events, numbered in the order they are sent."""
+
+    def __init__(self) -> None:
+        self.sequence_number = 0
+
+    def __call__(self, event_type: str, **fields) -> str:
+        data = {"type": event_type, "sequence_number": self.sequence_number}
+        data.update({k: v.model_dump() if isinstance(v, BaseModel) else v
+                     for k, v in fields.items()})
+        self.sequence_number += 1
+        return f"event: {event_type}\ndata: {json.dumps(data)}\n\n"
+
+
+async def _events(generation: Generation, response: ResponseObject,
+                  on_done) -> AsyncIterator[str]:
+    event = _Events()
+    message = OutputMessage(status="in_progress")
+    where = {"item_id": message.id, "output_index": 0, "content_index": 0}
+    yield event("response.created", response=response)
+    yield event("response.in_progress", response=response)
+    yield event("response.output_item.added", output_index=0, item=message)
+    yield event("response.content_part.added", part=OutputText(text=""), **where)
+    choice = Choice(0, 0)
+    async for delta in generation.deltas():
+        choice.add(delta.engine)
+        if delta.text:
+            yield event("response.output_text.delta", delta=delta.text, logprobs=[], **where)
+    part = OutputText(text=choice.text)
+    yield event("response.output_text.done", text=choice.text, logprobs=[], **where)
+    yield event("response.content_part.done", part=part, **where)
+    message.content = [part]
+    done = on_done(response, choice, message)
+    yield event("response.output_item.done", output_index=0, item=message)
+    yield event("response.incomplete" if done.status == "incomplete" else "response.completed",
+                response=done)

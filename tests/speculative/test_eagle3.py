@@ -189,17 +189,18 @@ def test_drafter_proposes_the_reference_chain(parts, tmp_path):
     assert drafter.kv_cache.num_free_blocks == drafter.kv_cache.num_blocks
 
 
-def test_engine_greedy_identical_with_an_eagle3_head(tmp_path):
+@pytest.mark.parametrize("num_layers, layer_ids", [(4, [1, 2, 3]), (2, [1, 1, 2])])
+def test_engine_greedy_identical_with_an_eagle3_head(tmp_path, num_layers, layer_ids):
     import transformers
     from tests.conftest import TINY
     from tests.speculative.test_draft_model import engine_greedy, prompts
     torch.manual_seed(0)
-    target = tmp_path / "target"  # four layers: three distinct ones to capture
+    target = tmp_path / "target"  # two layers: a captured layer named twice
     transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        **{**TINY, "num_hidden_layers": 4}, architectures=["LlamaForCausalLM"])
+        **{**TINY, "num_hidden_layers": num_layers}, architectures=["LlamaForCausalLM"])
     ).save_pretrained(target)
     head = save_head(tmp_path / "head", head_tensors(),
-                     eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 2, 3]})
+                     eagle_config={"eagle_aux_hidden_state_layer_ids": layer_ids})
     plain, _ = engine_greedy(target, None, prompts())
     spec, stats = engine_greedy(target, EagleDecodingConfig(speculative_model=head,
                                                             max_draft_len=3), prompts())

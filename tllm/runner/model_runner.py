@@ -106,8 +106,10 @@ class ModelRunner:
         num_sample = len(inputs.sample_rows)
         out.sample_logits = logits[:num_sample]
         if self.capture_layers:
-            out.hidden_states = torch.cat([self._captured.pop(i) for i in self.capture_layers],
+            # a layer may be named twice (a shallow target: EAGLE-3's default ids coincide)
+            out.hidden_states = torch.cat([self._captured[i] for i in self.capture_layers],
                                           dim=-1)
+            self._captured.clear()
         out.prompt_logits = logits[num_sample:] if inputs.prompt_rows else None
         return out
 

@@ -10,6 +10,8 @@ from typing import Any
 from tllm.cli_types import non_negative_int, positive_float, positive_int
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.loader import DEFAULT_MODEL
+from tllm.serve.reasoning import REASONING_PARSERS
+from tllm.serve.tool_parsers import TOOL_PARSERS
 from tllm.visual_gen.registry import is_visual_model
 
 
@@ -42,6 +44,12 @@ def _add_server_args(group) -> None:
                        "MODEL as given)")
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
                        "itself) instead of the model's")
+    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+                       help="tool_choice auto: parse tool calls from the model's output in "
+                            "this format (hermes: Qwen2.5/Qwen3, SmolLM2; without it, auto "
+                            "answers in text). required and named functions need none")
+    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
+                       help="split the model's <think>...</think> into reasoning_content")
     group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
                        help="answer 429 while this many requests wait beyond the free "
                             "batch slots (default 1024; 0 means no limit)")
@@ -133,7 +141,9 @@ def server_config(args: argparse.Namespace, model: str):
                         keep_alive_timeout_s=args.keep_alive_timeout,
                         protect_metrics=args.protect_metrics,
                         exit_on_engine_failure=args.exit_on_engine_failure,
-                        max_engine_restarts=args.max_engine_restarts)
+                        max_engine_restarts=args.max_engine_restarts,
+                        tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
 
 
 def _read_chat_template(value: str | None) -> str | None:

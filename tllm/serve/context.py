@@ -41,6 +41,8 @@ class ServerConfig:
     protect_metrics: bool = False       # with api_key: /metrics and the docs need it too
     exit_on_engine_failure: bool = False    # exit non-zero when the engine dies, not restart
     max_engine_restarts: int = 3        # restart attempts in a row before the server exits
+    tool_call_parser: str | None = None     # tool_choice auto: the model's format (hermes ...)
+    reasoning_parser: str | None = None     # <think> split into reasoning_content (qwen3 ...)
 
     @property
     def model_name(self) -> str:

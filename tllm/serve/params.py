@@ -4,6 +4,7 @@ the context length (the engine would silently shorten max_tokens) and logit_bias
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tllm.sampling_params import SamplingParams
 from tllm.serve.errors import APIError, bad_request, from_value_error
@@ -88,9 +89,48 @@ def check_logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | 
     return {_token_key(key): float(bias) for key, bias in logit_bias.items()}
 
 
+# vLLM's extra body fields -> GuidedDecodingParams' keyword
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
+                 "guided_choice": "choice"}
+
+
+def guided_request(body: _SamplingRequest,
+                   others: dict[str, dict[str, Any]] | None = None) -> tuple[str, dict] | None:
+    """(the field that asked, GuidedDecodingParams keywords) of the one guided_* field set, or
+    of one of `others` (chat's response_format or tool_choice: field -> keywords); None when
+    nothing asks; 400 when two do."""
+    asked = {field: {keyword: value} for field, keyword in GUIDED_FIELDS.items()
+             if (value := getattr(body, field, None)) is not None}
+    asked.update(others or {})
+    if len(asked) > 1:
+        first, second = list(asked)[:2]
+        raise bad_request(f"{first} and {second} cannot both constrain the output",
+                          param=second)
+    return next(iter(asked.items()), None)
+
+
+def guided_decoding(guided: tuple[str, dict] | None, tokenizer):
+    """GuidedDecodingParams for guided_request's answer, its grammar compiled (and cached) for
+    the tokenizer; a grammar that does not compile is a 400 with the compiler's message."""
+    if guided is None:
+        return None
+    field, keywords = guided
+    from tllm import GuidedDecodingParams
+    from tllm.guided import compile_check
+    try:
+        params = GuidedDecodingParams(**keywords)
+        compile_check(params, tokenizer)
+    except ValueError as exc:
+        raise bad_request(f"{field}: {exc}", param=field) from exc
+    return params
+
+
 def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None) -> SamplingParams:
-    """The engine's parameters for one prompt of this request; 400 naming the bad field."""
+                    prompt_logprobs: int | None = None,
+                    guided_decoding=None) -> SamplingParams:
+    """The engine's parameters for one prompt of this request; 400 naming the bad field.
+    `guided_decoding`: GuidedDecodingParams (from guided_decoding()) or None."""
+    guided = {} if guided_decoding is None else {"guided_decoding": guided_decoding}
     logit_bias = check_logit_bias(body.logit_bias)
     temperature = 1.0 if body.temperature is None else body.temperature
     if 0 <= temperature < GREEDY_TEMPERATURE:
@@ -108,6 +148,6 @@ def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | Non
                                 else body.repetition_penalty),
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
-            skip_special_tokens=body.skip_special_tokens)
+            skip_special_tokens=body.skip_special_tokens, **guided)
     except ValueError as exc:
         raise from_value_error(exc) from exc

@@ -144,19 +144,86 @@ class TextPart(_Body):
         return part
 
 
+class FunctionCallIn(_Body):
+    name: str
+    arguments: str | dict[str, Any] = Field(
+        description="a JSON object as a string (OpenAI's), or the object itself")
+
+
+class ToolCallIn(_Body):
+    """A tool call of an earlier assistant message in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[str | list[TextPart]] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None
+    tool_call_id: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _content_where_needed(self):
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant message with "
+                             "tool_calls may omit it)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "\n".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Body):
+    """response_format.json_schema: OpenAI's named schema."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
 class ResponseFormat(_Body):
-    type: Literal["text"]
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and only then")
+        return self
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -168,20 +235,31 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     response_format: Optional[ResponseFormat] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[Literal["none", "auto"]] = None
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Optional[Literal["none", "auto", "required"] | NamedToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
     add_generation_prompt: bool = True
+    # vLLM's guided decoding fields (at most one of them, checked when building the params)
+    guided_json: Optional[dict[str, Any] | str] = None
+    guided_regex: Optional[str] = None
+    guided_grammar: Optional[str] = None
+    guided_choice: Optional[list[str]] = Field(None, min_length=1)
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools):
-        if tools:
-            raise ValueError("tool calling is not supported by this server")
-        return tools
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self):
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return self
+        names = [tool.function.name for tool in self.tools or ()]
+        if not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names {choice.function.name!r}, which is not "
+                             "among the tools")
+        return self
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -258,9 +336,22 @@ class ChoiceLogprobs(_Response):
     content: Optional[list[ChatLogprob]] = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str      # a JSON object as text, as OpenAI's
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(_Response):
     role: str = "assistant"
-    content: str
+    content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -280,9 +371,23 @@ class ChatCompletionResponse(_Response):
     usage: Usage
 
 
+class DeltaFunctionCall(_Response):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(_Response):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(_Response):

@@ -1,0 +1,233 @@
+"""Tool calling in the chat endpoint: each --tool-call-parser on fixed strings; tool_choice
+auto parsed from a scripted engine's output (whole and streamed, reassembled by the official
+openai client); the history's tool_calls and tool messages through SmolLM2's chat template;
+request validation."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.serve.helpers import assert_openai_error
+from tllm.outputs import CompletionDelta
+from tllm.serve.context import ServerConfig
+from tllm.serve.openai_server import build_app
+from tllm.serve.protocol import ChatCompletionRequest
+from tllm.serve.testing import FakeLLM, ServerThread
+from tllm.serve.tool_parsers import TOOL_PARSERS, forced_schema, parse_forced, tool_parser
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "days": {"type": "integer"}},
+                   "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _parse(parser: str, text: str):
+    content, calls = TOOL_PARSERS[parser].parse(text)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("parser, text, expected", [
+    ("hermes", 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": '
+     '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}'
+     "\n</tool_call>", ("Let me look.", [("get_weather", {"city": "Paris"}),
+                                         ("get_time", {})])),
+    ("hermes", '<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}',
+     (None, [("get_time", {"tz": "UTC"})])),    # unclosed last block, string arguments
+    ("hermes", "It is sunny.", ("It is sunny.", [])),
+    ("hermes", "<tool_call>{not json}</tool_call>", ("<tool_call>{not json}</tool_call>", [])),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     (None, [("get_weather", {"city": "Paris"})])),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {}}; '
+     '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+     (None, [("get_time", {}), ("get_weather", {"city": "Oslo"})])),
+    ("llama3_json", "The answer is {42}.", ("The answer is {42}.", [])),
+    ("mistral", 'Sure[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+     '{"name": "get_time", "arguments": {}}]',
+     ("Sure", [("get_weather", {"city": "Rome"}), ("get_time", {})])),
+    ("mistral", '[{"name": "get_time", "arguments": {}}]', (None, [("get_time", {})])),
+    ("mistral", "[1, 2, 3]", ("[1, 2, 3]", [])),
+])
+def test_parser_on_fixed_strings(parser, text, expected):
+    assert _parse(parser, text) == expected
+
+
+@pytest.mark.parametrize("parser, text, start", [
+    ("hermes", "Let me <tool_", 7), ("hermes", "Let me see", None),
+    ("hermes", "a <tool_call>{", 2), ("llama3_json", " {", 1), ("llama3_json", "Hi", None),
+    ("llama3_json", "<|py", 0), ("mistral", "x[TOOL", 1), ("mistral", "Hello", None),
+])
+def test_where_calls_may_start_while_streaming(parser, text, start):
+    assert TOOL_PARSERS[parser].calls_start(text) == start
+
+
+def test_unknown_parser_is_refused():
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        tool_parser("pythonic")
+
+
+def _request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME],
+                                                 **fields})
+
+
+def test_forced_schemas_and_their_outputs():
+    named = _request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert forced_schema(named) == WEATHER["function"]["parameters"]
+    assert [(c.name, c.arguments) for c in parse_forced('{"city": "Nice"}', named)] == [
+        ("get_weather", '{"city": "Nice"}')]
+    required = _request(tool_choice="required", parallel_tool_calls=False)
+    schema = forced_schema(required)
+    assert schema["minItems"] == schema["maxItems"] == 1
+    assert [i["properties"]["name"]["const"] for i in schema["items"]["anyOf"]] == [
+        "get_weather", "get_time"]
+    calls = parse_forced('[{"name": "get_time", "arguments": {}}]', required)
+    assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
+    assert parse_forced('[{"name": "get_time", "argu', required) == []   # cut by length
+
+
+class ScriptedLLM(FakeLLM):
+    """Answers every request with `script`, one character per token, then stops."""
+
+    script = ""
+
+    def generate_async(self, inputs, params, streaming=False):
+        self.last_prompt = inputs["prompt_token_ids"]
+        self.last_params = params
+        return _Scripted(self.script, params.n)
+
+
+class _Scripted:
+    prompt_logprobs = None
+    finished = False
+
+    def __init__(self, script: str, n: int) -> None:
+        self.script, self.n = script, n
+
+    def abort(self) -> None:
+        pass
+
+    async def deltas(self):
+        for step, char in enumerate(self.script):
+            await asyncio.sleep(0)
+            for index in range(self.n):
+                is_last = step == len(self.script) - 1
+                yield CompletionDelta(index, [min(ord(char), 255)], char,
+                                      finish_reason="stop" if is_last else None)
+        self.finished = True
+
+
+HERMES_OUTPUT = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+                 '{"city": "Paris", "days": 2}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    llm = ScriptedLLM()
+    with ServerThread(build_app(llm, ServerConfig(model="fake", tool_call_parser="hermes"))) \
+            as server:
+        yield llm, openai.OpenAI(base_url=server.base_url + "/v1", api_key="x",
+                                 max_retries=0), server
+
+
+def test_auto_tool_call_parsed(scripted):
+    llm, client, _ = scripted
+    llm.script = HERMES_OUTPUT
+    out = client.chat.completions.create(model="fake", messages=ASK, tools=[WEATHER, TIME])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I will check."
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+
+
+def test_auto_without_a_call_is_text(scripted):
+    llm, client, _ = scripted
+    llm.script = "It is sunny <tool in Paris."
+    out = client.chat.completions.create(model="fake", messages=ASK, tools=[WEATHER])
+    assert out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.content == llm.script
+    assert not out.choices[0].message.tool_calls
+
+
+def test_tool_choice_none_leaves_the_text(scripted):
+    llm, client, _ = scripted
+    llm.script = HERMES_OUTPUT
+    out = client.chat.completions.create(model="fake", messages=ASK, tools=[WEATHER],
+                                         tool_choice="none")
+    assert out.choices[0].message.content == HERMES_OUTPUT
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_streamed_tool_calls_reassemble(scripted):
+    llm, client, _ = scripted
+    llm.script = HERMES_OUTPUT
+    stream = client.chat.completions.create(model="fake", messages=ASK, tools=[WEATHER],
+                                            stream=True, n=2)
+    content, calls, finish = {0: "", 1: ""}, {0: {}, 1: {}}, {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            content[choice.index] += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls[choice.index].setdefault(delta.index, {"arguments": ""})
+                call.update({k: v for k, v in (("id", delta.id),
+                                               ("name", delta.function.name)) if v})
+                call["arguments"] += delta.function.arguments or ""
+            if choice.finish_reason:
+                finish[choice.index] = choice.finish_reason
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for index in (0, 1):
+        assert content[index].strip() == "I will check."   # the call's text never streamed
+        (call,) = calls[index].values()
+        assert call["id"].startswith("call_") and call["name"] == "get_weather"
+        assert json.loads(call["arguments"]) == {"city": "Paris", "days": 2}
+
+
+def test_history_with_tool_calls_and_results(scripted):
+    llm, client, _ = scripted
+    llm.script = "It is sunny."
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    out = client.chat.completions.create(model="fake", messages=messages, tools=[WEATHER])
+    assert out.choices[0].message.content == "It is sunny."
+    assert "tool: sunny, 21 C" in bytes(llm.last_prompt).decode()
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),
+    ({"messages": [{"role": "user"}]}, "messages.0"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     None),
+    ({"tool_choice": "required"}, None),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400(scripted, fields, param):
+    _, _, server = scripted
+    body = {"model": "fake", "messages": ASK, **fields}
+    response = httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=10)
+    error = assert_openai_error(response, 400)
+    if param is not None:
+        assert error["param"] == param, error
+
+
+def test_smollm2_template_renders_tool_history(smollm2):
+    messages = [m for m in ASK] + [
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    text = smollm2.tokenizer.apply_chat_template(messages, tools=[WEATHER])
+    assert "<|im_start|>tool\nsunny, 21 C<|im_end|>" in text

@@ -20,11 +20,11 @@ class ReasoningParser:
         """(reasoning, content) of the text so far. Not final: a tail that may be the start of
         a tag is in neither (it is decided when more text comes)."""
         body = text.lstrip()
+        if not is_final and THINK_START.startswith(body):
+            return "", ""   # maybe the start tag, not yet whole
         if body.startswith(THINK_START):
             body = body[len(THINK_START):]
         elif not self.starts_thinking:
-            if not is_final and THINK_START.startswith(body):
-                return "", ""   # maybe the start tag, not yet whole
             return "", text
         reasoning, end, content = body.partition(THINK_END)
         if end:

@@ -1,7 +1,71 @@
 """User-facing sampling parameters, validated once at the edge."""
 from __future__ import annotations
 
+import json as _json
 from dataclasses import dataclass, field
+from typing import Any
+
+_GUIDED_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+
+
+@dataclass
+class GuidedDecodingParams:
+    """What the output must match (vLLM's names); exactly one of: `json` (a JSON schema, a
+    dict or its JSON text), `json_object=True` (any JSON object), `regex`, `grammar` (EBNF,
+    as xgrammar reads it) or `choice` (one of these strings). Compiled by tllm.guided."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    choice: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in _GUIDED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("GuidedDecodingParams needs exactly one of json, json_object, "
+                             f"regex, grammar, choice; got {given or 'none'}")
+        if self.json is not None:
+            self._check_json()
+        if self.json_object not in (True, False):
+            raise ValueError(f"GuidedDecodingParams.json_object must be a bool, "
+                             f"got {self.json_object!r}")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                raise ValueError(f"GuidedDecodingParams.{name} must be a non-empty string, "
+                                 f"got {value!r}")
+        if self.choice is not None and not (
+                isinstance(self.choice, (list, tuple)) and self.choice
+                and all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("GuidedDecodingParams.choice must be a non-empty list of "
+                             f"non-empty strings, got {self.choice!r}")
+
+    def _check_json(self) -> None:
+        schema = self.json
+        if isinstance(schema, str):
+            try:
+                schema = _json.loads(schema)
+            except ValueError as exc:
+                raise ValueError(f"GuidedDecodingParams.json is not valid JSON: {exc}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError("GuidedDecodingParams.json must be a JSON schema (an object), "
+                             f"got {type(schema).__name__}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _GUIDED_KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal for the same schema however it was written."""
+        kind = self.kind
+        if kind == "json":
+            schema = _json.loads(self.json) if isinstance(self.json, str) else self.json
+            return kind, _json.dumps(schema, sort_keys=True)
+        if kind == "choice":
+            return kind, _json.dumps(list(self.choice))
+        return kind, "" if kind == "json_object" else getattr(self, kind)
 
 
 @dataclass
@@ -31,6 +95,7 @@ class SamplingParams:
     n: int = 1
     detokenize: bool = True
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None
     stop_strings: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -92,6 +157,9 @@ class SamplingParams:
                 "must map token ids (ints >= 0) to biases in [-100, 100]")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative integers")
+        _check(self.guided_decoding is None
+               or isinstance(self.guided_decoding, GuidedDecodingParams), "guided_decoding",
+               self.guided_decoding, "must be None or a GuidedDecodingParams")
 
 
 def _is_int(value) -> bool:

@@ -23,6 +23,7 @@ class Postprocessor:
         self.sampler = sampler
         self._finish = finish
         self._fail = fail
+        self.guided = None  # tllm.guided.GuidedDecoding: its matchers see each new token
 
     # ---- sampling ----
 
@@ -80,7 +81,7 @@ class Postprocessor:
         if sampled.logprobs[row] is not None:
             request.output_logprobs.append(sampled.logprobs[row])
             request.cumulative_logprob += sampled.sampled_logprobs[row]
-        reason, stop_reason = check_stop(request, token)
+        reason, stop_reason = self._check_stop(request, token)
         if reason is not None:
             self._finish(request, reason, stop_reason)
         elif request.on_update is not None:
@@ -105,12 +106,21 @@ class Postprocessor:
             if token_logprobs is not None:
                 request.output_logprobs.append(token_logprobs[j][0])
                 request.cumulative_logprob += token_logprobs[j][1]
-            reason, stop_reason = check_stop(request, token)
+            reason, stop_reason = self._check_stop(request, token)
             if reason is not None:
                 self._finish(request, reason, stop_reason)
                 return
         if request.on_update is not None:
             request.on_update(request)
+
+    def _check_stop(self, request: Request, token: int):
+        """check_stop, after the request's grammar (if any) took the token: a grammar that
+        has ended stops the request."""
+        grammar_ended = self.guided is not None and self.guided.accept(request, token)
+        reason, stop_reason = check_stop(request, token)
+        if reason is None and grammar_ended:
+            return FinishReason.STOP, None
+        return reason, stop_reason
 
     def _fail_each(self, requests: list[Request], exc: Exception) -> None:
         for request in requests:

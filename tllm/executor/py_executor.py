@@ -19,6 +19,7 @@ from typing import Callable
 
 from tllm.executor.postprocess import Postprocessor
 from tllm.executor.speculation import Speculation, VerifiedBatch
+from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.runner.model_runner import ModelRunner, StepOutput
@@ -79,6 +80,7 @@ class PyExecutor:
             if drafter.hidden_state_layers:
                 runner.capture_hidden_states(drafter.hidden_state_layers)
         self.postprocess = Postprocessor(sampler, self._finish, self._fail)
+        self.guided: GuidedDecoding | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[str, Request] = {}
         self._in_flight: deque[InFlightStep] = deque()
@@ -95,9 +97,25 @@ class PyExecutor:
         self._thread.start()
         _live_executors.add(self)
 
+    def enable_guided_decoding(self, guided: GuidedDecoding) -> None:
+        """Serve guided requests with `guided` (before any request is submitted). Not under
+        pipeline parallelism: its last stage samples, where no grammar state lives."""
+        if not self.strategy.samples_at_launch:
+            return
+        self.guided = guided
+        self.resource_managers.append(guided)
+        self.postprocess.sampler.guided = guided
+        self.postprocess.guided = guided
+
     def submit(self, request: Request) -> None:
+        """Queue a request; ValueError (nothing queued) if its grammar cannot be served."""
         if self.fatal_error is not None:
             raise RuntimeError(f"the engine has stopped: {self.fatal_error}")
+        if request.sampling_params.guided_decoding is not None:
+            if self.guided is None:
+                raise ValueError("sampling_params.guided_decoding: this engine cannot guide "
+                                 "decoding (it has no tokenizer, or runs pipeline stages)")
+            self.guided.check(request)
         with self._pending_lock:
             self._num_pending_adds += 1
         self._inbox.put(("add", request))

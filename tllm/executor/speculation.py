@@ -3,7 +3,8 @@ it, verifying them against the target's logits (tllm.speculative.acceptance) int
 request's new tokens, with the counters `get_stats` reports.
 
 A request speculates only where verification reproduces its sampler exactly: no logit bias,
-no penalties (they would need each position's own token history), past `min_tokens`. Its
+no penalties (they would need each position's own token history), not guided, past
+`min_tokens`. Its
 drafts never reach beyond `max_new_tokens`, so a reservation made for its whole life holds.
 Requests of the step without drafts are sampled by the ordinary sampler, as without
 speculation."""
@@ -55,6 +56,7 @@ class VerifiedBatch:
 def can_speculate(request: Request) -> bool:
     params = request.sampling_params
     return (not params.logit_bias and params.repetition_penalty == 1.0
+            and params.guided_decoding is None  # drafts are not checked against a grammar
             and not params.presence_penalty and not params.frequency_penalty
             and request.num_output_tokens >= params.min_tokens)
 

@@ -14,6 +14,7 @@ from tllm.distributed.launch import WorkerEntry, WorkerGroup, launch_workers, to
 from tllm.distributed.mapping import Mapping
 from tllm.executor import worker
 from tllm.executor.py_executor import OVERLAP, SYNC, PyExecutor, pipelined
+from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.runner.build import RankParts, build_rank
@@ -56,6 +57,9 @@ def build_engine(args: LlmArgs) -> Engine:
         parts = build_rank(args, device)
         tokenizer = loader.load_tokenizer(parts.source)
         executor = build_executor(args, parts)
+        if tokenizer is not None:  # xgrammar loads on the first guided request only
+            executor.enable_guided_decoding(GuidedDecoding(
+                tokenizer, getattr(parts.config, "vocab_size", None)))
     except BaseException as exc:
         if workers is None:
             raise

@@ -58,6 +58,9 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        # tllm.guided.GuidedDecoding when the engine serves guided requests: its bitmask
+        # removes the tokens each guided row's grammar forbids before any choice is made
+        self.guided = None
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
         logits = logits.float()
@@ -66,6 +69,8 @@ class Sampler:
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
         logits = self._mask_stop_tokens_before_min(logits, requests)
+        if self.guided is not None:
+            logits = self.guided.mask_logits(logits, requests)
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random_rows:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -204,8 +205,35 @@ def test_refusals_name_the_field(fake_http, body, param):
     assert error["param"] == param
 
 
-def test_json_format_refused_for_now(fake_http):
-    response = fake_http.post("/v1/responses", json={
-        "input": "hi", "text": {"format": {"type": "json_object"}}})
-    error = assert_openai_error(response, 400)
-    assert error["param"] == "text.format" and "not supported" in error["message"]
+def test_schema_that_does_not_compile_is_bad_request(fake_http):
+    response = fake_http.post("/v1/responses", json={"input": "hi", "text": {"format": {
+        "type": "json_schema", "name": "bad", "schema": {"type": "no-such-type"}}}})
+    assert assert_openai_error(response, 400)["param"] == "text.format"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_idle_after")
+def test_json_schema_format_output_validates(client):
+    schema = {"type": "object", "properties": {"capital": {"enum": ["Paris", "Lyon"]}},
+              "required": ["capital"], "additionalProperties": False}
+    out = client.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=16, temperature=0,
+        text={"format": {"type": "json_schema", "name": "capital", "schema": schema,
+                         "strict": True}})
+    assert out.status == "completed", out.output_text
+    jsonschema.validate(json.loads(out.output_text), schema)
+    assert out.text.format.type == "json_schema"
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_idle_after")
+def test_json_object_format_streamed(client):
+    events = list(client.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=8, temperature=0, stream=True,
+        text={"format": {"type": "json_object"}}))
+    text = events[-1].response.output_text
+    assert text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    if events[-1].type == "response.completed":
+        assert isinstance(json.loads(text), dict)
+    else:   # cut by length: still the start of a JSON object
+        assert events[-1].type == "response.incomplete" and text.lstrip().startswith("{")

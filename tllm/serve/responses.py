@@ -20,7 +20,8 @@ from starlette.responses import JSONResponse, Response
 from tllm.serve.context import ServingContext, check_text, event_stream
 from tllm.serve.errors import APIError, bad_request, error_responses
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
-from tllm.serve.params import ModelLimits, max_new_tokens, sampling_params
+from tllm.serve.params import (ModelLimits, guided_decoding, max_new_tokens,
+                               sampling_params)
 from tllm.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputItem,
                                            IncompleteDetails, MessageItem, OutputMessage,
                                            OutputText, ResponseObject, ResponsesRequest,
@@ -97,8 +98,10 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     prompt = await _encode(ctx, _with_instructions(body.instructions, messages))
     max_tokens = max_new_tokens(len(prompt.token_ids), body.max_output_tokens,
                                 ctx.llm.max_seq_len, "input")
-    _check_format(body.text and body.text.format)
-    params = sampling_params(body, max_tokens)
+    guided = _format_request(body.text and body.text.format)
+    if guided is not None:  # compiling a grammar takes a while: off the event loop
+        guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
+    params = sampling_params(body, max_tokens, guided_decoding=guided)
     generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="input")
     response = _echo(ctx, body)
     on_done = functools.partial(_finish, store, body, messages, len(prompt.token_ids))
@@ -166,11 +169,13 @@ async def _encode(ctx: ServingContext, messages: list[dict]) -> PromptInput:
     return PromptInput(token_ids)
 
 
-def _check_format(text_format: TextFormat | None) -> None:
-    """Only plain text for now: the JSON formats wait for guided decoding in the server."""
-    if text_format is not None and text_format.type != "text":
-        raise bad_request(f"text.format {text_format.type!r} is not supported by this server "
-                          "yet (only 'text')", param="text.format")
+def _format_request(text_format: TextFormat | None) -> tuple[str, dict] | None:
+    """`text.format` as params.guided_decoding's request (plain text: none)."""
+    if text_format is None or text_format.type == "text":
+        return None
+    if text_format.type == "json_object":
+        return "text.format", {"json_object": True}
+    return "text.format", {"json": text_format.json_schema}
 
 
 def _echo(ctx: ServingContext, body: ResponsesRequest) -> ResponseObject:

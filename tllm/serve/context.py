@@ -102,6 +102,11 @@ def check_text(text: str, param: str) -> None:
                           f"{exc.start})", param=param) from None
 
 
+# The OpenAPI description of a streamed 200 (what `event_stream` sends)
+SSE_CONTENT = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent "
+                                                "Events: `data: <chunk JSON>` ..., `data: [DONE]`"}}}
+
+
 def sse(body: BaseModel) -> str:
     """One Server-Sent Event."""
     return f"data: {body.model_dump_json()}\n\n"

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tllm import __version__
 from tllm.serve.chat import create_chat_completion
 from tllm.serve.completions import create_completion
-from tllm.serve.context import ServerConfig, ServingContext
+from tllm.serve.context import SSE_CONTENT, ServerConfig, ServingContext
 from tllm.serve.dashboard import API_KEY_COOKIE, dashboard_routes
 from tllm.serve.errors import (APIError, bad_request, error_responses,
                                from_validation_error, install_error_handlers, internal_error)
@@ -33,8 +33,6 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/mo
              "/health", "/version",
              "/metrics", "/dashboard", "/dashboard/stats.json", "/openapi.json", "/docs",
              "/redoc")
-_SSE = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent "
-                                         "Events: `data: <chunk JSON>` ..., `data: [DONE]`"}}}
 
 
 def build_app(llm, config: ServerConfig) -> FastAPI:
@@ -66,7 +64,7 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
     body_errors = error_responses(400, 404, 408, 413, 415, 429, 503)
 
     @api.post("/completions", dependencies=with_body, summary="Create a completion",
-              responses={200: {"model": CompletionResponse, "content": _SSE,
+              responses={200: {"model": CompletionResponse, "content": SSE_CONTENT,
                                "description": "The completion; with `stream`, its chunks"},
                          **body_errors})
     async def completions(request: Request, body: CompletionRequest) -> Response:
@@ -74,7 +72,7 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
         return await create_completion(ctx, request, body)
 
     @api.post("/chat/completions", dependencies=with_body, summary="Create a chat completion",
-              responses={200: {"model": ChatCompletionResponse, "content": _SSE,
+              responses={200: {"model": ChatCompletionResponse, "content": SSE_CONTENT,
                                "description": "The chat completion; with `stream`, "
                                "ChatCompletionChunk events"}, **body_errors})
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.serve.context import ServingContext, check_text, event_stream
+from tllm.serve.context import SSE_CONTENT, ServingContext, check_text, event_stream
 from tllm.serve.errors import APIError, bad_request, error_responses
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import (ModelLimits, guided_decoding, max_new_tokens,
@@ -73,8 +73,8 @@ def responses_routes(ctx: ServingContext, limits: ModelLimits, dependencies: lis
     router = APIRouter()
 
     @router.post("/responses", dependencies=dependencies, summary="Create a response",
-                 responses={200: {"model": ResponseObject, "description": "The response; "
-                                  "with `stream`, its events"},
+                 responses={200: {"model": ResponseObject, "content": SSE_CONTENT,
+                                  "description": "The response; with `stream`, its events"},
                             **error_responses(400, 404, 408, 413, 415, 429, 503)})
     async def create(request: Request, body: ResponsesRequest) -> Response:
         limits.check(body)

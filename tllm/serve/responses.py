@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.serve.context import SSE_CONTENT, ServingContext, check_text, event_stream
+from tllm.serve.context import ServingContext, check_text, event_stream
 from tllm.serve.errors import APIError, bad_request, error_responses
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.params import (ModelLimits, guided_decoding, max_new_tokens,
@@ -65,6 +65,15 @@ class ResponseStore:
         return stored
 
 
+# Streamed 200: named events (`event: <type>` + `data: <event JSON>`), then `data: [DONE]`
+_EVENTS_CONTENT = {"text/event-stream": {"schema": {
+    "description": "Server-Sent Events: `event: response.<...>` with `data: <event JSON>`, "
+                   "..., then `data: [DONE]`",
+    "anyOf": [{"type": "string"},
+              {"type": "object", "required": ["data"],
+               "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}]}}}
+
+
 def responses_routes(ctx: ServingContext, limits: ModelLimits, dependencies: list,
                      store: ResponseStore | None = None) -> APIRouter:
     """The /responses routes (for the /v1 router, which checks the API key); `dependencies`
@@ -73,7 +82,7 @@ def responses_routes(ctx: ServingContext, limits: ModelLimits, dependencies: lis
     router = APIRouter()
 
     @router.post("/responses", dependencies=dependencies, summary="Create a response",
-                 responses={200: {"model": ResponseObject, "content": SSE_CONTENT,
+                 responses={200: {"model": ResponseObject, "content": _EVENTS_CONTENT,
                                   "description": "The response; with `stream`, its events"},
                             **error_responses(400, 404, 408, 413, 415, 429, 503)})
     async def create(request: Request, body: ResponsesRequest) -> Response:

@@ -135,17 +135,23 @@ async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prom
     kwargs = {"add_generation_prompt": body.add_generation_prompt}
     if body.tools and body.tool_choice != "none":
         kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    return await encode_messages(ctx, messages, "messages", **kwargs)
+
+
+async def encode_messages(ctx: ServingContext, messages: list[dict], param: str,
+                          **kwargs) -> PromptInput:
+    """The prompt of chat-template messages (the server's template if it has one); a
+    template error or an empty prompt is a 400 naming `param`."""
     if ctx.config.chat_template is not None:
         kwargs["chat_template"] = ctx.config.chat_template
     encode = functools.partial(ctx.tokenizer.encode_chat, messages, **kwargs)
     try:
         token_ids = await ctx.run_in_tokenizer(encode)
     except (ValueError, TemplateError) as exc:
-        raise bad_request(f"messages: the chat template failed: {exc}",
-                          param="messages") from exc
+        raise bad_request(f"{param}: the chat template failed: {exc}", param=param) from exc
     if not token_ids:
-        raise bad_request("messages: the chat template produced an empty prompt",
-                          param="messages")
+        raise bad_request(f"{param}: the chat template produced an empty prompt",
+                          param=param)
     return PromptInput(token_ids)
 
 

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from fastapi import APIRouter
-from jinja2 import TemplateError
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tllm.serve.chat import encode_messages
 from tllm.serve.context import ServingContext, check_text, event_stream
 from tllm.serve.errors import APIError, bad_request, error_responses
 from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disconnect
@@ -165,17 +165,7 @@ def _with_instructions(instructions: str | None, messages: list[dict]) -> list[d
 
 
 async def _encode(ctx: ServingContext, messages: list[dict]) -> PromptInput:
-    kwargs = {"add_generation_prompt": True}
-    if ctx.config.chat_template is not None:
-        kwargs["chat_template"] = ctx.config.chat_template
-    encode = functools.partial(ctx.tokenizer.encode_chat, messages, **kwargs)
-    try:
-        token_ids = await ctx.run_in_tokenizer(encode)
-    except (ValueError, TemplateError) as exc:
-        raise bad_request(f"input: the chat template failed: {exc}", param="input") from exc
-    if not token_ids:
-        raise bad_request("input: the chat template produced an empty prompt", param="input")
-    return PromptInput(token_ids)
+    return await encode_messages(ctx, messages, "input", add_generation_prompt=True)
 
 
 def _format_request(text_format: TextFormat | None) -> tuple[str, dict] | None:

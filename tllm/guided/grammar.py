@@ -64,18 +64,27 @@ class GrammarCache:
 
 
 _caches: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_engine_vocab_sizes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _caches_lock = threading.Lock()
+
+
+def register_engine_vocab_size(tokenizer: Any, vocab_size: int | None) -> None:
+    """The width of the engine's logits for this tokenizer, so that a check made before the
+    first guided request (the server's) compiles into the cache the engine will use."""
+    with _caches_lock:
+        _engine_vocab_sizes[getattr(tokenizer, "hf", tokenizer)] = vocab_size
 
 
 def grammar_cache(tokenizer: Any, vocab_size: int | None = None) -> GrammarCache:
     """The one GrammarCache of this tokenizer (a tllm Tokenizer or an HF tokenizer) and
-    vocabulary size; building one reads the whole vocabulary, so it is shared."""
+    vocabulary size (None: the engine's, when one registered it); building one reads the
+    whole vocabulary, so it is shared."""
     hf = getattr(tokenizer, "hf", tokenizer)
     stop = sorted(getattr(tokenizer, "eos_token_ids", ())) or None
     with _caches_lock:
         by_vocab = _caches.setdefault(hf, {})
-        if vocab_size is None and by_vocab:  # the engine's, when it made one
-            return next(iter(by_vocab.values()))
+        if vocab_size is None:
+            vocab_size = _engine_vocab_sizes.get(hf)
         if vocab_size not in by_vocab:
             by_vocab[vocab_size] = GrammarCache(hf, vocab_size, stop)
         return by_vocab[vocab_size]

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tllm.guided.grammar import GrammarCache, grammar_cache
+from tllm.guided.grammar import GrammarCache, grammar_cache, register_engine_vocab_size
 from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
@@ -26,6 +26,7 @@ class GuidedDecoding(ResourceManager):
         self._vocab_size = vocab_size
         self._cache: GrammarCache | None = None  # made on the first guided request
         self._matchers: dict[Request, Any] = {}
+        register_engine_vocab_size(tokenizer, vocab_size)
 
     @property
     def cache(self) -> GrammarCache:

@@ -80,8 +80,10 @@ class Person(pydantic.BaseModel):
     age: int = pydantic.Field(ge=0, le=120)
 
 
-def test_parse_with_a_pydantic_model(client):
-    out = client.chat.completions.parse(messages=ASK, response_format=Person, **GREEDY)
+@pytest.mark.parametrize("api", ["chat", "beta.chat"])
+def test_parse_with_a_pydantic_model(client, api):
+    completions = client.beta.chat.completions if api == "beta.chat" else client.chat.completions
+    out = completions.parse(messages=ASK, response_format=Person, **GREEDY)
     person = out.choices[0].message.parsed
     assert isinstance(person, Person) and 0 <= person.age <= 120
 

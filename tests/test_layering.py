@@ -23,7 +23,7 @@ LAYERS = {
     "tllm.kv_cache": 4, "tllm.scheduler": 4, "tllm.sampling": 4, "tllm.speculative": 4,
     "tllm.lora": 4, "tllm.guided": 4,
     "tllm.runner": 5,
-    "tllm.executor": 6, "tllm.distributed.launch": 6, "tllm.distributed.ray_launcher": 6,
+    "tllm.executor": 6, "tllm.disagg": 6, "tllm.distributed.launch": 6, "tllm.distributed.ray_launcher": 6,
     "tllm.llmapi": 7,
     "tllm.serve": 8, "tllm.bench": 8, "tllm.visual_gen": 8,
     "tllm.cli": 9,

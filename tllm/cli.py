@@ -21,7 +21,7 @@ from tllm.sampling_params import SamplingParams
 from tllm.bench.offline_cli import add_bench_offline_parsers
 from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.loader import DEFAULT_MODEL
-from tllm.serve.cli_args import add_serve_parser
+from tllm.serve.cli_args import FRONT_COMMANDS, add_serve_parser
 from tllm.visual_gen.cli import add_visual_parser
 from tllm.cli_types import positive_int
 from tllm.extras import MissingExtraError
@@ -33,8 +33,12 @@ Messages = list[dict[str, Any]]
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `tllm` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    front = FRONT_COMMANDS.get(tuple(argv[:2]))
     try:
+        if front is not None:   # `tllm serve disaggregated | router ...`: their own flags
+            return front(argv[2:])
+        args = build_parser().parse_args(argv)
         return args.run(args)
     except USER_ERRORS as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)

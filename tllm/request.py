@@ -11,6 +11,7 @@ from tllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tllm.kv_cache.transfer import ImportedKV
     from tllm.outputs import PositionLogprobs
     from tllm.tokenizer import IncrementalDetokenizer
 
@@ -52,6 +53,11 @@ class Request:
     # Mixed into the prefix-cache hash, so only requests with the same salt share blocks.
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Disaggregated serving: a context-only request's KV blocks outlive it under this id,
+    # for a generation server to fetch; a generation-only request starts from KV fetched
+    # from a context server, written into its blocks when it is admitted.
+    kv_export_id: str | None = None
+    kv_import: ImportedKV | None = None
 
     token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

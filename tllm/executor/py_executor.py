@@ -123,6 +123,16 @@ class PyExecutor:
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run fn on the loop thread between steps (for state only that thread may touch,
+        such as KV blocks another thread is done with); it wakes an idle loop."""
+        self._inbox.put(("call", fn))
+
+    def add_resource_manager(self, manager: ResourceManager, first: bool = False) -> None:
+        """Another resource manager (before any request is submitted); `first`: its hooks
+        run before the KV cache's (its free() sees the request's blocks still held)."""
+        self.resource_managers.insert(0 if first else len(self.resource_managers), manager)
+
     @property
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -323,6 +333,8 @@ class PyExecutor:
                     self._num_pending_adds -= 1
                 self._requests[payload.request_id] = payload
                 self.scheduler.add_request(payload)
+            elif action == "call":
+                payload()
             elif payload in self._requests:
                 self._finish(self._requests[payload], FinishReason.ABORT)
             try:

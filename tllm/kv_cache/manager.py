@@ -22,6 +22,7 @@ from tllm.kv_cache.groups import (KVCacheLayout, first_live_block, plan_layout,
                                   window_peak_blocks)
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
 from tllm.kv_cache.prefix import PrefixHit, PrefixIndex, chain_hash, group_key
+from tllm.kv_cache.transfer import read_blocks, write_blocks
 from tllm.request import PLACEHOLDER, Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
@@ -41,6 +42,7 @@ class KVCacheStats:
     blocks_swapped_out: int = 0
     blocks_swapped_in: int = 0
     blocks_freed_by_window: int = 0  # returned to the pool once a sliding window passed them
+    blocks_imported: int = 0     # written from KV another engine computed (disaggregated)
     peak_requests: int = 0       # the most requests holding blocks in one step
 
     @property
@@ -186,6 +188,8 @@ class KVCacheManager(ResourceManager):
             return self._swap_in(request)
         if request.request_id in self._tables:
             raise RuntimeError(f"request id {request.request_id!r} is already admitted")
+        if request.kv_import is not None and request.kv_import.is_pending:
+            return self._admit_imported(request)
         prefix = self.prefixes.find(request)
         num_computed = len(prefix.block_hashes) * self.tokens_per_block
         on_device = [h.block_id for hits in prefix.hits for h in hits
@@ -203,6 +207,24 @@ class KVCacheManager(ResourceManager):
         self._tables[request.request_id] = table
         if self.reserve_full_generation:
             self._set_reserved(table, self._future_need(request, table, num_computed))
+        return Admission(num_computed)
+
+    def _admit_imported(self, request: Request) -> Admission | None:
+        """Admit a request whose prompt KV came from another engine (disaggregated serving):
+        fresh blocks, the KV written into them and published for reuse. Its last prompt
+        token is computed again all the same: its logits give the first output token."""
+        imported = request.kv_import
+        num_blocks = cdiv(imported.num_tokens, self.tokens_per_block)
+        if self._available() < max(num_blocks, self._admission_need(request, 0, 0)):
+            return None
+        table = _BlockTable([self._allocate(0, num_blocks)], [0])
+        imported.write_into(self, table.groups[0])
+        self._tables[request.request_id] = table
+        num_computed = min(imported.num_tokens, request.num_tokens - 1)
+        if self.reserve_full_generation:
+            self._set_reserved(table, self._future_need(request, table, num_computed))
+        self._publish(request, num_computed)
+        self.stats.blocks_imported += num_blocks
         return Admission(num_computed)
 
     def try_grow(self, request: Request, num_new_tokens: int) -> bool:
@@ -270,6 +292,28 @@ class KVCacheManager(ResourceManager):
         for g, blocks in enumerate(table.groups):
             self._release(g, [b for b in blocks if b != self.null_block])
         self._set_reserved(table, 0)
+
+    # ---- disaggregated serving: blocks that outlive their request ----
+
+    def retain(self, request: Request) -> list[int]:
+        """Take a reference on each of the request's blocks, so they outlive it (until
+        `release`): a context server keeps a prefilled prompt's KV for a generation server.
+        One KV cache group only (checked when the engine is built)."""
+        block_ids = list(self._tables[request.request_id].groups[0])
+        for block_id in block_ids:
+            self._take(0, block_id)
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the references `retain` took."""
+        self._release(0, block_ids)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_blocks, num_slots, 2, tokens_per_block, kv_heads, head_dim]"""
+        return read_blocks(self.slot_caches, block_ids)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        write_blocks(self.slot_caches, block_ids, data)
 
     # ---- preemption ----
 

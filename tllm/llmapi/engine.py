@@ -10,6 +10,7 @@ import torch
 from tllm import loader
 from tllm.cpu_threads import release_caller_openmp_threads
 from tllm.device import pick_device
+from tllm.disagg.agent import DisaggAgent
 from tllm.distributed.launch import WorkerEntry, WorkerGroup, launch_workers, torchrun_env
 from tllm.distributed.mapping import Mapping
 from tllm.executor import worker
@@ -36,9 +37,12 @@ class Engine:
     dtype: torch.dtype
     max_seq_len: int
     workers: WorkerGroup | None = None  # the other ranks, with several
+    disagg: DisaggAgent | None = None   # a context or generation server's part
 
     def close(self) -> None:
         fatal = self.executor.fatal_error is not None
+        if self.disagg is not None:
+            self.disagg.close()
         self.executor.shutdown(timeout=5.0 if fatal else None)
         if self.workers is not None:
             self.workers.shutdown(clean=not fatal)
@@ -75,8 +79,15 @@ def build_engine(args: LlmArgs) -> Engine:
         executor.health_check = lambda: workers.dead_worker_error(grace_s=2.0)
     if parts.device.type == "cpu":  # the loop thread's matmuls must not wait on ours
         release_caller_openmp_threads()
+    disagg = None
+    if args.disaggregation is not None:
+        try:
+            disagg = DisaggAgent(args.disaggregation, executor, parts.kv_cache)
+        except BaseException:
+            executor.shutdown()
+            raise
     return Engine(parts.config, tokenizer, executor, parts.kv_cache, parts.device, parts.dtype,
-                  parts.max_seq_len, workers)
+                  parts.max_seq_len, workers, disagg)
 
 
 def start_workers(args: LlmArgs, mapping: Mapping, device: torch.device) -> WorkerGroup:

@@ -61,7 +61,19 @@ class LLM:
 
     def get_stats(self) -> dict[str, int]:
         """Running/waiting requests, KV blocks total/free, executor steps taken."""
-        return self._engine.executor.stats()
+        stats = self._engine.executor.stats()
+        if self._engine.disagg is not None:
+            stats.update(self._engine.disagg.stats())
+        return stats
+
+    @property
+    def disagg_info(self) -> dict[str, str] | None:
+        """A disaggregated worker's role, transport and KV endpoint (None: not one)."""
+        agent = self._engine.disagg
+        if agent is None:
+            return None
+        return {"role": agent.config.role, "transport": agent.config.transport,
+                "kv_endpoint": agent.kv_endpoint}
 
     def get_kv_cache_stats(self) -> dict[str, float]:
         """Prefix-reuse hit rate, onboards/offloads/swaps, per-tier usage, preemptions;
@@ -166,6 +178,11 @@ class LLM:
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             for request in requests:
                 request.cache_salt = str(prompt["cache_salt"])
+        if isinstance(prompt, dict) and prompt.get("disaggregated_params") is not None:
+            if self._engine.disagg is None:
+                raise ValueError("disaggregated_params: this engine has no disaggregation "
+                                 "role (serve it with --role context or generation)")
+            self._engine.disagg.prepare(requests, prompt["disaggregated_params"])
         return text, token_ids, requests
 
     def _check_open(self) -> None:
@@ -175,12 +192,15 @@ class LLM:
     def _start(self, requests: list[Request],
                on_delta: Callable[[CompletionDelta], None]) -> None:
         bind_deltas(requests, on_delta)
+        engine = self._engine
+        submit = engine.executor.submit if engine.disagg is None else engine.disagg.submit
         for request in requests:
-            self._engine.executor.submit(request)
+            submit(request)
 
     def _aborter(self, requests: list[Request]) -> Callable[[], None]:
-        executor = self._engine.executor
-        return lambda: [executor.abort(r.request_id) for r in requests]
+        engine = self._engine
+        abort = engine.executor.abort if engine.disagg is None else engine.disagg.abort
+        return lambda: [abort(r.request_id) for r in requests]
 
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):

@@ -97,6 +97,28 @@ class EagleDecodingConfig(_SpeculativeConfig):
     eagle3_layers_to_capture: tuple[int, ...] | None = None
 
 
+class DisaggConfig(BaseModel):
+    """Disaggregated serving (tllm.disagg): this engine is a context server (prefills
+    requests and keeps their KV blocks for a generation server to fetch) or a generation
+    server (decodes requests from KV fetched from a context server). `transport`: how KV
+    blocks travel: over TCP (any two processes; the blocks pass through host memory) or
+    CUDA IPC (two processes on one GPU host: device-to-device copies)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["context", "generation"]
+    transport: Literal["tcp", "cuda_ipc"] = "tcp"
+    # The context server's KV endpoint (0: a free port); generation servers connect to it.
+    kv_host: str = "127.0.0.1"
+    kv_port: int = Field(0, ge=0, le=65535)
+    # A context server frees a request's blocks when the generation side has taken them, or
+    # after this many seconds (a front that gave up, a generation server that died).
+    hold_timeout_s: float = Field(30.0, gt=0)
+    # A generation server stages fetched KV in host memory until admission: at most this
+    # many bytes at once (further fetches wait), so transfers stay bounded in memory.
+    max_staging_bytes: int = Field(1 << 30, ge=1)
+
+
 SpeculativeConfig = Union[NGramDecodingConfig, DraftTargetDecodingConfig, EagleDecodingConfig]
 
 
@@ -156,6 +178,9 @@ class LlmArgs(BaseModel):
     orchestrator: Literal["mp", "ray"] = "mp"
     # Speculative decoding (off by default): who drafts, and how many tokens per step.
     speculative_config: SpeculativeConfig | None = Field(None, discriminator="decoding_type")
+    # Disaggregated prefill/decode serving: this engine's role (None: it does both).
+    disaggregation: DisaggConfig | None = None
+
 
     @property
     def world_size(self) -> int:
@@ -172,6 +197,9 @@ class LlmArgs(BaseModel):
         if kv.host_cache_size or kv.disk_cache_dir:
             raise ValueError("kv_cache_config: host and disk KV tiers are not supported with "
                              "tensor/pipeline parallelism yet")
+        if self.disaggregation is not None:
+            raise ValueError("disaggregation is not supported with tensor/pipeline "
+                             "parallelism yet")
         if self.scheduler_config.preemption_mode == "swap":
             raise ValueError("scheduler_config.preemption_mode='swap' is not supported with "
                              "tensor/pipeline parallelism yet; use 'recompute'")

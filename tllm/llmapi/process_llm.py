@@ -64,6 +64,7 @@ class ProcessLLM:
         self._lifecycle = threading.Lock()     # a restart and shutdown, one at a time
         self._engine, ready = self._start_engine()
         self.max_seq_len: int = ready["max_seq_len"]
+        self.disagg_info: dict[str, str] | None = ready.get("disagg_info")
         self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], model)
 
     # ---- what the server uses ----
@@ -142,7 +143,8 @@ class ProcessLLM:
             if self._closed:
                 raise RuntimeError("this LLM has been shut down")
             self._engine.stop(graceful=False)
-            self._engine = self._start_engine()[0]
+            self._engine, ready = self._start_engine()
+            self.disagg_info = ready.get("disagg_info")  # a new KV endpoint, if any
 
     def shutdown(self) -> None:
         """Stop the engine process (it frees the model and KV cache) and wait for it (and
@@ -343,6 +345,7 @@ def engine_main(args: LlmArgs, commands, events) -> None:
     gc.collect()
     gc.freeze()
     events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
+                           "disagg_info": llm.disagg_info,
                            "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
     _EngineServer(llm, events).run(commands)
 

@@ -43,7 +43,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              guided_decoding=guided)
     output = _output_format(ctx, body)
-    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="messages")
+    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="messages",
+                                        disaggregated_params=body.disaggregated_params)
     if body.stream:
         return event_stream(request, generation,
                             _events(ctx, body, prompt, generation, output))

@@ -10,9 +10,26 @@ from typing import Any
 from tllm.cli_types import non_negative_int, positive_float, positive_int
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.loader import DEFAULT_MODEL
+from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
 from tllm.serve.reasoning import REASONING_PARSERS
 from tllm.serve.tool_parsers import TOOL_PARSERS
 from tllm.visual_gen.registry import is_visual_model
+
+
+def _run_disaggregated(argv: list[str]) -> int:
+    from tllm.serve.disagg_front import run_disaggregated
+    return run_disaggregated(argv)
+
+
+def _run_router(argv: list[str]) -> int:
+    from tllm.serve.router import run_router
+    return run_router(argv)
+
+
+# `tllm serve disaggregated -c disagg.yml` and `tllm serve router --replica URL ...`: fronts
+# over other servers, with flags of their own (no model of theirs to load)
+FRONT_COMMANDS = {("serve", "disaggregated"): _run_disaggregated,
+                  ("serve", "router"): _run_router}
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -83,6 +100,9 @@ def _add_server_args(group) -> None:
                             "with status 1 (default 3)")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
+    group.add_argument("--grpc-port", type=int, help="also serve gRPC (tllm/serve/grpc/"
+                       "tllm.proto: Generate, Abort, Health, ModelInfo) on this port")
+    add_disagg_args(group)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -125,6 +145,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """(model, LLM keyword arguments): the --config file's, overridden by the flags given."""
     kwargs = llm_kwargs(args, model=args.model_arg or args.model_opt)
+    if getattr(args, "role", None) is not None:
+        kwargs["disaggregation"] = disagg_kwargs(args)
     return kwargs.pop("model"), kwargs
 
 

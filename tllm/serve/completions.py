@@ -24,7 +24,8 @@ async def create_completion(ctx: ServingContext, request: Request,
     _check_options(body)
     prompts = await _prompt_inputs(ctx, body)
     params = [_sampling_params(ctx, body, prompt) for prompt in prompts]
-    generation = await ctx.engine.start(prompts, params, arrival)
+    generation = await ctx.engine.start(prompts, params, arrival,
+                                        disaggregated_params=body.disaggregated_params)
     if body.stream:
         return event_stream(request, generation, _events(ctx, body, prompts, generation))
     async with generation, abort_on_disconnect(request, generation):

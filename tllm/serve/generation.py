@@ -215,12 +215,18 @@ class EngineClient:
         self._watchdog: asyncio.Task | None = None
 
     async def start(self, prompts: list[PromptInput], params: list[SamplingParams],
-                    arrival: float, prompt_param: str = "prompt") -> Generation:
+                    arrival: float, prompt_param: str = "prompt",
+                    disaggregated_params: dict | None = None) -> Generation:
         """Submit every prompt (n samples each, with its own params), or none: raises
         APIError when refused (naming prompt_param when the engine refuses a prompt)."""
         self._check_alive()
         self._check_queue()
         inputs = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
+        if disaggregated_params is not None:
+            if len(inputs) != 1:
+                raise APIError(400, "disaggregated_params: one prompt per request",
+                               param="disaggregated_params")
+            inputs[0]["disaggregated_params"] = disaggregated_params
         try:
             results = await self.llm.submit_batch(inputs, params, streaming=True)
         except ValueError as exc:

@@ -72,6 +72,9 @@ class _SamplingRequest(_Body):
         None, max_length=MAX_STOP_TOKEN_IDS, description="token ids within the vocabulary")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Disaggregated serving (set by `tllm serve disaggregated`'s front for its workers):
+    # {"request_type": "context_only" | "generation_only", "ctx_request_id", "opaque_state"}
+    disaggregated_params: Optional[dict[str, Any]] = None
 
     @field_validator("stop")
     @classmethod

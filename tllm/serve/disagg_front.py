@@ -1,0 +1,217 @@
+"""`tllm serve disaggregated -c disagg.yml`: an OpenAI-compatible front over context
+(prefill) and generation (decode) servers, in TensorRT-LLM's shape.
+
+Each completion or chat request goes first to a context server, as itself with
+`max_tokens: 1`, unstreamed, and `disaggregated_params: {request_type: context_only,
+ctx_request_id}`: the server prefills it and keeps its prompt's KV blocks under that id. Then
+it goes, as the client sent it, to a generation server with `{request_type:
+generation_only, ctx_request_id, opaque_state: <the context server's KV endpoint>}`: that
+server fetches the blocks, decodes, and its answer (streamed or not: usage, logprobs, stop
+strings as any server's) is relayed to the client. Requests that need the prompt computed
+where they are answered (echo with logprobs: prompt logprobs), or that hold several prompts,
+run whole on a generation server."""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import uuid
+from pathlib import Path
+
+from fastapi import APIRouter, FastAPI
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from tllm import __version__
+from tllm.serve.errors import APIError, install_error_handlers
+from tllm.serve.proxy import (Upstream, pick_least_loaded, read_json_body, relay,
+                              until_disconnect, upstream_error)
+
+TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")
+# Fields of the client's request the context server's prefill does without.
+_NOT_FOR_PREFILL = ("stream", "stream_options", "n", "best_of", "max_tokens",
+                    "max_completion_tokens", "min_tokens")
+
+
+class ServerGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    num_instances: int | None = Field(None, ge=1)
+    urls: list[str] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _count_matches(self):
+        if self.num_instances is not None and self.num_instances != len(self.urls):
+            raise ValueError(f"num_instances is {self.num_instances} but {len(self.urls)} "
+                             "urls are given")
+        return self
+
+
+class DisaggFrontConfig(BaseModel):
+    """disagg.yml (TensorRT-LLM's keys; the workers are started on their own with
+    `tllm serve MODEL --role context|generation`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hostname: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    context_servers: ServerGroup
+    generation_servers: ServerGroup
+    api_key: str | None = None      # sent to the workers
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> DisaggFrontConfig:
+        import yaml
+        data = yaml.safe_load(Path(path).read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"-c {path}: expected a mapping")
+        data.pop("backend", None)   # TensorRT-LLM's files name theirs; there is one here
+        for key in ("context_servers", "generation_servers"):
+            if isinstance(data.get(key), dict):   # engine options belong to the workers
+                data[key] = {k: v for k, v in data[key].items()
+                             if k in ("num_instances", "urls")}
+        return cls(**data)
+
+
+class DisaggFront:
+    """Picks a context and a generation server per request (fewest in flight) and runs the
+    two phases."""
+
+    def __init__(self, config: DisaggFrontConfig) -> None:
+        self.context = [Upstream(u, config.api_key) for u in config.context_servers.urls]
+        self.generation = [Upstream(u, config.api_key) for u in config.generation_servers.urls]
+        self._turns = itertools.count()
+        self._kv_endpoints: dict[str, str] = {}     # context server url -> its KV endpoint
+        self.num_disaggregated = 0
+        self.num_whole = 0
+
+    async def handle(self, request: Request, path: str) -> Response:
+        body = await read_json_body(request)
+        generation = pick_least_loaded(self.generation, next(self._turns))
+        if _runs_whole(body):
+            self.num_whole += 1
+            return await relay(request, generation, path, body)
+        context = pick_least_loaded(self.context, next(self._turns))
+        ctx_request_id = f"ctx-{uuid.uuid4().hex}"
+        endpoint = await self._kv_endpoint(context)
+        answer = await until_disconnect(request, context.post_json(
+            path, _prefill_body(body, ctx_request_id)))
+        if answer.status_code != 200:
+            if answer.status_code >= 500:
+                self._kv_endpoints.pop(context.url, None)   # it may have restarted
+            return upstream_error(answer)
+        self.num_disaggregated += 1
+        return await relay(request, generation, path, {**body, "disaggregated_params": {
+            "request_type": "generation_only", "ctx_request_id": ctx_request_id,
+            "opaque_state": endpoint}})
+
+    async def _kv_endpoint(self, context: Upstream) -> str:
+        endpoint = self._kv_endpoints.get(context.url)
+        if endpoint is None:
+            info = await context.get_json("/disagg/info")
+            if info.get("role") != "context":
+                raise APIError(503, f"{context.url} is not a context server (role "
+                               f"{info.get('role')!r})", code="upstream_unavailable")
+            endpoint = self._kv_endpoints[context.url] = info["kv_endpoint"]
+        return endpoint
+
+    async def health(self) -> Response:
+        """200 once some context and some generation server answer their /health."""
+        down = []
+        for kind, servers in (("context", self.context), ("generation", self.generation)):
+            if not any([await _is_healthy(s) for s in servers]):
+                down.append(kind)
+        if down:
+            return APIError(503, f"no {' and no '.join(down)} server is healthy",
+                            code="upstream_unavailable").response()
+        return JSONResponse({"status": "ok"})
+
+    def stats(self) -> dict:
+        return {"disaggregated_requests": self.num_disaggregated,
+                "whole_requests": self.num_whole,
+                "servers": [{"url": s.url, "kind": kind, "requests": s.num_requests,
+                             "in_flight": s.num_in_flight, "failures": s.num_failures}
+                            for kind, group in (("context", self.context),
+                                                ("generation", self.generation))
+                            for s in group]}
+
+    async def aclose(self) -> None:
+        for server in self.context + self.generation:
+            await server.aclose()
+
+
+def _runs_whole(body: dict) -> bool:
+    prompt = body.get("prompt")
+    is_batch = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    return (is_batch and len(prompt) > 1) or (bool(body.get("echo"))
+                                              and body.get("logprobs") is not None)
+
+
+def _prefill_body(body: dict, ctx_request_id: str) -> dict:
+    prefill = {k: v for k, v in body.items() if k not in _NOT_FOR_PREFILL}
+    prefill["max_tokens"] = 1
+    prefill["disaggregated_params"] = {"request_type": "context_only",
+                                       "ctx_request_id": ctx_request_id}
+    return prefill
+
+
+async def _is_healthy(server: Upstream) -> bool:
+    try:
+        return (await server.client.get("/health", timeout=2.0)).status_code == 200
+    except Exception:  # noqa: BLE001 - any failure is "not healthy"
+        return False
+
+
+def build_front_app(front: DisaggFront) -> FastAPI:
+    app = FastAPI(title="tllm disaggregated front", version=__version__)
+    app.state.front = front
+    install_error_handlers(app)
+    routes = APIRouter()
+    for path in TEXT_ROUTES:
+        routes.add_api_route(path, _forward(front, path), methods=["POST"])
+
+    @routes.get("/v1/models")
+    async def models() -> Response:
+        server = pick_least_loaded(front.generation, 0)
+        return JSONResponse(await server.get_json("/v1/models"))
+
+    @routes.get("/health")
+    async def health() -> Response:
+        return await front.health()
+
+    @routes.get("/disagg/stats")
+    async def stats() -> Response:
+        return JSONResponse(front.stats())
+
+    app.include_router(routes)
+    return app
+
+
+def _forward(front: DisaggFront, path: str):
+    async def forward(request: Request) -> Response:
+        return await front.handle(request, path)
+    return forward
+
+
+def run_disaggregated(argv: list[str]) -> int:
+    """`tllm serve disaggregated -c disagg.yml [--host H] [--port P]`."""
+    import uvicorn
+    parser = argparse.ArgumentParser(prog="tllm serve disaggregated",
+                                     description="An OpenAI-compatible front over context "
+                                     "and generation servers (tllm serve MODEL --role ...).")
+    parser.add_argument("-c", "--config", required=True, metavar="YAML",
+                        help="hostname, port, context_servers and generation_servers "
+                             "({num_instances, urls}), as TensorRT-LLM's disagg config")
+    parser.add_argument("--host", help="overrides the file's hostname")
+    parser.add_argument("--port", type=int, help="overrides the file's port")
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+    config = DisaggFrontConfig.from_yaml(args.config)
+    front = DisaggFront(config)
+    host, port = args.host or config.hostname, args.port or config.port
+    print(f"disaggregated front on http://{host}:{port}/v1: {len(front.context)} context, "
+          f"{len(front.generation)} generation servers", file=sys.stderr)
+    uvicorn.run(build_front_app(front), host=host, port=port, log_level=args.log_level,
+                lifespan="off", timeout_graceful_shutdown=5)
+    return 0

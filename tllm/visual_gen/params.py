@@ -8,6 +8,8 @@ from dataclasses import dataclass
 SIZE_MULTIPLE = 16      # VAE downsampling (8) x latent patch (2) of the Qwen-Image family
 MAX_SIZE = 4096         # per side; far past what the models were trained for
 MAX_STEPS = 1000        # the scheduler's training timesteps
+MAX_FRAMES = 1025       # per video; far past what the video models were trained for
+MAX_FRAME_RATE = 240.0
 LAYERED_RESOLUTIONS = (640, 1024)
 
 
@@ -22,6 +24,8 @@ class VisualGenParams:
     `resolution` and `caption_language` are for the layered model (output size follows the
     input image there; an empty prompt is replaced by a caption of the image, written by the
     text encoder in this language: diffusers' `use_en_prompt`, whose default is Chinese).
+    Video models (Cosmos 3) read `num_frames` and `frame_rate` (None: the model's defaults)
+    and `guidance_scale` as their classifier-free guidance scale (1 disables it).
     """
 
     height: int | None = None
@@ -38,6 +42,8 @@ class VisualGenParams:
     output_type: str = "pil"
     return_latents: bool = False
     caption_language: str = "en"
+    num_frames: int | None = None
+    frame_rate: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("height", "width"):
@@ -75,6 +81,12 @@ class VisualGenParams:
                "must be true or false")
         check(self.caption_language in ("en", "zh"), "caption_language",
                self.caption_language, "must be 'en' or 'zh'")
+        if self.num_frames is not None:
+            check(_is_int(self.num_frames) and 1 <= self.num_frames <= MAX_FRAMES, "num_frames",
+                  self.num_frames, f"must be an integer in [1, {MAX_FRAMES}]")
+        if self.frame_rate is not None:
+            check(_is_finite(self.frame_rate) and 0 < self.frame_rate <= MAX_FRAME_RATE,
+                  "frame_rate", self.frame_rate, f"must be a number in (0, {MAX_FRAME_RATE}]")
 
     @property
     def is_cfg(self) -> bool:

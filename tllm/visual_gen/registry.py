@@ -28,6 +28,8 @@ register("QwenImagePipeline", "tllm.visual_gen.models.qwen_image.pipeline:QwenIm
 register("QwenImageLayeredPipeline",
          "tllm.visual_gen.models.qwen_image.layered_pipeline:QwenImageLayeredPipeline",
          dummy="dummy:qwen-image-layered")
+register("Cosmos3OmniPipeline", "tllm.visual_gen.models.cosmos3.pipeline:Cosmos3Pipeline",
+         dummy="dummy:cosmos")
 
 
 @dataclass(frozen=True)

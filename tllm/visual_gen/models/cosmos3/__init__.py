@@ -1,0 +1,1 @@
+"""Cosmos 3 (NVIDIA): text/image to video (and sound) with a mixture-of-transformers."""

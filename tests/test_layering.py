@@ -21,7 +21,7 @@ LAYERS = {
     "tllm.distributed.comm": 2, "tllm.distributed.rendezvous": 2,
     "tllm.models": 3, "tllm.loader": 3,
     "tllm.kv_cache": 4, "tllm.scheduler": 4, "tllm.sampling": 4, "tllm.speculative": 4,
-    "tllm.lora": 4, "tllm.guided": 4,
+    "tllm.lora": 4, "tllm.lora.request": 0, "tllm.guided": 4,
     "tllm.runner": 5,
     "tllm.executor": 6, "tllm.disagg": 6, "tllm.distributed.launch": 6, "tllm.distributed.ray_launcher": 6,
     "tllm.llmapi": 7,

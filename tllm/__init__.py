@@ -13,6 +13,7 @@ if TYPE_CHECKING:
                                       DraftTargetDecodingConfig, EagleDecodingConfig,
                                       KvCacheConfig, LlmArgs, NGramDecodingConfig,
                                       SchedulerConfig)
+    from tllm.lora.request import LoRARequest
     from tllm.outputs import CompletionOutput, Logprob, RequestOutput
     from tllm.sampling_params import GuidedDecodingParams, SamplingParams
     from tllm.visual_gen import VisualGen, VisualGenParams
@@ -30,6 +31,7 @@ _EXPORTS = {
     "SamplingParams": "tllm.sampling_params", "GuidedDecodingParams": "tllm.sampling_params",
     "RequestOutput": "tllm.outputs", "CompletionOutput": "tllm.outputs", "Logprob": "tllm.outputs",
     "VisualGen": "tllm.visual_gen", "VisualGenParams": "tllm.visual_gen",
+    "LoRARequest": "tllm.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

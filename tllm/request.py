@@ -11,6 +11,7 @@ from tllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tllm.lora.request import LoRARequest
     from tllm.kv_cache.transfer import ImportedKV
     from tllm.outputs import PositionLogprobs
     from tllm.tokenizer import IncrementalDetokenizer
@@ -52,6 +53,9 @@ class Request:
     on_update: Callable[[Request], None] | None = None
     # Mixed into the prefix-cache hash, so only requests with the same salt share blocks.
     cache_salt: str | None = None
+    # The LoRA adapter this request runs with (None: the base model); also mixed into the
+    # prefix-cache hash: KV computed under one adapter is never reused under another.
+    lora_request: LoRARequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     # Disaggregated serving: a context-only request's KV blocks outlive it under this id,
     # for a generation server to fetch; a generation-only request starts from KV fetched

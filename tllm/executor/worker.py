@@ -50,13 +50,15 @@ def _check_in(spec: dict, mapping: Mapping):
 def run_worker(args: LlmArgs, device: torch.device) -> None:
     """What a worker rank runs, in whatever process its launcher gave it."""
     parts = build_rank(args, device)
-    serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device, args.seed)
+    serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device, args.seed,
+                parts.lora)
 
 
 @torch.inference_mode()
-def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int) -> None:
+def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int, lora=None) -> None:
     mapping = comm.mapping()
-    rank = RankModel(model, kv_cache.kv_caches, graphs, device, kv_cache.tokens_per_block)
+    rank = RankModel(model, kv_cache.kv_caches, graphs, device, kv_cache.tokens_per_block,
+                     lora)
     # with pipeline parallelism the last stage samples and sends rank 0 the tokens
     sampler = (LastStageSampler(seed, device)
                if mapping.pp_size > 1 and mapping.is_last_stage and mapping.tp_rank == 0

@@ -18,10 +18,19 @@ from tllm.request import Request
 
 def chain_hash(request: Request, parent: int | None, index: int, tokens_per_block: int) -> int:
     """Block `index` of the request's tokens, chained with the hash of every block before."""
-    if parent is None and request.cache_salt is not None:
-        parent = hash(("salt", request.cache_salt))
+    if parent is None:
+        parent = _first_parent(request)
     bs = tokens_per_block
     return hash((parent, tuple(request.token_ids[index * bs:(index + 1) * bs])))
+
+
+def _first_parent(request: Request) -> int | None:
+    """What the first block chains from: the cache salt and the LoRA adapter, when set (a
+    drafter's view of a request has no adapter: the draft model runs without one)."""
+    adapter = getattr(request, "lora_request", None)
+    if request.cache_salt is None and adapter is None:
+        return None
+    return hash(("salt", request.cache_salt, adapter))  # a LoRARequest hashes by value
 
 
 def group_key(group: int, block_hash: int) -> int:

@@ -18,6 +18,7 @@ from tllm.executor.py_executor import OVERLAP, SYNC, PyExecutor, pipelined
 from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.llmapi.llm_args import LlmArgs
+from tllm.lora.manager import LoraManager
 from tllm.runner.build import RankParts, build_rank
 from tllm.runner.model_runner import ModelRunner
 from tllm.sampling.sampler import Sampler
@@ -38,6 +39,11 @@ class Engine:
     max_seq_len: int
     workers: WorkerGroup | None = None  # the other ranks, with several
     disagg: DisaggAgent | None = None   # a context or generation server's part
+
+    @property
+    def lora(self) -> LoraManager | None:
+        """The adapter slots (None: LoRA off)."""
+        return self.executor.runner.lora
 
     def close(self) -> None:
         fatal = self.executor.fatal_error is not None
@@ -105,7 +111,10 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           preemption_mode=args.scheduler_config.preemption_mode,
                           num_micro_batches=pp_size)
-    runner = ModelRunner(parts.model, parts.kv_cache, parts.device, parts.graphs)
+    lora = LoraManager(parts.lora) if parts.lora is not None else None
+    if lora is not None:
+        scheduler.admission_gates.append(lora)  # a request waits for its adapter's slot
+    runner = ModelRunner(parts.model, parts.kv_cache, parts.device, parts.graphs, lora)
     sampler = Sampler(args.seed, parts.device)
     if pp_size > 1:
         overlap = pipelined(pp_size)

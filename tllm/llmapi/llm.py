@@ -13,6 +13,7 @@ from tllm.llmapi.engine import build_engine
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.llmapi.result import GenerationResult, bind_deltas
 from tllm.loader import DEFAULT_MODEL
+from tllm.lora.request import LoRARequest
 from tllm.outputs import CompletionDelta, RequestOutput
 from tllm.sampling_params import SamplingParams
 from tllm.tokenizer import IncrementalDetokenizer
@@ -86,13 +87,17 @@ class LLM:
 
     def generate(self, inputs: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> RequestOutput | list[RequestOutput]:
-        """Run prompts to completion, batched together; one output per prompt, in order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> RequestOutput | list[RequestOutput]:
+        """Run prompts to completion, batched together; one output per prompt, in order.
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base)."""
         prompts, single = _as_prompt_list(inputs)
         params = _broadcast_params(sampling_params, len(prompts))
+        loras = _broadcast_loras(lora_request, len(prompts))
         sink: queue.Queue = queue.Queue()
-        results = [self._submit(p, sp, streaming=False, sink=sink)
-                   for p, sp in zip(prompts, params)]
+        results = [self._submit(p, sp, streaming=False, sink=sink, lora_request=lora)
+                   for p, sp, lora in zip(prompts, params, loras)]
         num_unfinished = len(results)
         with tqdm(total=len(results), disable=not use_tqdm, desc="Generating") as bar:
             while num_unfinished:
@@ -105,9 +110,11 @@ class LLM:
 
     def generate_async(self, inputs: PromptInput,
                        sampling_params: SamplingParams | None = None,
-                       streaming: bool = False) -> GenerationResult:
+                       streaming: bool = False,
+                       lora_request: LoRARequest | None = None) -> GenerationResult:
         """Submit one prompt; await the result, or `async for` over it when streaming."""
-        return self._submit(inputs, sampling_params or SamplingParams(), streaming)
+        return self._submit(inputs, sampling_params or SamplingParams(), streaming,
+                            lora_request=lora_request)
 
     async def submit_batch(self, inputs: Sequence[PromptInput],
                            sampling_params: Sequence[SamplingParams],
@@ -119,6 +126,7 @@ class LLM:
     def chat(self, messages: Messages | list[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              **template_kwargs: Any) -> RequestOutput | list[RequestOutput]:
         """Generate replies to conversations, formatted with the model's chat template."""
         single = bool(messages) and isinstance(messages[0], dict)
@@ -126,7 +134,8 @@ class LLM:
         prompts = [{"prompt_token_ids": self._require_tokenizer().encode_chat(
             conv, add_generation_prompt=add_generation_prompt, **template_kwargs),
             "prompt": None} for conv in conversations]
-        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                                lora_request=lora_request)
         return outputs[0] if single else outputs
 
     def shutdown(self) -> None:
@@ -159,22 +168,31 @@ class LLM:
         return self._aborter(requests)
 
     def _submit(self, prompt: PromptInput, params: SamplingParams, streaming: bool,
-                sink: queue.Queue | None = None) -> GenerationResult:
+                sink: queue.Queue | None = None,
+                lora_request: LoRARequest | None = None) -> GenerationResult:
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids))
-        text, token_ids, requests = self._new_requests(prompt, params, request_id)
+        text, token_ids, requests = self._new_requests(prompt, params, request_id,
+                                                       lora_request)
         result = GenerationResult(request_id, text, token_ids, params, streaming, sink,
                                   abort=self._aborter(requests))
         self._start(requests, result.post)
         return result
 
-    def _new_requests(self, prompt: PromptInput, params: SamplingParams,
-                      request_id: str) -> tuple[str | None, list[int], list[Request]]:
-        """(prompt text, prompt token ids, one Request per sample), validated."""
+    def _new_requests(self, prompt: PromptInput, params: SamplingParams, request_id: str,
+                      lora_request: LoRARequest | None = None
+                      ) -> tuple[str | None, list[int], list[Request]]:
+        """(prompt text, prompt token ids, one Request per sample), validated. A dict
+        prompt may name its adapter ("lora_request"), as the server's do."""
+        if lora_request is None and isinstance(prompt, dict):
+            lora_request = prompt.get("lora_request")
+        self._check_lora(lora_request)
         text, token_ids = self._tokenize(prompt)
         requests = self._make_requests(request_id, token_ids, params)
+        for request in requests:
+            request.lora_request = lora_request
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             for request in requests:
                 request.cache_salt = str(prompt["cache_salt"])
@@ -184,6 +202,15 @@ class LLM:
                                  "role (serve it with --role context or generation)")
             self._engine.disagg.prepare(requests, prompt["disaggregated_params"])
         return text, token_ids, requests
+
+    def _check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        lora = self._engine.lora
+        if lora is None:
+            raise ValueError("lora_request: this LLM serves no adapters (build it with "
+                             "enable_lora=True)")
+        lora.check(lora_request)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -292,6 +319,15 @@ def _as_prompt_list(inputs) -> tuple[list[PromptInput], bool]:
     if isinstance(inputs, Sequence) and inputs:
         return list(inputs), False
     raise ValueError(f"inputs must be a prompt or a non-empty list of prompts, got {inputs!r}")
+
+
+def _broadcast_loras(lora_request, count: int) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * count
+    loras = list(lora_request)
+    if len(loras) != count:
+        raise ValueError(f"lora_request: {len(loras)} given for {count} prompts")
+    return loras
 
 
 def _broadcast_params(params, count: int) -> list[SamplingParams]:

@@ -182,9 +182,24 @@ class LlmArgs(BaseModel):
     disaggregation: DisaggConfig | None = None
 
 
+    # Multi-LoRA serving: requests name a PEFT adapter (lora_request); up to max_loras
+    # adapters of rank <= max_lora_rank sit in device slots at once (LRU), the max_cpu_loras
+    # most recently used stay read in host memory (default: max_loras).
+    enable_lora: bool = False
+    max_loras: int = Field(4, ge=1)
+    max_lora_rank: int = Field(16, ge=1, le=512)
+    max_cpu_loras: int | None = Field(None, ge=1)
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> LlmArgs:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "
+                             f"max_loras ({self.max_loras})")
+        return self
 
     @model_validator(mode="after")
     def _check_parallel_features(self) -> LlmArgs:

@@ -34,6 +34,7 @@ class RankParts:
     dtype: torch.dtype
     max_seq_len: int
     source: loader.ModelSource
+    lora: object | None = None   # this rank's LoRA layers (tllm.lora.layers.LoraModel)
 
 
 def pick_dtype(name: str, config, device: torch.device, is_gguf: bool) -> torch.dtype:
@@ -68,13 +69,30 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         raise ValueError("max_seq_len: the model's config has no max_position_embeddings; "
                          "set max_seq_len")
     loader.load_weights(model, source, checkpoint, args.seed + mapping.rank)
+    lora = build_lora(model, args, dtype, device)  # before the KV cache takes the memory
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
     kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
                               reserve_full_generation=no_evict, model=model)
+    if lora is not None:
+        lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = (build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
               if mapping.pp_size == 1 else None)
-    return RankParts(config, model, kv_cache, graphs, device, dtype, max_seq_len, source)
+    return RankParts(config, model, kv_cache, graphs, device, dtype, max_seq_len, source,
+                     lora)
+
+
+def build_lora(model, args: LlmArgs, dtype: torch.dtype, device: torch.device):
+    """The stacked adapter buffers inside the model's linear layers (None: LoRA off)."""
+    if not args.enable_lora:
+        return None
+    from tllm.lora.layers import LoraModel
+    spec = args.speculative_config
+    max_step_tokens = max(args.max_num_tokens,
+                          args.max_batch_size * (1 + (spec.max_draft_len if spec else 0)))
+    return LoraModel(model, args.max_loras, args.max_lora_rank,
+                     args.max_cpu_loras or args.max_loras,
+                     max_step_tokens, dtype, device)
 
 
 def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: torch.device,

@@ -12,6 +12,7 @@ from torch import nn
 
 from tllm.distributed import comm
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.lora.manager import LoraManager
 from tllm.request import Request
 from tllm.runner.cuda_graph import CudaGraphRunner
 from tllm.runner.inputs import StepInputs, prepare_inputs
@@ -46,13 +47,15 @@ class StepOutput:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, device: torch.device,
-                 cuda_graphs: CudaGraphRunner | None = None) -> None:
+                 cuda_graphs: CudaGraphRunner | None = None,
+                 lora: LoraManager | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.cuda_graphs = cuda_graphs
+        self.lora = lora  # adapter slots (with LoRA on): each step's plan carries them
         self.rank = RankModel(model, kv_cache.kv_caches, cuda_graphs, device,
-                              kv_cache.tokens_per_block)
+                              kv_cache.tokens_per_block, lora.model if lora else None)
         self.parallel = comm.state()  # None on a single rank
         # pipeline parallelism: the last stage samples, keeping a shadow of each request
         is_pipelined = self.parallel is not None and self.parallel.mapping.pp_size > 1
@@ -79,7 +82,7 @@ class ModelRunner:
     @property
     def resource_managers(self) -> list[ResourceManager]:
         """What the runner keeps per request, for the loop to free with the request."""
-        return [self.shadows] if self.shadows is not None else []
+        return [m for m in (self.shadows, self.lora) if m is not None]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, in_flight: SampledBatch | None = None) -> StepOutput:
@@ -89,6 +92,9 @@ class ModelRunner:
         inputs = prepare_inputs(batch, kv.block_ids, kv.tokens_per_block,
                                 kv.group_block_ids if kv.num_groups > 1 else None)
         plan = self._complete_plan(inputs)
+        if self.lora is not None:
+            plan.lora_slots = [self.lora.slot_of(r) for r in batch.requests]
+            plan.lora_loads = self.lora.take_loads()
         if self.parallel is not None:
             comm.broadcast_object(plan)
         fill = None

@@ -38,6 +38,10 @@ class StepPlan:
     group_slots: list[list[int]] = field(default_factory=list)
     group_block_tables: list[list[list[int]]] = field(default_factory=list)
     layer_groups: tuple[int, ...] = ()
+    # LoRA: each request's adapter slot (-1: none), and the adapters to load into their
+    # slots before this step (every rank loads its own shard); None without LoRA
+    lora_slots: list[int] | None = None
+    lora_loads: list = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +106,7 @@ class RankModel:
     graphs: object | None      # a CudaGraphRunner, or None
     device: torch.device
     tokens_per_block: int
+    lora: object | None = None  # this rank's tllm.lora.layers.LoraModel, with LoRA on
 
     def run(self, plan: StepPlan,
             fill_placeholders: Callable[[torch.Tensor], None] | None = None
@@ -109,6 +114,8 @@ class RankModel:
         """This rank's part of a step whose plan every rank has (rank 0 broadcast it): the
         input tensors; rank 0 fills the ids still on its device and, when asked, sends them
         to its tensor-parallel peers; then the forward (pipeline sends/receives inside)."""
+        if self.lora is not None and plan.lora_slots is not None:
+            self.lora.begin_step(plan.lora_loads, plan.lora_slots, plan.query_lens)
         input_ids, metadata = plan_tensors(plan, self.device, self.tokens_per_block)
         if fill_placeholders is not None:
             fill_placeholders(input_ids)

@@ -42,6 +42,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._held: set[Request] = set()
         self.num_preemptions = 0
+        # Resources besides KV blocks a request needs to run (LoRA adapter slots): each has
+        # try_acquire(request) -> bool at admission and release(request) on preemption.
+        self.admission_gates: list = []
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -136,6 +139,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
+        self._release_gates(request)
         request.clear_drafts()
         if not (self.preemption_mode == "swap" and self.kv_cache.swap_out(request)):
             self.kv_cache.free(request)
@@ -149,11 +153,12 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_batch_size
                and len(batch) < self._step_limit):
             request = self.waiting[0]
-            if not self._leader_ready(request):
+            if not self._leader_ready(request) or not self._acquire_gates(request):
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = self._try_admit(request, budget)
             if num_new == 0:
+                self._release_gates(request)
                 break
             self.waiting.popleft()
             request.state = RequestState.RUNNING
@@ -191,6 +196,19 @@ class Scheduler:
         if num_new > budget:
             return budget if self.enable_chunked_prefill else 0
         return num_new
+
+    def _acquire_gates(self, request: Request) -> bool:
+        """Every gate's resource for the request, or none of them (it waits)."""
+        for i, gate in enumerate(self.admission_gates):
+            if not gate.try_acquire(request):
+                for taken in self.admission_gates[:i]:
+                    taken.release(request)
+                return False
+        return True
+
+    def _release_gates(self, request: Request) -> None:
+        for gate in self.admission_gates:
+            gate.release(request)
 
     @staticmethod
     def _leader_ready(request: Request) -> bool:

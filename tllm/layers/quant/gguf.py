@@ -21,9 +21,12 @@ What each GGML type becomes on the CPU (GgufConfig decides per layer):
 The int4 and int8 W8A16 kernels are vectorised on x86 for bf16 only (fp32 runs a scalar loop,
 ~30x slower here), so activations, scales and zeros are bf16 at the kernel and the layer casts
 x in and out: the int4 weights are then exact but for their scale and zero rounded to bf16
-(~2^-9 relative). Off the CPU every layer is the dense weight in the model dtype, as
-dequantized GGUF was before. The token embedding keeps its blocks and decodes the rows it
-looks up (exact); the LM head (tied to it in SmolLM2) is int8 per vocabulary row: at
+(~2^-9 relative). On CUDA the same types keep their own block formats, repacked once into
+planes that Triton kernels decode in registers (tllm.layers.quant.gguf_cuda); on any other
+device every layer is the dense weight in the model dtype. quantization="none" (GgufConfig's
+`dequantize`) is the switch back to dense layers everywhere, as GGUF ran before its blocks
+were kept. The token embedding keeps its blocks and decodes the rows it looks up (exact);
+on the CPU the LM head (tied to it in SmolLM2) is int8 per vocabulary row: at
 49152 x 576 its int8 product took 1.8 ms against 2.7 ms for Q8_0's two int4 planes and 5.7 ms
 in float32 (batch 1, one thread); its re-quantization error is checked in SmolLM2's greedy
 parity (tests/loader)."""
@@ -32,7 +35,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -40,101 +42,21 @@ from torch import nn
 from tllm.distributed import comm
 from tllm.kernels.int8_cpu import int8_matmul
 from tllm.layers.embedding import Embedding, LMHead
+from tllm.layers.quant import gguf_cuda
+from tllm.layers.quant.gguf_blocks import (COMPUTE_DTYPE, GROUP, _f16, block_shape,  # noqa: F401
+                                           dequantize_blocks, int4_groups, int4_planes,
+                                           quantize_rows_int8)
 from tllm.layers.quant.base import (UNQUANTIZED, WEIGHT, ParamLayout, QuantConfig, QuantMethod,
                                     add_param)
 
 INT4_TYPES = frozenset({"Q4_0", "Q4_1", "Q4_K", "Q8_0"})
 INT8_TYPES = frozenset({"Q5_0", "Q5_1", "Q5_K", "Q6_K"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
-GROUP = 32                      # the int4 kernel's group: Q4_0/Q4_1 blocks, Q4_K sub-blocks
-COMPUTE_DTYPE = torch.bfloat16  # what the CPU kernels are vectorised for
 # llama-family layers that multiply several checkpoint projections at once (tllm.models.llama)
 MERGED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 VOCAB_TENSORS = ("embed_tokens.weight", "lm_head.weight")
-Form = Literal["int4", "int8", "dense"]   # a linear layer's run-time weight (class docstring)
-
-
-def block_shape(qtype: str) -> tuple[int, int]:
-    """(values per block, bytes per block) of a GGML type."""
-    import gguf
-    return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]]
-
-
-def dequantize_blocks(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
-    """gguf's own dequantization of blocks [rows, blocks, bytes]: float32 [rows, values]."""
-    from gguf.quants import dequantize
-    import gguf
-    rows = blocks.shape[0]
-    data = blocks.detach().cpu().reshape(rows, -1).numpy()
-    out = dequantize(data, gguf.GGMLQuantizationType[qtype]).reshape(rows, -1)
-    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
-
-
-def _f16(blocks: torch.Tensor, offset: int) -> torch.Tensor:
-    return blocks[..., offset:offset + 2].contiguous().view(torch.float16)[..., 0].float()
-
-
-def _low_high(qs: torch.Tensor) -> torch.Tensor:
-    """16 bytes -> 32 nibbles: low nibbles are values 0-15, high nibbles 16-31."""
-    return torch.cat((qs & 15, qs >> 4), dim=-1)
-
-
-def int4_planes(blocks: torch.Tensor, qtype: str):
-    """Blocks [rows, blocks, bytes] -> planes [(q uint8 [rows, K] in 0..15, scale and zero
-    float32 [rows, K / 32])], w = sum over planes of (q - 8) * scale + zero (torch's int4
-    convention). One plane for the 4-bit types; Q8_0's d * q splits into its low nibble
-    (scale d, zero 8d: d * lo) and its high one (scale 16d, zero 0: 16d * hi), both exact."""
-    if qtype == "Q8_0":
-        d = _f16(blocks, 0)
-        q = blocks[..., 2:].contiguous().view(torch.int8).to(torch.int16)
-        rows = blocks.shape[0]
-        low = (q & 15).to(torch.uint8).reshape(rows, -1)
-        high = ((q >> 4) + 8).to(torch.uint8).reshape(rows, -1)
-        d = d.reshape(rows, -1)
-        return [(low, d, 8 * d), (high, 16 * d, torch.zeros_like(d))]
-    return [int4_groups(blocks, qtype)]
-
-
-def int4_groups(blocks: torch.Tensor, qtype: str):
-    """Blocks [rows, blocks, bytes] of a 4-bit type -> (q uint8 [rows, K] in 0..15, scale and
-    zero float32 [rows, K / 32]) with w = (q - 8) * scale + zero."""
-    rows = blocks.shape[0]
-    d = _f16(blocks, 0)
-    if qtype == "Q4_0":                                   # d * (q - 8)
-        q, scale, zero = _low_high(blocks[..., 2:]), d, torch.zeros_like(d)
-    elif qtype == "Q4_1":                                 # d * q + m
-        q, scale = _low_high(blocks[..., 4:]), d
-        zero = _f16(blocks, 2) + 8 * d
-    elif qtype == "Q4_K":                                 # 8 sub-blocks of 32 per 256 values
-        dmin = _f16(blocks, 2)
-        sc, mins = _k_scale_min(blocks[..., 4:16])
-        qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
-        q = torch.stack((qs & 15, qs >> 4), dim=-2).reshape(rows, -1, 8, 32)
-        scale = d[..., None] * sc.float()
-        zero = 8 * scale - dmin[..., None] * mins.float()
-    else:
-        raise ValueError(f"{qtype} is not a 4-bit GGUF type with a torch int4 kernel")
-    return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
-
-
-def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8 six-bit scales and mins of a K-quant block (12 bytes), as gguf unpacks them."""
-    s = packed.reshape(*packed.shape[:-1], 3, 4)
-    d, m, md = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = torch.cat((d & 63, (md & 15) | ((d >> 2) & 48)), dim=-1)
-    mins = torch.cat((m & 63, (md >> 4) | ((m >> 2) & 48)), dim=-1)
-    return sc, mins
-
-
-def quantize_rows_int8(weight: torch.Tensor, scale_dtype: torch.dtype = COMPUTE_DTYPE
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: (q int8 [N, K], scale float32 [N]), the scale
-    already rounded to the kernel's dtype so that q is rounded against the scale it meets."""
-    absmax = weight.abs().amax(dim=1).float()
-    scale = (absmax / 127).clamp(min=torch.finfo(torch.bfloat16).tiny)
-    scale = scale.to(scale_dtype).float()
-    q = torch.round(weight.float() / scale[:, None]).clamp(-128, 127).to(torch.int8)
-    return q, scale
+# a linear layer's run-time weight (class docstring); "planes": CUDA's kept blocks
+Form = Literal["int4", "int8", "dense", "planes"]
 
 
 def _replace(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -147,7 +69,8 @@ class GgufLinearMethod(QuantMethod):
     """A linear layer whose checkpoint weight is GGUF blocks of `qtype` (or, with qtype None,
     a float weight: the dequantized rows of projections stored in different types). `form`
     is what it becomes on the CPU: "int4" (exact repack), "int8" (per-channel re-quantization)
-    or "dense" (the model dtype)."""
+    or "dense" (the model dtype); on CUDA every kept form becomes "planes" (gguf_cuda: the
+    file's blocks, or Q8_0 for float rows)."""
 
     name = "gguf"
 
@@ -175,6 +98,11 @@ class GgufLinearMethod(QuantMethod):
 
     def process_after_loading(self, layer: nn.Module) -> None:
         raw = layer.weight.data
+        if raw.device.type == "cuda" and self.form != "dense" and \
+                (self.qtype is None or gguf_cuda.has_kernel(self.qtype)):
+            self.qtype = gguf_cuda.GpuLinear.convert(layer, self.qtype)
+            self.form = "planes"
+            return
         form = self.form if raw.device.type == "cpu" else "dense"
         if form == "int4" and raw.shape[0] % 16:  # the kernel packs 16 rows at a time
             form = "int8"
@@ -201,6 +129,8 @@ class GgufLinearMethod(QuantMethod):
         self.form = form
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if self.form == "planes":
+            return gguf_cuda.GpuLinear.apply(layer, self.qtype, x)
         if self.form == "int4":
             shape = x.shape
             x2 = x.reshape(-1, shape[-1]).to(self.compute_dtype).contiguous()
@@ -215,6 +145,8 @@ class GgufLinearMethod(QuantMethod):
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """float32 [out, in] as the kernel sees it (int4: unpacked by the kernel itself, from
         an identity in float32, so scales and zeros meet the values exactly as in a product)."""
+        if self.form == "planes":
+            return gguf_cuda.GpuLinear.dequantized_weight(layer, self.qtype)
         if self.form == "int4":
             k = layer.scales_zeros.shape[0] * GROUP
             eye = torch.eye(k, dtype=torch.float32)
@@ -240,15 +172,28 @@ def _plane_names(index: int) -> tuple[str, str]:
 def _hold_blocks(layer: nn.Module, embedding_dim: int, qtype: str, dense: bool) -> None:
     """A vocabulary layer's weight as `qtype` blocks [its rows, blocks, bytes per block]."""
     layer.qtype, layer.dense, layer.dtype = qtype, dense, torch.get_default_dtype()
+    layer.num_rows = layer.weight.shape[0]   # this rank's rows (the padded vocabulary slice)
+    layer.embedding_dim = embedding_dim
     values, nbytes = block_shape(qtype)
     layer.weight = nn.Parameter(torch.empty(layer.weight.shape[0], embedding_dim // values,
                                             nbytes, dtype=torch.uint8), requires_grad=False)
 
 
+def _keeps_planes(layer: nn.Module) -> bool:
+    """Whether a vocabulary layer keeps its blocks as CUDA planes (or holds them already)."""
+    return (not layer.dense and layer.weight.device.type == "cuda"
+            and layer.weight.dtype == torch.uint8 and gguf_cuda.has_kernel(layer.qtype))
+
+
+def _planes(layer: nn.Module):
+    return gguf_cuda.planes(layer.weight, layer.qtype, layer.num_rows, layer.embedding_dim)
+
+
 class GgufEmbedding(Embedding):
     """The token embedding as GGUF blocks [vocab, blocks, bytes]: looked-up rows are decoded
-    by gguf's own dequantize (exact, and the table stays the file's size). Dense in the model
-    dtype off the CPU or when `dense`."""
+    by gguf's own dequantize (exact, and the table stays the file's size; on CUDA the planes of
+    gguf_cuda, decoded by a kernel). Dense in the model dtype on other devices, for types
+    without a kernel, or when `dense`."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str,
                  dense: bool = False) -> None:
@@ -265,16 +210,20 @@ class GgufEmbedding(Embedding):
         self.weight.data[part.shape[0]:].zero_()  # padding rows: never looked up
 
     def process_after_loading(self) -> None:
-        if self.dense or self.weight.device.type != "cpu":
+        if _keeps_planes(self):
+            gguf_cuda.to_planes(self.weight, self.qtype)
+        elif self.dense or self.weight.device.type != "cpu":
             make_dense(self.weight, self.qtype, self.dtype)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype != torch.uint8:
             return super().forward(token_ids)
         local = token_ids - self.vocab_start
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = self.weight[local.masked_fill(outside, 0)]
-        out = self._decode(rows)
+        outside = (local < 0) | (local >= self.num_rows)
+        if self.weight.dim() == 1:  # CUDA planes
+            out = gguf_cuda.decode_rows(_planes(self), local.masked_fill(outside, 0), self.dtype)
+        else:
+            out = self._decode(self.weight[local.masked_fill(outside, 0)])
         if self.tp_size == 1:
             return out
         return comm.tp_all_reduce(out.masked_fill(outside[:, None], 0.0))
@@ -290,8 +239,9 @@ class GgufEmbedding(Embedding):
 
 class GgufLMHead(LMHead):
     """The vocabulary projection from GGUF blocks (its own, or the embedding's when tied: the
-    same block parameter). On the CPU re-quantized to int8 per vocabulary row at load;
-    dense in the model dtype elsewhere or when `dense` (shared with a tied dense embedding)."""
+    same block parameter). On the CPU re-quantized to int8 per vocabulary row at load; on
+    CUDA the planes (shared with a tied embedding) through the GGUF GEMV/GEMM; dense in the
+    model dtype elsewhere or when `dense` (shared with a tied dense embedding)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, qtype: str,
                  dense: bool = False) -> None:
@@ -301,6 +251,9 @@ class GgufLMHead(LMHead):
     load_weight = GgufEmbedding.load_weight
 
     def process_after_loading(self) -> None:
+        if _keeps_planes(self):
+            gguf_cuda.to_planes(self.weight, self.qtype)  # done already when tied
+            return
         if self.dense or self.weight.device.type != "cpu":
             make_dense(self.weight, self.qtype, self.dtype)
             return
@@ -311,9 +264,12 @@ class GgufLMHead(LMHead):
         self.register_buffer("scale", scale.to(COMPUTE_DTYPE))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.weight is not None:
+        if self.weight is not None and self.weight.dim() == 1:  # CUDA planes
+            logits = gguf_cuda.matmul(hidden, _planes(self))
+        elif self.weight is not None:
             return super().forward(hidden)
-        logits = int8_matmul(hidden, self.qweight, self.scale)
+        else:
+            logits = int8_matmul(hidden, self.qweight, self.scale)
         if self.tp_size == 1:
             return logits
         return comm.tp_all_gather(logits, dim=-1)[..., :self.num_embeddings]

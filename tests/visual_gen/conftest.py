@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from tests.visual_gen.tiny_cosmos import save_tiny_cosmos
 from tests.visual_gen.tiny_models import diffusers_pipeline, save_tiny_model
 
 
@@ -16,6 +17,17 @@ def qwen_image_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def layered_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny_qwen_image_layered"), layered=True)
+
+
+@pytest.fixture(scope="session")
+def cosmos_dir(tmp_path_factory):
+    return save_tiny_cosmos(tmp_path_factory.mktemp("tiny_cosmos3"))
+
+
+@pytest.fixture(scope="session")
+def cosmos_gen(cosmos_dir):
+    from tllm.visual_gen import VisualGen
+    return VisualGen(str(cosmos_dir), device="cpu", show_progress=False)
 
 
 @pytest.fixture(scope="session")

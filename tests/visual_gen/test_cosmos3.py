@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.visual_gen.tiny_cosmos import (diffusers_cosmos, save_tiny_cosmos, tiny_transformer)
+from tests.visual_gen.tiny_cosmos import diffusers_cosmos, tiny_transformer
 from tllm.visual_gen.models.cosmos3.components import chat_tokenizer
 from tllm.visual_gen.models.cosmos3.diffusers_transformer import DiffusersCosmos3
 from tllm.visual_gen.models.cosmos3.rope import JointLayout, MultimodalRope
@@ -25,19 +25,13 @@ def _relative(actual, expected) -> float:
 
 
 @pytest.fixture(scope="module")
-def cosmos_dir(tmp_path_factory):
-    return save_tiny_cosmos(tmp_path_factory.mktemp("tiny_cosmos3"))
-
-
-@pytest.fixture(scope="module")
 def reference(cosmos_dir):
     return diffusers_cosmos(cosmos_dir)
 
 
 @pytest.fixture(scope="module")
-def gen(cosmos_dir):
-    from tllm.visual_gen import VisualGen
-    return VisualGen(str(cosmos_dir), device="cpu", show_progress=False)
+def gen(cosmos_gen):
+    return cosmos_gen
 
 
 def _layout(config, num_text: int, num_gen: int, seed: int) -> JointLayout:

@@ -1,4 +1,4 @@
-"""`tllm visual`: generate images from prompts and write them as PNG files."""
+"""`tllm visual`: generate images (PNG files) or videos (MP4 files) from prompts."""
 from __future__ import annotations
 
 import argparse
@@ -14,19 +14,22 @@ from tllm.visual_gen.params import LAYERED_RESOLUTIONS, VisualGenParams
 def add_visual_parser(commands) -> argparse.ArgumentParser:
     """Add the `visual` subcommand to an argparse subparsers object."""
     parser = commands.add_parser(
-        "visual", help="generate images from prompts (diffusion models)",
-        description="Generate images with a diffusion model and write them as PNG files: "
-                    "OUT for one image, OUT's name with _0, _1, ... for several; the "
-                    "layered model writes one file per layer the same way.")
+        "visual", help="generate images or videos from prompts (diffusion models)",
+        description="Generate images with a diffusion model and write them as PNG files "
+                    "(videos as MP4 files, for a video model): OUT for one, OUT's name with "
+                    "_0, _1, ... for several; the layered model writes one file per layer "
+                    "the same way.")
     parser.add_argument("--model", "-m", required=True,
-                        help="diffusers model folder (model_index.json), 'dummy:qwen-image' or "
-                             "'dummy:qwen-image-layered'")
+                        help="diffusers model folder (model_index.json), 'dummy:qwen-image', "
+                             "'dummy:qwen-image-layered' or 'dummy:cosmos'")
     parser.add_argument("--prompt", "-p", action="append", required=True,
                         help="a prompt (for the layered model, a caption of the input image); "
                              "repeat the option for a batch")
-    parser.add_argument("--out", "-o", default="image.png", help="output PNG (default image.png)")
+    parser.add_argument("--out", "-o", help="output PNG, or MP4 for a video model (default "
+                        "image.png or clip.mp4)")
     parser.add_argument("--image", action="append",
-                        help="input image of the layered model (one, or one per prompt)")
+                        help="input image of the layered model, or of image-to-video (one, or "
+                             "one per prompt)")
     group = parser.add_argument_group("generation")
     group.add_argument("--steps", type=positive_int, default=50,
                        help="denoising steps (default 50)")
@@ -38,7 +41,11 @@ def add_visual_parser(commands) -> argparse.ArgumentParser:
     group.add_argument("--true-cfg-scale", type=float, default=4.0,
                        help="classifier-free guidance scale (default 4.0)")
     group.add_argument("--guidance-scale", type=float,
-                       help="for guidance-distilled models only")
+                       help="guidance-distilled image models; a video model's guidance scale "
+                            "(default its own, 1 disables)")
+    group.add_argument("--num-frames", type=positive_int,
+                       help="video models: frames (default the model's)")
+    group.add_argument("--frame-rate", type=float, help="video models: frames per second")
     group.add_argument("--n", type=positive_int, default=1, help="images per prompt")
     group.add_argument("--layers", type=positive_int, help="layered model: layers (default 4)")
     group.add_argument("--resolution", type=int, choices=LAYERED_RESOLUTIONS,
@@ -61,7 +68,8 @@ def run_visual(args: argparse.Namespace) -> int:
         height=args.height, width=args.width, num_inference_steps=args.steps,
         guidance_scale=args.guidance_scale, true_cfg_scale=args.true_cfg_scale,
         negative_prompt=args.negative_prompt, seed=args.seed, num_images_per_prompt=args.n,
-        layers=args.layers, resolution=args.resolution)
+        layers=args.layers, resolution=args.resolution, num_frames=args.num_frames,
+        frame_rate=args.frame_rate)
     images = [_open_image(path) for path in args.image] if args.image else None
     start = time.perf_counter()
     gen = VisualGen(args.model, dtype=args.dtype, device=args.device,
@@ -70,11 +78,29 @@ def run_visual(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     output = gen.generate(args.prompt, params, image=images)
     elapsed = time.perf_counter() - start
-    for path, image in zip(output_paths(Path(args.out), output.images), _flat(output.images)):
+    if output.videos is not None:
+        return _write_videos(output, Path(args.out or "clip.mp4"), elapsed)
+    for path, image in zip(output_paths(Path(args.out or "image.png"), output.images),
+                           _flat(output.images)):
         image.save(path)
         print(path)
     print(f"{len(output.images)} image{'s' if len(output.images) != 1 else ''} in "
           f"{elapsed:.2f} s (seeds {output.seeds[0]}..{output.seeds[-1]})", file=sys.stderr)
+    return 0
+
+
+def _write_videos(output, out: Path, elapsed: float) -> int:
+    from tllm.visual_gen.video_io import encode_mp4
+
+    out = out if out.suffix else out.with_suffix(".mp4")
+    for i, path in enumerate(output_paths(out, output.videos)):
+        audio = output.audio[i] if output.audio else None
+        path.write_bytes(encode_mp4(output.videos[i], output.frame_rate, audio,
+                                    output.sample_rate))
+        print(path)
+    count = len(output.videos)
+    print(f"{count} video{'s' if count != 1 else ''} in {elapsed:.2f} s (seeds "
+          f"{output.seeds[0]}..{output.seeds[-1]})", file=sys.stderr)
     return 0
 
 

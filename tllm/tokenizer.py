@@ -48,7 +48,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs) -> str:
-        if not self.has_chat_template:
+        if not self.has_chat_template and kwargs.get("chat_template") is None:
             raise ValueError("this model's tokenizer has no chat template; pass a plain prompt")
         return self.hf.apply_chat_template(messages, tokenize=False,
                                            add_generation_prompt=add_generation_prompt, **kwargs)

@@ -20,6 +20,11 @@ def disagg_routes(llm) -> APIRouter:
             raise APIError(404, "this server has no disaggregation role", code="not_found")
         return JSONResponse(data)
 
+    @routes.get("/disagg/stats")
+    async def stats() -> Response:
+        """The engine's counters: KV blocks free and total, requests held, transfers."""
+        return JSONResponse(llm.get_stats())
+
     return routes
 
 

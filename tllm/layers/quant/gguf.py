@@ -98,7 +98,7 @@ class GgufLinearMethod(QuantMethod):
 
     def process_after_loading(self, layer: nn.Module) -> None:
         raw = layer.weight.data
-        if raw.device.type == "cuda" and self.form != "dense" and \
+        if gguf_cuda.uses_planes(raw) and self.form != "dense" and \
                 (self.qtype is None or gguf_cuda.has_kernel(self.qtype)):
             self.qtype = gguf_cuda.GpuLinear.convert(layer, self.qtype)
             self.form = "planes"
@@ -181,7 +181,7 @@ def _hold_blocks(layer: nn.Module, embedding_dim: int, qtype: str, dense: bool) 
 
 def _keeps_planes(layer: nn.Module) -> bool:
     """Whether a vocabulary layer keeps its blocks as CUDA planes (or holds them already)."""
-    return (not layer.dense and layer.weight.device.type == "cuda"
+    return (not layer.dense and gguf_cuda.uses_planes(layer.weight)
             and layer.weight.dtype == torch.uint8 and gguf_cuda.has_kernel(layer.qtype))
 
 

@@ -19,6 +19,12 @@ from tllm.kernels.gguf import KERNEL_TYPES, GgufPlanes, dequantize_planes, pack_
 from tllm.layers.quant.base import WEIGHT, add_param
 
 
+def uses_planes(weight: torch.Tensor) -> bool:
+    """Whether GGUF weights on this tensor's device take the planes and kernels (CUDA; tests
+    patch this to run them on the CPU under the Triton interpreter)."""
+    return weight.device.type == "cuda"
+
+
 def has_kernel(qtype: str | None) -> bool:
     return qtype in KERNEL_TYPES
 

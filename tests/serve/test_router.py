@@ -1,0 +1,86 @@
+"""`tllm serve router`: the policy on its own (block-hash affinity, load balance), then two
+aggregated replicas (real processes) behind the router: repeated prefixes go to one replica
+(hit rate in /router/stats), mixed load keeps both busy."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.disagg.conftest import start_servers, tiny_model_dir  # noqa: F401 (a fixture)
+from tllm.serve.router import PrefixAffinity, Router, RouterConfig, block_hashes, build_router_app
+from tllm.serve.testing import ServerThread
+
+
+def test_block_hashes_chain_full_blocks():
+    a, b = block_hashes(list(range(70)), 32), block_hashes(list(range(64)) + [9] * 6, 32)
+    assert len(a) == 2 and a == b      # the partial tail is not hashed
+    assert block_hashes([5] + list(range(1, 64)), 32)[1] != a[1]   # chained: prefix matters
+
+
+def test_affinity_matches_leading_blocks_and_forgets_oldest():
+    affinity = PrefixAffinity(capacity_blocks=3)
+    affinity.add([1, 2, 3])
+    assert affinity.match([1, 2, 9]) == 2 and affinity.match([9, 1]) == 0
+    affinity.add([4])
+    assert affinity.match([1]) == 0
+
+
+def test_cache_aware_prefers_the_replica_with_the_prefix_unless_imbalanced():
+    router = Router(RouterConfig(["a:1", "b:2"], balance_abs=2, balance_rel=1.5))
+    shared = block_hashes(list(range(256)), 32)
+    first = router.choose(shared)
+    assert all(router.choose(shared) == first for _ in range(5))
+    router.replicas[first].num_in_flight = 10   # busy: the other replica takes it
+    assert router.choose(shared) != first
+    assert router.stats_dict()["hit_rate"] > 0.5
+
+
+def test_bad_policy_is_refused():
+    with pytest.raises(ValueError, match="--policy"):
+        Router(RouterConfig(["a:1"], policy="random"))
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir):
+    servers = start_servers((tiny_model_dir,), (tiny_model_dir, "--no-engine-process"))
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def _run_router(replicas, policy: str, bodies: list[dict]) -> dict:
+    router = Router(RouterConfig([r.url for r in replicas], policy=policy, block_size=8))
+
+    async def send_all() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
+            responses = await asyncio.gather(*(client.post("/v1/completions", json=b)
+                                               for b in bodies))
+            assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+
+    with ServerThread(build_router_app(router)) as server:
+        asyncio.run(send_all())
+        stats = httpx.get(server.base_url + "/router/stats").json()
+        metrics = httpx.get(server.base_url + "/metrics").text
+    assert "tllm_router_prefix_hit_rate" in metrics
+    return stats
+
+
+def test_repeated_prefix_goes_to_one_replica(replicas):
+    system = "the quick brown fox jumps over the lazy dog. " * 3
+    bodies = [{"prompt": system + f"q{i}", "max_tokens": 2} for i in range(6)]
+    stats = _run_router(replicas, "cache_aware", bodies[:1])  # warms nothing: a new router
+    router_stats = _run_router(replicas, "cache_aware", bodies)
+    counts = [r["requests"] for r in router_stats["replicas"]]
+    assert sorted(counts) == [0, 6], router_stats
+    assert router_stats["hit_rate"] > 0.6 and router_stats["hits"] == 5
+    assert stats["requests"] == 1
+
+
+def test_mixed_load_keeps_both_replicas_busy(replicas):
+    bodies = [{"prompt": f"{i} hello world {i} " * 3, "max_tokens": 4} for i in range(16)]
+    stats = _run_router(replicas, "cache_aware", bodies)
+    assert all(r["requests"] >= 4 for r in stats["replicas"]), stats
+    round_robin = _run_router(replicas, "round_robin", bodies[:4])
+    assert [r["requests"] for r in round_robin["replicas"]] == [2, 2]

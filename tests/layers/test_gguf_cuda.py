@@ -137,3 +137,27 @@ def test_untied_q6_k_head():
     hidden = torch.randn(2, 256, device=DEVICE)
     ref = dequantize_blocks(raw, "Q6_K").double()
     assert rel(head(hidden), hidden.double().cpu() @ ref.t()) < 1e-5
+
+
+@pytest.mark.slow  # ~20 s under the interpreter: every linear of every step is interpreted
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_tiny_llama_kept_equals_dequantized(tmp_path, qtype):
+    """A tiny GGUF Llama (every matrix in `qtype`, the embedding too) in float32: the kept
+    planes give the greedy tokens of the same file dequantized at load."""
+    from tests.loader.gguf_writer import write_gguf
+    from tests.models.test_dense_parity import save_tiny
+    from tllm import LLM, SamplingParams
+    path = write_gguf(save_tiny("Llama", tmp_path / "hf"), tmp_path / "tiny.gguf", "llama",
+                      qtype)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 3], [250, 7, 7, 31, 64, 2, 9])]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = {}
+    for quantization in (None, "none"):
+        with LLM(str(path), dtype="float32", quantization=quantization) as llm:
+            model = llm._engine.executor.runner.model
+            forms = {m.quant.form for m in model.modules()
+                     if isinstance(getattr(m, "quant", None), GgufLinearMethod)}
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+        runs[quantization] = [o.outputs[0].token_ids for o in outputs], forms
+    assert runs[None][1] == {"planes"} and runs["none"][1] <= {"dense"}
+    assert runs[None][0] == runs["none"][0]

@@ -126,6 +126,9 @@ def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = N
     install_error_handlers(app)
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(_api_routes(ctx))
+    if getattr(gen, "makes_video", False):
+        from tllm.serve.videos import video_routes
+        app.include_router(video_routes(ctx))
     app.include_router(_ops_routes())
     app.mount(FILES_ROUTE, StaticFiles(directory=files_dir), name="files")
     return app
@@ -187,6 +190,8 @@ async def create_images(ctx: ImagesContext, request: Request,
     if body.model is not None and body.model != ctx.config.model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server serves "
                        f"{ctx.config.model_name!r}", param="model", code="model_not_found")
+    if getattr(ctx.gen, "makes_video", False):
+        raise bad_request("this model generates videos: POST /v1/videos", param="model")
     params = _params(body)
     image = _input_image(ctx, body)
     limit = ctx.config.max_queue_size

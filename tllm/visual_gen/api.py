@@ -49,6 +49,24 @@ class VisualGen:
         """Whether the model works on an input image (the layered model)."""
         return self.pipeline.takes_image
 
+    @property
+    def makes_video(self) -> bool:
+        """Whether the model generates videos (VisualGenOutput.videos)."""
+        return getattr(self.pipeline, "makes_video", False)
+
+    def check_request(self, prompt: str | Sequence[str], params: VisualGenParams,
+                      image: Any | Sequence[Any] | None = None) -> None:
+        """Raise the ValueError generate() would raise for these arguments, without
+        generating (servers validate before they queue)."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        images = None if image is None else (
+            list(image) if isinstance(image, (list, tuple)) else [image])
+        self.pipeline.check_request(params, images, prompts)
+
+    def frames_for_duration(self, seconds: float, frame_rate: float | None) -> int:
+        """The number of frames this video model makes for about `seconds` of video."""
+        return self.pipeline.frames_for_duration(seconds, frame_rate)
+
     def generate(self, prompt: str | Sequence[str], params: VisualGenParams | None = None,
                  image: Any | Sequence[Any] | None = None,
                  hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:

@@ -83,6 +83,11 @@ class Cosmos3Pipeline(VisualPipeline):
         return VisualGenOutput([], torch.cat(latents) if keep else None, seeds, videos=videos,
                                frame_rate=request.frame_rate)
 
+    def frames_for_duration(self, seconds: float, frame_rate: float | None) -> int:
+        """temporal * k + 1 frames lasting about `seconds` at the frame rate."""
+        rate = frame_rate or DEFAULTS["frame_rate"]
+        return self.temporal * max(1, round(seconds * rate / self.temporal)) + 1
+
     def check_request(self, params: VisualGenParams, images, prompts) -> None:
         if images is not None and len(images) not in (1, len(prompts)):
             raise ValueError("image: give one input image, or one per prompt")

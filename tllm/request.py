@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from tllm.lora.request import LoRARequest
     from tllm.kv_cache.transfer import ImportedKV
     from tllm.outputs import PositionLogprobs
+    from tllm.sampling.beam import BeamGroup
     from tllm.tokenizer import IncrementalDetokenizer
 
 
@@ -48,6 +49,8 @@ class Request:
     # Parallel samples (n > 1) wait until their leader has computed the prompt, then reuse its
     # cached prompt blocks instead of computing them again.
     prefix_leader: Request | None = None
+    # Beam search: the beams of one prompt, scheduled, stepped and preempted as one unit
+    beam_group: BeamGroup | None = None
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     on_update: Callable[[Request], None] | None = None

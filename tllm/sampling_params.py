@@ -93,6 +93,13 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     n: int = 1
+    # best_of sequences are generated and the n best by cumulative logprob returned; with
+    # beam search best_of (or beam_width, TensorRT-LLM's name) is the beam width
+    best_of: int | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False   # True, False or "never", as HF transformers'
     detokenize: bool = True
     skip_special_tokens: bool = True
     guided_decoding: GuidedDecodingParams | None = None
@@ -113,6 +120,17 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
+        check_best_of(self)
+
+    @property
+    def num_sequences(self) -> int:
+        """How many sequences the engine runs for this prompt: n, best_of or the beams."""
+        return self.beam_width if self.use_beam_search else (self.best_of or self.n)
+
+    @property
+    def ranks_by_logprob(self) -> bool:
+        """Whether the returned sequences are chosen among more by cumulative logprob."""
+        return self.use_beam_search or self.num_sequences > self.n
 
     @property
     def is_greedy(self) -> bool:
@@ -160,6 +178,48 @@ class SamplingParams:
         _check(self.guided_decoding is None
                or isinstance(self.guided_decoding, GuidedDecodingParams), "guided_decoding",
                self.guided_decoding, "must be None or a GuidedDecodingParams")
+
+
+_BEAM_SEARCH_DEFAULTS = (("temperature", 0.0, "must be 0 with use_beam_search (beam search is "
+                         "deterministic)"), ("top_p", 1.0, "must be 1"), ("top_k", -1, "must be -1"),
+                         ("min_p", 0.0, "must be 0"), ("repetition_penalty", 1.0, "must be 1"),
+                         ("presence_penalty", 0.0, "must be 0"),
+                         ("frequency_penalty", 0.0, "must be 0"), ("logit_bias", None, "must be None"),
+                         ("logprobs", None, "must be None (per-token logprobs of beams are not "
+                          "supported; cumulative_logprob is returned)"),
+                         ("guided_decoding", None, "must be None"))
+
+
+def check_best_of(params: SamplingParams) -> None:
+    """best_of, beam search and their fields (vLLM's rules); resolves the beam width."""
+    if params.best_of is not None:
+        _check(_is_int(params.best_of) and params.best_of >= params.n, "best_of",
+               params.best_of, f"must be an integer >= n ({params.n})")
+    if params.beam_width is not None:
+        _check(_is_int(params.beam_width) and params.beam_width >= 1, "beam_width",
+               params.beam_width, "must be an integer >= 1")
+        _check(params.best_of in (None, params.beam_width), "beam_width", params.beam_width,
+               f"must equal best_of ({params.best_of}) when both are given")
+        params.use_beam_search = True
+    _check(params.use_beam_search in (True, False), "use_beam_search", params.use_beam_search,
+           "must be a bool")
+    _check(_is_num(params.length_penalty), "length_penalty", params.length_penalty,
+           "must be a number")
+    _check(isinstance(params.early_stopping, bool) or params.early_stopping == "never",
+           "early_stopping", params.early_stopping, 'must be True, False or "never"')
+    if not params.use_beam_search:
+        _check(params.length_penalty == 1.0, "length_penalty", params.length_penalty,
+               "must be 1.0 without use_beam_search")
+        _check(params.early_stopping is False, "early_stopping", params.early_stopping,
+               "must be False without use_beam_search")
+        return
+    width = params.beam_width or params.best_of or params.n
+    params.beam_width = params.best_of = width
+    _check(params.n <= width, "n", params.n, f"must be <= the beam width ({width})")
+    for name, default, rule in _BEAM_SEARCH_DEFAULTS:
+        _check(getattr(params, name) == default, name, getattr(params, name), rule)
+    _check(not params.stop_strings, "stop", params.stop,
+           "must be None with use_beam_search (stop token ids are supported)")
 
 
 def _is_int(value) -> bool:

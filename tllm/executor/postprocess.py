@@ -30,7 +30,9 @@ class Postprocessor:
     def sample(self, step: StepOutput) -> SampledBatch:
         """Sample the step's rows; rows of requests that finished meanwhile were computed in
         vain and are dropped."""
-        live = [i for i, r in enumerate(step.sample_requests) if not r.is_finished]
+        # beam rows are the beam search's (tllm.executor.beam_search)
+        live = [i for i, r in enumerate(step.sample_requests)
+                if not r.is_finished and r.beam_group is None]
         requests = [step.sample_requests[i] for i in live]
         logits = (step.sample_logits if len(live) == len(step.sample_requests)
                   else step.sample_logits[live])
@@ -80,6 +82,7 @@ class Postprocessor:
         request.fill_placeholder(token)
         if sampled.logprobs[row] is not None:
             request.output_logprobs.append(sampled.logprobs[row])
+        if sampled.sampled_logprobs[row] is not None:
             request.cumulative_logprob += sampled.sampled_logprobs[row]
         reason, stop_reason = self._check_stop(request, token)
         if reason is not None:

@@ -17,12 +17,14 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from tllm.executor.beam_search import BeamSearch, check_beam_support, end_beams_with
 from tllm.executor.postprocess import Postprocessor
 from tllm.executor.speculation import Speculation, VerifiedBatch
 from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.request import PLACEHOLDER, FinishReason, Request, RequestState
 from tllm.runner.model_runner import ModelRunner, StepOutput
+from tllm.sampling.beam import BeamCandidates
 from tllm.sampling.sampler import SampledBatch, Sampler
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 from tllm.scheduler.scheduler import Scheduler
@@ -58,6 +60,7 @@ class InFlightStep:
     output: StepOutput | None = None
     sampled: SampledBatch | VerifiedBatch | None = None   # its tokens (on the device)
     first_positions: list[int] | None = None  # with a drafter: where each request began
+    beams: BeamCandidates | None = None       # its beam groups' candidates (on the device)
 
 
 class PyExecutor:
@@ -80,6 +83,7 @@ class PyExecutor:
             if drafter.hidden_state_layers:
                 runner.capture_hidden_states(drafter.hidden_state_layers)
         self.postprocess = Postprocessor(sampler, self._finish, self._fail)
+        self.beam_search = BeamSearch(scheduler, self._finish, self._fail)
         self.guided: GuidedDecoding | None = None
         self._inbox: queue.Queue = queue.Queue()
         self._requests: dict[str, Request] = {}
@@ -116,6 +120,8 @@ class PyExecutor:
                 raise ValueError("sampling_params.guided_decoding: this engine cannot guide "
                                  "decoding (it has no tokenizer, or runs pipeline stages)")
             self.guided.check(request)
+        check_beam_support(request, has_drafter=self.speculation is not None,
+                           samples_at_launch=self.strategy.samples_at_launch)
         with self._pending_lock:
             self._num_pending_adds += 1
         self._inbox.put(("add", request))
@@ -249,6 +255,7 @@ class PyExecutor:
         until `_complete_oldest` brings the tokens to the host."""
         output = step.output.wait()
         self.postprocess.record_prompt_logprobs(output)
+        step.beams = self.beam_search.candidates(output)
         if output.sample_counts is not None:  # drafts to verify: SYNC, no placeholders
             step.sampled = self.speculation.verify(output)
             return
@@ -270,6 +277,8 @@ class PyExecutor:
             self._process_verified(step.sampled)
         else:
             self.postprocess.process(step.sampled.requests, step.sampled.host())
+        if step.beams is not None:
+            self.beam_search.process(step.beams)
         if self.speculation is not None:
             self._tell_drafter(step)
         self._in_flight.popleft()
@@ -312,6 +321,7 @@ class PyExecutor:
         for step in steps:
             self.scheduler.release(step.batch)
             owed = step.sampled.requests if step.sampled is not None else step.batch.requests
+            owed = owed + (step.beams.requests if step.beams is not None else [])
             failed.update((id(r), r) for r in owed)
         self._fail(list(failed.values()), error)
 
@@ -354,6 +364,8 @@ class PyExecutor:
             request.detokenizer.finalize()
         if request.on_update is not None:
             request.on_update(request)
+        if request.beam_group is not None:  # the beams of a prompt end together
+            end_beams_with(request, self._finish)
 
     def _fail(self, requests: list[Request], exc: Exception) -> None:
         for request in requests:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from tllm.kv_cache.beam_blocks import BeamBlockSharing
 from tllm.kv_cache.block_pool import BlockPool
 from tllm.kv_cache.groups import (KVCacheLayout, first_live_block, plan_layout,
                                   window_peak_blocks)
@@ -66,6 +67,7 @@ class _BlockTable:
     block_hashes: list[int] = field(default_factory=list)  # of its first published blocks
     reserved: int = 0      # blocks promised to it and not allocated yet
     num_pending: int = 0   # blocks per group this step's prepare() allocates
+    copy_index: int | None = None  # a shared block prepare() copies before it is written
 
     def num_live(self, group: int) -> int:
         return len(self.groups[group]) - self.num_null[group]
@@ -81,7 +83,7 @@ class _Swapped:
         return sum(d is not None for group in self.data for d in group)
 
 
-class KVCacheManager(ResourceManager):
+class KVCacheManager(BeamBlockSharing, ResourceManager):
     """Owns the (key, value) tensors, each shaped [num_blocks, tokens_per_block,
     num_kv_heads, head_dim]: one pair per layer, or with several groups one pair per slot
     (`kv_caches` lists each layer's pair either way).
@@ -233,12 +235,16 @@ class KVCacheManager(ResourceManager):
         table = self._tables[request.request_id]
         needed = cdiv(request.num_computed_tokens + num_new_tokens, self.tokens_per_block)
         num_new = max(0, needed - len(table.groups[0]) - table.num_pending)  # per group
+        copy = self._needs_copy(request, table)
         groups = self.num_groups
-        extra = max(0, num_new * groups - (table.reserved - table.num_pending * groups))
+        num_promised = table.num_pending + (table.copy_index is not None)
+        extra = max(0, (num_new + copy) * groups - (table.reserved - num_promised * groups))
         if extra > self._available():
             return False
         self._set_reserved(table, table.reserved + extra)
         table.num_pending += num_new
+        if copy:
+            table.copy_index = request.num_computed_tokens // self.tokens_per_block
         return True
 
     # ---- the resource-manager hooks (the loop calls) ----
@@ -248,6 +254,8 @@ class KVCacheManager(ResourceManager):
         self.stats.peak_requests = max(self.stats.peak_requests, len(self._tables))
         for request in batch.requests:
             table = self._tables[request.request_id]
+            if table.copy_index is not None:
+                self._copy_on_write(table)
             if table.num_pending:
                 for g, blocks in enumerate(table.groups):
                     blocks.extend(self._allocate(g, table.num_pending))

@@ -11,7 +11,8 @@ from tqdm.auto import tqdm
 from tllm.request import Request
 from tllm.llmapi.engine import build_engine
 from tllm.llmapi.llm_args import LlmArgs
-from tllm.llmapi.result import GenerationResult, bind_deltas
+from tllm.llmapi.result import GenerationResult
+from tllm.llmapi.sequence_groups import bind_outputs, check_streaming, make_beam_group
 from tllm.loader import DEFAULT_MODEL
 from tllm.lora.request import LoRARequest
 from tllm.outputs import CompletionDelta, RequestOutput
@@ -173,6 +174,7 @@ class LLM:
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        check_streaming(params, streaming)
         request_id = str(next(self._ids))
         text, token_ids, requests = self._new_requests(prompt, params, request_id,
                                                        lora_request)
@@ -218,7 +220,7 @@ class LLM:
 
     def _start(self, requests: list[Request],
                on_delta: Callable[[CompletionDelta], None]) -> None:
-        bind_deltas(requests, on_delta)
+        bind_outputs(requests, on_delta, self.tokenizer)
         engine = self._engine
         submit = engine.executor.submit if engine.disagg is None else engine.disagg.submit
         for request in requests:
@@ -251,14 +253,20 @@ class LLM:
         max_new = min(params.max_tokens or room, room)
         eos = engine.tokenizer.eos_token_ids if engine.tokenizer else _config_eos(engine.config)
         requests: list[Request] = []
-        for i in range(params.n):
+        num_sequences = params.num_sequences  # n, best_of or the beam width
+        for i in range(num_sequences):
             requests.append(Request(
-                request_id=request_id if params.n == 1 else f"{request_id}-{i}",
+                request_id=request_id if num_sequences == 1 else f"{request_id}-{i}",
                 prompt_token_ids=token_ids, sampling_params=params, max_new_tokens=max_new,
                 eos_token_ids=eos, sample_index=i,
                 prefix_leader=requests[0] if requests else None,
                 detokenizer=self._detokenizer(token_ids, params),
                 generator=self._generator(params.seed, i)))
+        if params.use_beam_search:
+            make_beam_group(requests, params, max_blocks=engine.kv_cache.max_blocks(requests[0]),
+                            num_blocks=engine.kv_cache.num_blocks,
+                            max_batch_size=self.args.max_batch_size,
+                            max_num_tokens=self.args.max_num_tokens)
         if not engine.kv_cache.fits_ever(requests[0]):
             raise ValueError(
                 f"inputs: a request of {len(token_ids)} prompt tokens + {max_new} new tokens "

@@ -64,7 +64,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
         logits = logits.float()
-        want_logprobs = [r.sampling_params.logprobs is not None for r in requests]
+        want_logprobs = [_wants_logprob(r) for r in requests]
         raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
         logits = self._apply_logit_bias(logits, requests)
         logits = self._apply_penalties(logits, requests)
@@ -207,9 +207,9 @@ def _logprobs_output(token_ids: list[int], chosen, ranks, top_vals, top_ids,
     results, sampled = [], []
     for i, request in enumerate(requests):
         k = request.sampling_params.logprobs
-        if k is None:
+        if k is None:  # best_of ranks its samples by their cumulative logprob all the same
             results.append(None)
-            sampled.append(None)
+            sampled.append(chosen[i] if _wants_logprob(request) else None)
             continue
         entry = {token_ids[i]: Logprob(chosen[i], ranks[i])}
         for rank, (tid, val) in enumerate(zip(top_ids[i][:k], top_vals[i][:k]), start=1):
@@ -217,6 +217,11 @@ def _logprobs_output(token_ids: list[int], chosen, ranks, top_vals, top_ids,
         results.append(entry)
         sampled.append(chosen[i])
     return SamplerOutput(token_ids, results, sampled)
+
+
+def _wants_logprob(request: Request) -> bool:
+    params = request.sampling_params
+    return params.logprobs is not None or params.ranks_by_logprob
 
 
 def prompt_logprobs(logits: torch.Tensor, target_ids: list[int], k: int) -> list[PositionLogprobs]:

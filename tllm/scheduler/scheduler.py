@@ -13,6 +13,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from tllm.request import Request, RequestState
+from tllm.scheduler.beam_group import BeamGroupScheduling
 from tllm.scheduler.interface import ScheduledBatch
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["ScheduledBatch", "Scheduler"]
 
 
-class Scheduler:
+class Scheduler(BeamGroupScheduling):
     """FCFS scheduling. Capacity is the KV cache manager's business: under
     GUARANTEED_NO_EVICT it reserves at admission and growth never fails; under
     MAX_UTILIZATION, when a running request cannot grow, the newest running requests are
@@ -41,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._held: set[Request] = set()
+        self._beam_holds: dict[Request, ScheduledBatch] = {}  # beams sampling in that step
         self.num_preemptions = 0
         # Resources besides KV blocks a request needs to run (LoRA adapter slots): each has
         # try_acquire(request) -> bool at admission and release(request) on preemption.
@@ -62,9 +64,12 @@ class Scheduler:
             request.num_computed_tokens += num_new
         if hold:
             self._held.update(batch.requests)
+        else:
+            self._hold_sampling_beams(batch)
 
     def release(self, batch: ScheduledBatch) -> None:
         self._held.difference_update(batch.requests)
+        self._release_beams(batch)
 
     def rollback(self, request: Request, num_tokens: int) -> None:
         """Forget the last `num_tokens` computed tokens (speculative tokens the target
@@ -85,6 +90,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self._held.discard(request)
+        self._beam_holds.pop(request, None)
 
     # ---- one step ----
 
@@ -112,6 +118,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and len(batch) < self._step_limit:
             request = self.running[i]
+            if request.beam_group is not None:
+                i, budget, scheduled = self._schedule_beam_group(batch, i, budget)
+                if not scheduled:
+                    break
+                continue
             num_new = 0 if request in self._held else self._num_new_tokens(request, budget)
             if num_new == 0:
                 i += 1
@@ -130,14 +141,27 @@ class Scheduler:
         """Preempt the newest running requests until `request` can grow; False if it had to
         preempt `request` itself."""
         while not self.kv_cache.try_grow(request, num_new):
-            victims = [r for r in self.running if r not in self._held or r is request]
+            victims = [r for r in self.running if not self._is_held(r) or r is request]
             victim = victims[-1]
             self._preempt(victim)
-            if victim is request:
+            if victim is request or request.state is RequestState.WAITING:
                 return False
         return True
 
+    def _is_held(self, request: Request) -> bool:
+        group = request.beam_group
+        if group is None:
+            return request in self._held
+        return any(r in self._held or r in self._beam_holds for r in group.requests)
+
     def _preempt(self, request: Request) -> None:
+        if request.beam_group is not None:  # a beam group is preempted as a whole
+            for member in reversed(request.beam_group.requests):
+                self._preempt_one(member)
+        else:
+            self._preempt_one(request)
+
+    def _preempt_one(self, request: Request) -> None:
         self.running.remove(request)
         self._release_gates(request)
         request.clear_drafts()
@@ -153,6 +177,12 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.max_batch_size
                and len(batch) < self._step_limit):
             request = self.waiting[0]
+            if request.beam_group is not None:
+                num_new = self._admit_beam_group(batch, budget)
+                if num_new is None:
+                    break
+                budget -= num_new
+                continue
             if not self._leader_ready(request) or not self._acquire_gates(request):
                 skipped.append(self.waiting.popleft())
                 continue

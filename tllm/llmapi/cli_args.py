@@ -18,7 +18,8 @@ CONFIG_FLAGS = ("--config", "--extra-llm-api-options")  # ours, TensorRT-LLM's
 # Flags that set an LLM argument of the same name (their argparse dest).
 _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
               "tensor_parallel_size", "pipeline_parallel_size", "quantization",
-              "model_impl", "enable_expert_parallel")
+              "model_impl", "enable_expert_parallel", "enable_lora", "max_loras",
+              "max_lora_rank", "max_cpu_loras")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
@@ -63,6 +64,15 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--model-impl", choices=["auto", "tllm", "transformers"],
                        help="whose modeling code runs (default auto: tllm's where it has the "
                             "architecture, else transformers' with tllm's KV cache)")
+    group.add_argument("--enable-lora", action="store_true", default=None,
+                       help="serve LoRA adapters (requests name one: lora_request, or the "
+                            "server's --lora-modules names)")
+    group.add_argument("--max-loras", type=positive_int,
+                       help="adapters on the device at once (default 4)")
+    group.add_argument("--max-lora-rank", type=positive_int,
+                       help="largest adapter rank served (default 16)")
+    group.add_argument("--max-cpu-loras", type=positive_int,
+                       help="adapters kept read in host memory (default: --max-loras)")
     group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
                        help="share of the free memory the KV cache takes, "

@@ -30,7 +30,7 @@ from tllm.serve.tool_parsers import (ANY_OBJECT, ParsedCall, ToolParser, forced_
 async def create_chat_completion(ctx: ServingContext, request: Request,
                                  body: ChatCompletionRequest) -> Response:
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     prompt = await _chat_prompt(ctx, body)
@@ -44,7 +44,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
                              guided_decoding=guided)
     output = _output_format(ctx, body)
     generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="messages",
-                                        disaggregated_params=body.disaggregated_params)
+                                        disaggregated_params=body.disaggregated_params,
+                                        lora_request=lora)
     if body.stream:
         return event_stream(request, generation,
                             _events(ctx, body, prompt, generation, output))

@@ -11,6 +11,7 @@ from tllm.cli_types import non_negative_int, positive_float, positive_int
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
+from tllm.serve.lora import parse_lora_modules
 from tllm.serve.reasoning import REASONING_PARSERS
 from tllm.serve.tool_parsers import TOOL_PARSERS
 from tllm.visual_gen.registry import is_visual_model
@@ -98,6 +99,9 @@ def _add_server_args(group) -> None:
                        help="restart attempts in a row (backoff 0, 1, 2, 4 ... s; an engine "
                             "up 60 s resets the count) before the server gives up and exits "
                             "with status 1 (default 3)")
+    group.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
+                       help="with --enable-lora: serve these PEFT adapter folders as models "
+                            "(\"model\": NAME); more through POST /v1/load_lora_adapter")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--grpc-port", type=int, help="also serve gRPC (tllm/serve/grpc/"
@@ -165,7 +169,8 @@ def server_config(args: argparse.Namespace, model: str):
                         exit_on_engine_failure=args.exit_on_engine_failure,
                         max_engine_restarts=args.max_engine_restarts,
                         tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser,
+                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)))
 
 
 def _read_chat_template(value: str | None) -> str | None:

@@ -20,12 +20,13 @@ from tllm.serve.protocol import (CompletionChoice, CompletionLogprobs, Completio
 async def create_completion(ctx: ServingContext, request: Request,
                             body: CompletionRequest) -> Response:
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     _check_options(body)
     prompts = await _prompt_inputs(ctx, body)
     params = [_sampling_params(ctx, body, prompt) for prompt in prompts]
     generation = await ctx.engine.start(prompts, params, arrival,
-                                        disaggregated_params=body.disaggregated_params)
+                                        disaggregated_params=body.disaggregated_params,
+                                        lora_request=lora)
     if body.stream:
         return event_stream(request, generation, _events(ctx, body, prompts, generation))
     async with generation, abort_on_disconnect(request, generation):

@@ -13,8 +13,10 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from tllm.serve.errors import APIError, bad_request, internal_error
+from tllm.lora.request import LoRARequest
 from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
 from tllm.serve.logprobs import LogprobFormatter
+from tllm.serve.lora import LoraRegistry
 from tllm.serve.metrics import ServerMetrics
 from tllm.serve.protocol import Usage
 from tllm.serve.supervisor import EngineSupervisor, RestartPolicy
@@ -43,6 +45,7 @@ class ServerConfig:
     max_engine_restarts: int = 3        # restart attempts in a row before the server exits
     tool_call_parser: str | None = None     # tool_choice auto: the model's format (hermes ...)
     reasoning_parser: str | None = None     # <think> split into reasoning_content (qwen3 ...)
+    lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder) served at start
 
     @property
     def model_name(self) -> str:
@@ -57,6 +60,7 @@ class ServingContext:
     engine: EngineClient
     logprobs: LogprobFormatter
     supervisor: EngineSupervisor
+    loras: LoraRegistry
     # Tokenizing off the event loop, one at a time (HF tokenizers are not reentrant).
     tokenizer_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tllm-tokenize"))
@@ -69,8 +73,10 @@ class ServingContext:
             max_restarts=config.max_engine_restarts))
         engine = EngineClient(llm, metrics, config.max_queue_size, config.stuck_timeout_s,
                               supervisor=supervisor)
+        loras = lora_registry(llm, config)
         supervisor.start()
-        return cls(llm, config, metrics, engine, LogprobFormatter(llm.tokenizer), supervisor)
+        return cls(llm, config, metrics, engine, LogprobFormatter(llm.tokenizer), supervisor,
+                   loras)
 
     @property
     def tokenizer(self):
@@ -82,14 +88,31 @@ class ServingContext:
     async def run_in_tokenizer(self, fn: Callable, *args) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_pool, fn, *args)
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.config.model_name:
+    def check_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter the request's "model" names (None: the base model); 404 for a
+        name this server does not serve."""
+        if name is None or name == self.config.model_name:
+            return None
+        adapter = self.loras.get(name)
+        if adapter is None:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.config.model_name!r}", param="model", code="model_not_found")
+        return adapter
 
     def close(self) -> None:
         self.supervisor.close()
         self.tokenizer_pool.shutdown(wait=False)
+
+
+def lora_registry(llm, config: ServerConfig) -> LoraRegistry:
+    """The adapters served: --lora-modules now, more through /v1/load_lora_adapter (only
+    when the engine was built with enable_lora)."""
+    args = getattr(llm, "args", None)
+    max_rank = args.max_lora_rank if getattr(args, "enable_lora", False) else None
+    registry = LoraRegistry(config.model_name, max_rank)
+    for name, path in config.lora_modules:
+        registry.load(name, path)  # a bad folder stops the server's start (ValueError)
+    return registry
 
 
 def check_text(text: str, param: str) -> None:

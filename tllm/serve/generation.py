@@ -216,12 +216,16 @@ class EngineClient:
 
     async def start(self, prompts: list[PromptInput], params: list[SamplingParams],
                     arrival: float, prompt_param: str = "prompt",
-                    disaggregated_params: dict | None = None) -> Generation:
+                    disaggregated_params: dict | None = None,
+                    lora_request=None) -> Generation:
         """Submit every prompt (n samples each, with its own params), or none: raises
         APIError when refused (naming prompt_param when the engine refuses a prompt)."""
         self._check_alive()
         self._check_queue()
         inputs = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
+        if lora_request is not None:  # the adapter the request's "model" names
+            for item in inputs:
+                item["lora_request"] = lora_request
         if disaggregated_params is not None:
             if len(inputs) != 1:
                 raise APIError(400, "disaggregated_params: one prompt per request",

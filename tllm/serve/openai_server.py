@@ -22,6 +22,7 @@ from tllm.serve.disagg_worker import disagg_routes
 from tllm.serve.errors import (APIError, bad_request, error_responses,
                                from_validation_error, install_error_handlers, internal_error)
 from tllm.serve.http_limits import RequestLimits
+from tllm.serve.lora import lora_routes
 from tllm.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tllm.serve.params import ModelLimits
 from tllm.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
@@ -31,6 +32,7 @@ from tllm.serve.responses import responses_routes
 
 logger = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
+             "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
              "/health", "/version",
              "/metrics", "/dashboard", "/dashboard/stats.json", "/openapi.json", "/docs",
              "/redoc")
@@ -82,11 +84,16 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
         limits.check(body)
         return await create_chat_completion(ctx, request, body)
 
-    @api.get("/models", summary="List the served model", responses={200: {"model": ModelList}})
+    @api.get("/models", summary="List the served model and its LoRA adapters",
+             responses={200: {"model": ModelList}})
     async def models() -> Response:
         card = ModelCard(id=config.model_name, root=config.model,
                          max_model_len=ctx.llm.max_seq_len)
-        return JSONResponse(ModelList(data=[card]).model_dump())
+        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=config.model_name,
+                              max_model_len=ctx.llm.max_seq_len) for lora in ctx.loras.all()]
+        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
+
+    api.include_router(lora_routes(ctx.loras, with_body))
 
     api.include_router(responses_routes(ctx, limits, with_body))
     return api

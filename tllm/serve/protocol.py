@@ -416,6 +416,7 @@ class ModelCard(_Response):
     created: int = Field(default_factory=_now)
     owned_by: str = "tllm"
     root: Optional[str] = None
+    parent: Optional[str] = None   # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 

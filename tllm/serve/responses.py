@@ -100,7 +100,7 @@ def responses_routes(ctx: ServingContext, limits: ModelLimits, dependencies: lis
 async def create_response(ctx: ServingContext, store: ResponseStore, request: Request,
                           body: ResponsesRequest) -> Response:
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     history = (store.get(body.previous_response_id, "previous_response_id").messages
                if body.previous_response_id is not None else [])
     messages = history + input_messages(body)
@@ -111,7 +111,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     if guided is not None:  # compiling a grammar takes a while: off the event loop
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
     params = sampling_params(body, max_tokens, guided_decoding=guided)
-    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="input")
+    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="input",
+                                        lora_request=lora)
     response = _echo(ctx, body)
     on_done = functools.partial(_finish, store, body, messages, len(prompt.token_ids))
     if body.stream:

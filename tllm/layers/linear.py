@@ -60,8 +60,10 @@ class Linear(nn.Module):
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's part of a full (unsplit) checkpoint tensor into a parameter."""
         param, layout = getattr(self, param_name), self.param_layouts[param_name]
-        if layout.per_shard:
-            _copy_checked(param.data[0], tensor, param_name)
+        if layout.per_shard:  # one entry of [shards, ...]; split along an input dim if any
+            inner = ParamLayout(None, None if layout.input_dim is None else layout.input_dim - 1)
+            _copy_checked(param.data[0], self.rank_slice(tensor, param.data[0], inner),
+                          param_name)
         else:
             _copy_checked(param, self.rank_slice(tensor, param, layout), param_name)
 

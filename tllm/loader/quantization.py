@@ -10,7 +10,7 @@ from tllm.layers.quant import QuantConfig
 from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
 from tllm.layers.quant.gguf import GgufConfig
 from tllm.loader.hf import CheckpointError
-from tllm.loader.quant_formats import SUPPORTED, compressed, hf_fp8, modelopt
+from tllm.loader.quant_formats import SUPPORTED, awq, compressed, gptq, hf_fp8, modelopt
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +30,9 @@ def resolve_quant_config(kind: str, path: Path | None, hf_config,
         return found
     if requested == "fp8":
         return Fp8Config(Fp8Scheme(checkpoint_is_fp8=False))
+    if requested in ("int4_awq", "int8_wo"):
+        from tllm.layers.quant.woq import online_config
+        return online_config(requested)
     if requested == "gguf_int4":
         raise ValueError("quantization='gguf_int4' applies to GGUF files only")
     if requested not in (None, "none"):
@@ -66,6 +69,10 @@ def checkpoint_quant_config(path: Path | None, hf_config) -> QuantConfig | None:
         return compressed.parse(raw)
     if method.startswith("modelopt"):  # "modelopt", "modelopt_fp4"
         return modelopt.parse(raw)
+    if method == "awq":
+        return awq.parse(raw)
+    if method == "gptq":
+        return gptq.parse(raw)
     raise CheckpointError(f"quantization format {method or raw!r} is not supported; "
                           f"{SUPPORTED}")
 

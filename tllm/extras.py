@@ -6,8 +6,9 @@ from __future__ import annotations
 import importlib.util
 
 # extra -> the modules it provides (import names)
-EXTRAS = {"bench": ("matplotlib",), "visual": ("diffusers", "PIL")}
-_PIP_NAMES = {"PIL": "pillow"}
+EXTRAS = {"bench": ("matplotlib",), "visual": ("diffusers", "PIL"),
+          "grpc": ("grpc", "google.protobuf")}
+_PIP_NAMES = {"PIL": "pillow", "grpc": "grpcio", "google.protobuf": "protobuf"}
 
 
 class MissingExtraError(ImportError):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tllm.cli_types import non_negative_int, positive_float, positive_int
+from tllm.extras import require_extra
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
@@ -134,7 +135,13 @@ def run_serve(args: argparse.Namespace) -> int:
     supervisor.on_fatal = lambda reason: setattr(server, "should_exit", True)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
     try:
-        server.run()
+        if args.grpc_port is not None:
+            require_extra("grpc", "--grpc-port")
+            from tllm.serve.grpc_server import run_with_grpc
+            print(f"gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
+            run_with_grpc(server, app.state.ctx, args.host, args.grpc_port)
+        else:
+            server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:

@@ -1,0 +1,134 @@
+"""gRPC (tllm/serve/grpc/tllm.proto) beside the HTTP routes on one event loop, over a tiny
+random model with a byte-level tokenizer: Generate equals the HTTP completion (text and token
+ids, streamed pieces and logprobs), Abort ends a running stream, Health and ModelInfo, and
+bad input gets proper status codes."""
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+import uvicorn
+
+from tests.disagg.conftest import tiny_model_dir  # noqa: F401 (a fixture)
+from tllm import LLM, KvCacheConfig
+from tllm.serve.context import ServerConfig
+from tllm.serve.grpc import tllm_pb2 as pb
+from tllm.serve.grpc import tllm_pb2_grpc as pb_grpc
+from tllm.serve.grpc_server import serve_with_grpc
+from tllm.serve.openai_server import build_app
+
+
+class HttpAndGrpc:
+    """build_app's server and the gRPC server on one loop in a thread, as --grpc-port runs."""
+
+    def __init__(self, llm) -> None:
+        self.app = build_app(llm, ServerConfig(model="tiny"))
+        self._socket = socket.socket()
+        self._socket.bind(("127.0.0.1", 0))
+        self.http_url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.grpc_port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning",
+                                                    lifespan="off"))
+        self._thread = threading.Thread(target=lambda: asyncio.run(serve_with_grpc(
+            self.server, self.app.state.ctx, "127.0.0.1", self.grpc_port,
+            sockets=[self._socket])), daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self._thread.is_alive()
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)
+        self.app.state.ctx.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir):  # noqa: F811
+    llm = LLM(tiny_model_dir, max_seq_len=256, kv_cache_config=KvCacheConfig(max_tokens=2048))
+    with HttpAndGrpc(llm) as both:
+        yield both
+    llm.shutdown()
+
+
+@pytest.fixture()
+def stub(servers):
+    with grpc.insecure_channel(f"127.0.0.1:{servers.grpc_port}") as channel:
+        yield pb_grpc.GenerationStub(channel)
+
+
+GREEDY = pb.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+
+
+def _http_completion(servers, prompt) -> dict:
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "logprobs": 2}
+    return httpx.post(servers.http_url + "/v1/completions", json=body, timeout=60).json()
+
+
+@pytest.mark.parametrize("prompt", ["the quick brown fox", [5, 17, 42, 99, 3]])
+def test_generate_equals_the_http_completion(servers, stub, prompt):
+    request = (pb.GenerateRequest(text=prompt, sampling=GREEDY) if isinstance(prompt, str) else
+               pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=GREEDY))
+    responses = list(stub.Generate(request))
+    http = _http_completion(servers, prompt)["choices"][0]
+    assert "".join(r.text for r in responses) == http["text"]
+    logprobs = [p.logprob for r in responses for p in r.logprobs]
+    assert logprobs == pytest.approx(http["logprobs"]["token_logprobs"], abs=1e-5)
+    assert sum(len(r.token_ids) for r in responses) == 12
+    assert responses[-1].finish_reason == "length" and responses[-1].completion_tokens == 12
+    assert all(len(p.top) >= 2 for r in responses for p in r.logprobs)
+
+
+def test_abort_ends_a_running_stream(stub):
+    stream = stub.Generate(pb.GenerateRequest(
+        request_id="long", text="hello", sampling=pb.SamplingParams(max_tokens=200,
+                                                                    ignore_eos=True)))
+    first = next(stream)
+    assert first.request_id == "long"
+    stub.Abort(pb.AbortRequest(request_id="long"))
+    assert [r.finish_reason for r in stream][-1] == "abort"
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Abort(pb.AbortRequest(request_id="long"))
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_and_model_info(stub):
+    assert stub.Health(pb.HealthRequest()).healthy
+    info = stub.ModelInfo(pb.ModelInfoRequest())
+    assert info.max_model_len == 256 and info.has_tokenizer and info.vocab_size > 0
+
+
+@pytest.mark.parametrize("request_, field", [
+    (pb.GenerateRequest(), "prompt"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[10**6])), "prompt"),
+    (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(temperature=-1.0)), "temperature"),
+    (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(max_tokens=10_000)), "context"),
+    (pb.GenerateRequest(text="x", sampling=pb.SamplingParams(top_p=0.0)), "top_p"),
+])
+def test_bad_input_is_invalid_argument(stub, request_, field):
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request_))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in info.value.details()
+
+
+def test_proto_stubs_are_current(tmp_path):
+    pytest.importorskip("grpc_tools")
+    from tllm.serve.grpc.generate import generate
+    assert generate(tmp_path) == 0
+    from pathlib import Path
+    here = Path(__file__).resolve().parents[2] / "tllm/serve/grpc"
+    for name in ("tllm_pb2.py", "tllm_pb2_grpc.py"):
+        assert (tmp_path / "tllm/serve/grpc" / name).read_text() == (here / name).read_text()

@@ -590,7 +590,8 @@ UNSUPPORTED = {
              "e5m2 values"),
     "ue8m0 scales": ({"quant_method": "fp8", "scale_fmt": "ue8m0",
                       "weight_block_size": [128, 128]}, "ue8m0 block scales"),
-    "gptq": ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "format 'gptq'"),
+    "bitsandbytes": ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+                     "format 'bitsandbytes'"),
 }
 
 

@@ -17,7 +17,8 @@ from tllm.serve.context import ServerConfig
 from tllm.serve.openai_server import build_app
 from tllm.serve.protocol import ChatCompletionRequest
 from tllm.serve.testing import FakeLLM, ServerThread
-from tllm.serve.tool_parsers import TOOL_PARSERS, forced_schema, parse_forced, tool_parser
+from tllm.serve.tool_parsers import (TOOL_PARSERS, ToolRequest, forced_schema, parse_forced,
+                                     tool_parser)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -73,9 +74,9 @@ def test_unknown_parser_is_refused():
         tool_parser("pythonic")
 
 
-def _request(**fields) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"messages": ASK, "tools": [WEATHER, TIME],
-                                                 **fields})
+def _request(**fields) -> ToolRequest:
+    return ToolRequest.of_chat(ChatCompletionRequest.model_validate(
+        {"messages": ASK, "tools": [WEATHER, TIME], **fields}))
 
 
 def test_forced_schemas_and_their_outputs():
@@ -231,3 +232,79 @@ def test_smollm2_template_renders_tool_history(smollm2):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     text = smollm2.tokenizer.apply_chat_template(messages, tools=[WEATHER])
     assert "<|im_start|>tool\nsunny, 21 C<|im_end|>" in text
+
+
+# ---- incremental tool-call deltas ----
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Pa'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Pa'),
+])
+def test_partial_calls_while_streaming(parser, text):
+    (call,) = TOOL_PARSERS[parser].partial_calls(text)
+    assert (call.name, call.arguments, call.is_complete) == ("get_weather", '{"city": "Pa',
+                                                             False)
+    assert TOOL_PARSERS[parser].partial_calls(text[:text.index('"name"') + 8]) == []
+
+
+def test_partial_calls_of_forced_outputs():
+    required = _request(tool_choice="required")
+    text = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"ci'
+    calls = [(c.name, c.arguments, c.is_complete)
+             for c in tllm_forced_partial_calls(text, required)]
+    assert calls == [("get_time", "{}", True), ("get_weather", '{"ci', False)]
+    named = _request(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = tllm_forced_partial_calls('{"city": "a}"}', named)
+    assert call.name == "get_weather" and call.is_complete   # a brace in a string is text
+
+
+def tllm_forced_partial_calls(text, tools):
+    from tllm.serve.tool_parsers import forced_partial_calls
+    return forced_partial_calls(text, tools)
+
+
+def _tool_call_deltas(client, **fields) -> list:
+    stream = client.chat.completions.create(model="fake", messages=ASK, stream=True, **fields)
+    return [delta for chunk in stream for choice in chunk.choices
+            for delta in choice.delta.tool_calls or ()]
+
+
+@pytest.mark.parametrize("script, fields", [
+    (HERMES_OUTPUT, {}),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]',
+     {"tool_choice": "required"}),
+    ('{"city": "Paris", "days": 2}',
+     {"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+])
+def test_streamed_arguments_come_in_pieces(scripted, script, fields, monkeypatch):
+    import tllm.guided
+    monkeypatch.setattr(tllm.guided, "compile_check", lambda *args: None)  # a fake vocabulary
+    llm, client, _ = scripted
+    llm.script = script
+    first, *rest = _tool_call_deltas(client, tools=[WEATHER, TIME], **fields)
+    assert first.id.startswith("call_") and first.type == "function"
+    assert first.function.name == "get_weather"
+    assert len(rest) > 5    # one a token (a character here)
+    assert all(d.id is None and d.function.name is None and d.index == 0 and d.function.arguments
+               for d in rest)
+    arguments = (first.function.arguments or "") + "".join(d.function.arguments for d in rest)
+    assert json.loads(arguments) == {"city": "Paris", "days": 2}
+    # the openai client's own stream helper assembles the same call
+    with client.chat.completions.stream(model="fake", messages=ASK, tools=[WEATHER, TIME],
+                                        **fields) as stream:
+        kinds = {event.type for event in stream}
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.delta" in kinds
+    (call,) = final.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_a_call_with_string_arguments_streams_whole_at_the_end(scripted):
+    llm, client, _ = scripted
+    llm.script = '<tool_call>{"arguments": {"city": "Oslo"}, "name": "get_weather"}</tool_call>'
+    (delta,) = _tool_call_deltas(client, tools=[WEATHER])
+    assert delta.function.name == "get_weather"
+    assert json.loads(delta.function.arguments) == {"city": "Oslo"}

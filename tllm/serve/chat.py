@@ -7,7 +7,6 @@ import functools
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from jinja2 import TemplateError
@@ -22,9 +21,9 @@ from tllm.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChu
                                  ChatCompletionRequest, ChatCompletionResponse, ChatMessage,
                                  ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall,
                                  DeltaMessage, DeltaToolCall, Usage)
-from tllm.serve.reasoning import ReasoningParser, ReasoningStream, reasoning_parser
-from tllm.serve.tool_parsers import (ANY_OBJECT, ParsedCall, ToolParser, forced_schema,
-                                     is_forced, new_call_id, parse_forced, tool_parser)
+from tllm.serve.choice_stream import ChoiceStream, OutputFormat, StreamUpdate
+from tllm.serve.reasoning import reasoning_parser
+from tllm.serve.tool_parsers import ANY_OBJECT, ToolRequest, forced_schema, tool_parser
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request,
@@ -63,47 +62,23 @@ def _guided_by_chat_fields(body: ChatCompletionRequest) -> dict[str, dict[str, A
     elif response_format is not None and response_format.type == "json_schema":
         asked["response_format"] = {"json": response_format.json_schema.json_schema
                                     or ANY_OBJECT}
-    if is_forced(body):
-        asked["tool_choice"] = {"json": forced_schema(body)}
+    tools = ToolRequest.of_chat(body)
+    if tools.is_forced:
+        asked["tool_choice"] = {"json": forced_schema(tools)}
     return asked
 
 
-@dataclass(frozen=True)
-class _OutputFormat:
-    """How a choice's text becomes a message: reasoning split off, tool calls parsed."""
-
-    reasoning: ReasoningParser | None
-    tools: ToolParser | None        # tool_choice auto with --tool-call-parser
-    forced: ChatCompletionRequest | None    # required or a named function
-
-    def calls(self, content: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content, calls) of the answer after any reasoning."""
-        if self.forced is not None:
-            calls = parse_forced(content, self.forced)
-            return (None, calls) if calls else (content, [])
-        if self.tools is not None:
-            return self.tools.parse(content)
-        return content, []
+def _output_format(ctx: ServingContext, body: ChatCompletionRequest) -> OutputFormat:
+    return OutputFormat.of(reasoning_parser(ctx.config.reasoning_parser),
+                           tool_parser(ctx.config.tool_call_parser), ToolRequest.of_chat(body))
 
 
-def _output_format(ctx: ServingContext, body: ChatCompletionRequest) -> _OutputFormat:
-    auto = bool(body.tools) and body.tool_choice in (None, "auto")
-    return _OutputFormat(reasoning_parser(ctx.config.reasoning_parser),
-                         tool_parser(ctx.config.tool_call_parser) if auto else None,
-                         body if is_forced(body) else None)
-
-
-def _finish_reason(finish_reason: str | None, calls: list[ParsedCall]) -> str | None:
-    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
-
-
-def _message(output: _OutputFormat, text: str,
+def _message(output: OutputFormat, text: str,
              finish_reason: str | None) -> tuple[AssistantMessage, str | None]:
-    reasoning, content = output.reasoning.split(text) if output.reasoning else (None, text)
-    content, calls = output.calls(content)
-    return (AssistantMessage(content=content, reasoning_content=reasoning or None,
+    reasoning, content, calls = output.split(text)
+    return (AssistantMessage(content=content, reasoning_content=reasoning,
                              tool_calls=[call.tool_call() for call in calls]),
-            _finish_reason(finish_reason, calls))
+            "tool_calls" if calls and finish_reason == "stop" else finish_reason)
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -166,7 +141,7 @@ def _logprobs(ctx: ServingContext, body: ChatCompletionRequest, token_ids: list[
 
 
 def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,
-              choices: list[Choice], output: _OutputFormat) -> ChatCompletionResponse:
+              choices: list[Choice], output: OutputFormat) -> ChatCompletionResponse:
     answers = []
     for c in choices:
         message, finish_reason = _message(output, c.text, c.finish_reason)
@@ -180,7 +155,7 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptIn
 
 
 async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,
-                  generation: Generation, output: _OutputFormat) -> AsyncIterator[str]:
+                  generation: Generation, output: OutputFormat) -> AsyncIterator[str]:
     request_id, created, model = _request_id(), int(time.time()), ctx.config.model_name
     usage = ChoiceUsage([len(prompt.token_ids)] * body.n, body.continuous_usage_stats)
 
@@ -191,14 +166,14 @@ async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: Prom
     for index in range(body.n):
         yield event(ChatStreamChoice(index=index,
                                      delta=DeltaMessage(role="assistant", content="")))
-    streams = [_ChoiceStream(output) for _ in range(body.n)]
+    streams = [ChoiceStream(output) for _ in range(body.n)]
     async for delta in generation.deltas():
         usage.add(delta.index, len(delta.token_ids))
         logprobs = (_logprobs(ctx, body, delta.token_ids, delta.logprobs)
                     if delta.token_ids else None)
-        message, finish_reason = streams[delta.index].add(delta.text, delta.finish_reason)
-        yield event(ChatStreamChoice(index=delta.index, delta=message, logprobs=logprobs,
-                                     finish_reason=finish_reason,
+        update = streams[delta.index].add(delta.text, delta.finish_reason)
+        yield event(ChatStreamChoice(index=delta.index, delta=_delta_message(update),
+                                     logprobs=logprobs, finish_reason=update.finish_reason,
                                      stop_reason=delta.stop_reason))
     if body.include_usage:
         total = Usage(prompt_tokens=len(prompt.token_ids), completion_tokens=usage.num_generated)
@@ -206,45 +181,17 @@ async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: Prom
                                       usage=total))
 
 
-class _ChoiceStream:
-    """One streamed choice: reasoning deltas split off; content that may be tool calls held
-    back (all of it for a forced call) and sent as tool-call deltas when the choice ends."""
-
-    def __init__(self, output: _OutputFormat) -> None:
-        self.output = output
-        self.reasoning = ReasoningStream(output.reasoning) if output.reasoning else None
-        self.content = ""
-        self.sent = 0       # characters of content sent
-
-    def add(self, text: str, finish_reason: str | None) -> tuple[DeltaMessage, str | None]:
-        is_final = finish_reason is not None
-        reasoning, content = (self.reasoning.add(text, is_final) if self.reasoning
-                              else ("", text))
-        self.content += content
-        calls = []
-        if is_final and (self.output.forced or self.output.tools):
-            _, calls = self.output.calls(self.content)
-            end = len(self.content) if not calls else self.sent
-        else:
-            end = self._safe_end()
-        new_content, self.sent = self.content[self.sent:end], max(self.sent, end)
-        tool_calls = [DeltaToolCall(index=i, id=new_call_id(), type="function",
-                                    function=DeltaFunctionCall(name=call.name,
-                                                               arguments=call.arguments))
-                      for i, call in enumerate(calls)] or None
-        plain = not (reasoning or tool_calls)
-        delta = DeltaMessage(content=new_content if new_content or plain else None,
-                             reasoning_content=reasoning or None, tool_calls=tool_calls)
-        return delta, _finish_reason(finish_reason, calls)
-
-    def _safe_end(self) -> int:
-        """How much of the content may be sent before the choice ends."""
-        if self.output.forced is not None:
-            return 0
-        if self.output.tools is not None:
-            start = self.output.tools.calls_start(self.content)
-            return len(self.content) if start is None else start
-        return len(self.content)
+def _delta_message(update: StreamUpdate) -> DeltaMessage:
+    """A chunk's delta in OpenAI's shape: a call's first piece has its id and name, later
+    ones pieces of its arguments. The type goes with every piece: a client that merges the
+    pieces (openai's stream helper) would take a null type as the call's type."""
+    tool_calls = [DeltaToolCall(index=call.index, id=call.id, type="function",
+                                function=DeltaFunctionCall(name=call.name,
+                                                           arguments=call.arguments))
+                  for call in update.calls] or None
+    plain = not (update.reasoning or tool_calls)
+    return DeltaMessage(content=update.content if update.content or plain else None,
+                        reasoning_content=update.reasoning or None, tool_calls=tool_calls)
 
 
 def _request_id() -> str:

@@ -141,8 +141,8 @@ def test_bad_adapter_folders_are_refused_and_nothing_breaks(llm, adapters, expec
                                                            tiny_llama, tmp_path):
     _, base = tiny_llama
     cases = {}
-    cases["rank"] = (make_adapter(base, tmp_path / "rank", ["q_proj"], rank=16, alpha=16,
-                                  seed=3) and tmp_path / "rank", "above max_lora_rank")
+    make_adapter(base, tmp_path / "rank", ["q_proj"], rank=16, alpha=16, seed=3)
+    cases["rank"] = (tmp_path / "rank", "above max_lora_rank")
     missing = bad_copy(adapters, tmp_path, "missing")
     (missing / "adapter_model.safetensors").unlink()
     cases["missing"] = (missing, "no adapter_model.safetensors")
@@ -185,3 +185,23 @@ def test_lora_request_arguments_are_checked():
         LoRARequest("x", 0, "/tmp")
     with pytest.raises(ValueError, match="lora_name"):
         LoRARequest("", 1, "/tmp")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and Triton need a GPU")
+@pytest.mark.parametrize("use_graphs", [True, False])
+def test_gpu_mixed_batch_with_and_without_cuda_graphs(tiny_llama, adapters, expected,
+                                                      use_graphs):
+    """The Triton LoRA kernels, in captured decode graphs (slots read from the static buffer
+    at replay) and eagerly, give HF + PeftModel's tokens (float32)."""
+    from tllm import CudaGraphConfig
+    graphs = CudaGraphConfig(batch_sizes=[1, 2, 4, 8]) if use_graphs else None
+    with make_llm(tiny_llama[0], device="cuda", dtype="float32",
+                  cuda_graph_config=graphs) as llm:
+        assert (llm._engine.executor.runner.cuda_graphs is not None) == use_graphs
+        names = [None, "qv", "all"]
+        loras = [adapters[names[i % 3]][0] if names[i % 3] else None for i in range(8)]
+        prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        want = [expected[names[i % 3]][i % len(PROMPTS)] for i in range(8)]
+        assert tokens(outputs) == want
+        assert_all_free(llm)

@@ -161,3 +161,28 @@ def test_tiny_llama_kept_equals_dequantized(tmp_path, qtype):
         runs[quantization] = [o.outputs[0].token_ids for o in outputs], forms
     assert runs[None][1] == {"planes"} and runs["none"][1] <= {"dense"}
     assert runs[None][0] == runs["none"][0]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the GPU form (tests/loader checks the CPU's)")
+def test_smollm2_kept_on_gpu_matches_dequantized():
+    """SmolLM2 (Q4_1 linears, a tied Q8_0 embedding) kept as planes against the file
+    dequantized to bf16: greedy 32 tokens on 4 prompts equal, or where they first part each
+    side's token is in the other's top-5 (the kept GEMV accumulates float32 products of the
+    exact weights, the dense path bf16-rounded weights through cuBLAS: a near tie can flip);
+    the weights take about the file's bytes."""
+    from tests.loader.test_gguf_quantized import PROMPTS, run
+    from tllm.loader import CheckpointError, smollm2_path
+    try:
+        file_bytes = smollm2_path().stat().st_size
+    except CheckpointError as exc:
+        pytest.skip(str(exc))
+    kept, info = run(None)
+    dense, dense_info = run("none")
+    assert info["forms"] == {"planes"} and dense_info["forms"] <= {"dense"}
+    assert info["bytes"] < 1.1 * file_bytes, (info["bytes"], file_bytes)
+    for prompt, a, b in zip(PROMPTS, kept, dense):
+        for i, (ta, tb) in enumerate(zip(a.token_ids, b.token_ids)):
+            if ta != tb:
+                assert ta in b.logprobs[i] and tb in a.logprobs[i], (prompt, i)
+                break

@@ -1,5 +1,5 @@
 """Issue 18's end-to-end batch-1 speed-up as a function of the mean accepted length, on one
-H200 with dummy:llama-3.1-8b bf16.
+H200 with dummy:llama-3.1-8b.
 
 Random weights accept nothing a real drafter proposes, so the drafts here come from a
 BENCHMARK-ONLY replay drafter: it knows the target's own greedy continuation of each prompt
@@ -8,14 +8,27 @@ token with probability `corrupt` (seeded). It is never a user option: it is patc
 the engine by this script alone. Greedy output must equal the run without speculation
 (checked), so the figures are the cost of verification alone, at a known acceptance.
 
-    python benchmarks/gpu_spec_replay.py [--k 4] [--corrupt 0,0.1,0.2,0.3,0.5] [--osl 256]
+Plain random bf16 weights leave near-ties in the logits everywhere, which a verify forward
+(a few rows a GEMM) and a decode step (one row) round differently: the replayed
+continuation then stops matching and acceptance collapses. Two ways keep the replay valid:
+`--dtype float32` (rounding far below the gaps), or `--planted` (bf16; the random weights
+get a planted next-token map: the embedding writes a random code into the first
+PLANT_DIMS hidden dims, which every layer leaves untouched (o_proj and down_proj rows there
+scaled to ~0), and the LM head reads only those dims, so the argmax is the map's, with a
+margin far above any rounding; every GEMM keeps its shape, so the cost is a dense model's).
+
+    python benchmarks/gpu_spec_replay.py [--k 4] [--corrupt 0,0.245,0.4] [--osl 256]
+                                         [--dtype bfloat16 --planted | --dtype float32]
     python benchmarks/gpu_spec_replay.py --smoke     # plumbing on the CPU, tiny model
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
 import os
+import pstats
 import random
 import statistics
 import sys
@@ -26,9 +39,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tllm import LLM, SamplingParams  # noqa: E402
+from tllm.executor.py_executor import PyExecutor  # noqa: E402
 from tllm.llmapi import engine as engine_module  # noqa: E402
 from tllm.llmapi.llm_args import NGramDecodingConfig  # noqa: E402
+from tllm.runner.cuda_graph import CudaGraphRunner  # noqa: E402
 from tllm.speculative.interface import Drafter, Drafts  # noqa: E402
+
+PLANT_DIMS = 256
+DEFAULT_MODEL = "dummy:llama-3.1-8b"
 
 
 class ReplayDrafter(Drafter):
@@ -57,63 +75,165 @@ class ReplayDrafter(Drafter):
         """Nothing is kept per request."""
 
 
-def timed_generate(llm: LLM, prompts, params, repeats: int) -> tuple[float, list]:
+@torch.no_grad()
+def plant_next_token_map(model, seed: int = 0) -> None:
+    """See the module docstring: token t's next token becomes perm[t] (benchmark only)."""
+    if model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr():
+        raise ValueError("--planted needs an untied LM head")
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    vocab, dims = embed.shape[0], min(PLANT_DIMS, embed.shape[1] // 4)
+    g = torch.Generator(device=embed.device).manual_seed(seed)
+    codes = torch.randn(vocab, dims, device=embed.device, generator=g)
+    perm = torch.randperm(vocab, device=embed.device, generator=g)
+    embed[:, :dims] = codes.to(embed.dtype)
+    head[perm, :dims] = codes.to(head.dtype)   # row perm[t] scores t's code highest
+    head[:, dims:] *= 1e-3                      # nonzero bits, ~no say in the argmax
+    for layer in model.layers:                  # the layers (almost) never write there
+        layer.self_attn.o_proj.weight[:dims] *= 1e-4
+        layer.mlp.down_proj.weight[:dims] *= 1e-4
+
+
+def count_graph_replays(counts: dict[str, int]) -> None:
+    run = CudaGraphRunner.run
+
+    def counting_run(self, input_ids, metadata):
+        counts["verify" if metadata.max_query_len > 1 else "decode"] += 1
+        return run(self, input_ids, metadata)
+    CudaGraphRunner.run = counting_run
+
+
+class IterationProfiler:
+    """cProfile of the loop thread's iterations while `active` (host time of each step;
+    cProfile sees only the thread it runs in, so it is switched on inside the loop)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.profiler = cProfile.Profile()
+        iteration = PyExecutor._iteration
+
+        def profiled(executor) -> None:
+            if not self.active:
+                return iteration(executor)
+            self.profiler.enable()
+            try:
+                return iteration(executor)
+            finally:
+                self.profiler.disable()
+        PyExecutor._iteration = profiled
+
+    def run(self, fn) -> str:
+        """The profile of `fn()`, top functions by own time."""
+        self.profiler = cProfile.Profile()
+        self.active = True
+        try:
+            fn()
+        finally:
+            self.active = False
+        text = io.StringIO()
+        pstats.Stats(self.profiler, stream=text).sort_stats("tottime").print_stats(25)
+        return text.getvalue()
+
+
+def build_llm(model: str, kwargs: dict, planted: bool, **extra) -> LLM:
+    llm = LLM(model, **kwargs, **extra)
+    if planted:
+        plant_next_token_map(llm._engine.executor.runner.model)
+    return llm
+
+
+def timed_generate(llm: LLM, prompts, params, repeats: int,
+                   profiler: IterationProfiler | None = None,
+                   profiles: list | None = None) -> tuple[float, list]:
+    """Median seconds of `repeats` runs after a warm-up (kernels compiled, pools settled);
+    with a profiler, one more (untimed) run is profiled into `profiles`."""
+    llm.generate(prompts, params, use_tqdm=False)
     outs, seconds = None, []
     for _ in range(repeats):
         started = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         seconds.append(time.perf_counter() - started)
+    if profiler is not None:
+        profiles.append(profiler.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
     return statistics.median(seconds), [list(o.outputs[0].token_ids) for o in outs]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="dummy:llama-3.1-8b")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--corrupt", default="0,0.1,0.2,0.3,0.5")
+    parser.add_argument("--corrupt", default="0,0.245,0.4")  # 0.245: mean accepted ~3 at k 4
     parser.add_argument("--isl", type=int, default=128)
     parser.add_argument("--osl", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--planted", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="host profile of one run each")
+    parser.add_argument("--tag", default="")
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
-    model = "dummy:smollm2-135m" if args.smoke else args.model
-    osl = 16 if args.smoke else args.osl
-    kwargs = dict(dtype="float32" if args.smoke else args.dtype,
-                  device="cpu" if args.smoke else "cuda", max_batch_size=1,
+    smoke = args.smoke
+    model = "dummy:smollm2-135m" if smoke and args.model == DEFAULT_MODEL else args.model
+    osl = 16 if smoke else args.osl
+    kwargs = dict(dtype="float32" if smoke else args.dtype,
+                  device="cpu" if smoke else "cuda", max_batch_size=1,
                   max_seq_len=args.isl + osl + 64)
-    vocab = 1000
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, vocab, (args.isl,), generator=g).tolist()]
     params = SamplingParams(max_tokens=osl, temperature=0, ignore_eos=True)
-    results = {"model": model, "dtype": kwargs["dtype"], "k": args.k, "isl": args.isl, "osl": osl, "rows": []}
-    with LLM(model, **kwargs) as llm:  # the plain run: its time and its greedy continuation
-        base_s, base_tokens = timed_generate(llm, prompts, params, args.repeats)
+    replays = {"decode": 0, "verify": 0}
+    count_graph_replays(replays)
+    profiles: list[str] = []
+    results = {"model": model, "dtype": kwargs["dtype"], "planted": args.planted, "k": args.k,
+               "isl": args.isl, "osl": osl, "rows": [],
+               "device": torch.cuda.get_device_name() if not smoke else "cpu"}
+    profiler = IterationProfiler() if args.profile else None
+    with build_llm(model, kwargs, args.planted) as llm:  # the plain run and its continuation
+        vocab = min(1000, llm._engine.config.vocab_size)  # prompts' ids, corruptions' too
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, vocab, (args.isl,), generator=g).tolist()]
+        base_s, base_tokens = timed_generate(llm, prompts, params, args.repeats, profiler,
+                                             profiles)
     results["baseline_tok_s"] = osl / base_s
-    print(f"no speculation: {osl / base_s:.1f} tok/s", flush=True)
+    results["baseline_graph_replays"] = dict(replays)
+    print(f"no speculation: {osl / base_s:.1f} tok/s ({base_s * 1e3 / osl:.2f} ms/token, "
+          f"graph replays {replays})", flush=True)
     known = {tuple(p): t for p, t in zip(prompts, base_tokens)}
     build = engine_module.build_drafter
-    for corrupt in [float(c) for c in args.corrupt.split(",")]:
+    levels = [float(c) for c in args.corrupt.split(",")]
+    for corrupt in levels:
         engine_module.build_drafter = lambda a, parts, c=corrupt: ReplayDrafter(
             args.k, known, c, vocab)
+        replays.update(decode=0, verify=0)
         try:
             spec = {"speculative_config": NGramDecodingConfig(max_draft_len=args.k)}
-            with LLM(model, **kwargs, **spec) as llm:
+            with build_llm(model, kwargs, args.planted, **spec) as llm:
                 seconds, tokens = timed_generate(llm, prompts, params, args.repeats)
                 stats = llm.get_stats()
+                if profiler is not None and corrupt == max(levels):
+                    timed_generate(llm, prompts, params, 0, profiler, profiles)
         finally:
             engine_module.build_drafter = build
+        steps = stats.get("spec_verify_steps") or 1
         row = {"corrupt": corrupt, "tok_s": osl / seconds, "speedup": base_s / seconds,
                "identical": tokens == base_tokens,
                "mean_accepted_length": stats.get("spec_mean_accepted_length"),
-               "acceptance_rate": stats.get("spec_acceptance_rate")}
+               "acceptance_rate": stats.get("spec_acceptance_rate"),
+               "ms_per_step": seconds * 1e3 * (1 + args.repeats) / steps,
+               "graph_replays": dict(replays)}
         results["rows"].append(row)
-        print(f"corrupt {corrupt:.2f}: mean accepted length {row['mean_accepted_length']:.2f}, "
-              f"{row['tok_s']:.1f} tok/s = {row['speedup']:.2f}x, identical "
-              f"{row['identical']}", flush=True)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "spec_replay.json").write_text(json.dumps(results, indent=1))
+        print(f"corrupt {corrupt:.3f}: mean accepted length {row['mean_accepted_length']:.2f}, "
+              f"{row['tok_s']:.1f} tok/s = {row['speedup']:.2f}x, {row['ms_per_step']:.2f} ms "
+              f"a step, identical {row['identical']}, graph replays {replays}", flush=True)
+    tag = args.tag or f"{kwargs['dtype']}{'_planted' if args.planted else ''}"
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"spec_replay_{tag}.json").write_text(json.dumps(results, indent=1))
+        if profiles:
+            Path(out, f"spec_profile_{tag}.txt").write_text("\n\n".join(profiles))
+    print(f"\n{tag}: plain {results['baseline_tok_s']:.1f} tok/s")
+    print("| corrupt | mean accepted length | tok/s | speed-up | identical |")
+    for r in results["rows"]:
+        print(f"| {r['corrupt']:.3f} | {r['mean_accepted_length']:.2f} | {r['tok_s']:.1f} | "
+              f"{r['speedup']:.2f}x | {r['identical']} |")
     return 0
 
 

@@ -69,6 +69,20 @@ def test_several_queries_per_sequence(device, dtype, num_splits):
           num_splits=num_splits)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads, num_splits", [(2, 1), (2, 3), (1, 2)])
+def test_up_to_eight_queries_per_sequence(device, dtype, num_kv_heads, num_splits):
+    # verify steps of k = 7 drafts: 8 queries a sequence, GQA groups of 4 and 8 (32 and 64
+    # tile rows); 120 + 8 ends on a tile boundary, 57 + 7 starts the drafts mid-tile
+    check(device, [120, 57, 5, 0], query_lens=[8, 7, 1, 8], num_kv_heads=num_kv_heads,
+          dtype=dtype, num_splits=num_splits)
+
+
+def test_more_than_eight_queries_are_refused(device):
+    with pytest.raises(ValueError, match="at most 8 queries"):
+        check(device, [10], query_lens=[9])
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_sliding_window(device, num_splits):
     # the 4-query request's window starts just below a 64-key tile boundary (190 < 192)

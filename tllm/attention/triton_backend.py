@@ -1,6 +1,9 @@
 """Attention with Triton kernels over the paged cache: the CUDA path. Decode-only steps use the
 GQA-grouped split-K decode kernel; any step with a longer query (prefill, chunked prefill,
-mixed prefill + decode) uses the paged context kernel. An fp8 cache stores k / k_scale and
+mixed prefill + decode) uses the paged context kernel, except that steps whose queries are
+all short (speculative verification: the last token plus up to 7 drafts) stay on the decode
+kernel, whose grid does not depend on the query lengths, so a CUDA graph captured at the
+longest verify query replays any shorter mix. An fp8 cache stores k / k_scale and
 v / v_scale (the layer's per-tensor scales, fixed after loading: plain float kernel arguments,
 so captured CUDA graphs keep them). torch_ref.py is the reference."""
 from __future__ import annotations
@@ -9,7 +12,7 @@ import torch
 
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
 from tllm.kernels.triton.context_attention import paged_context_attention
-from tllm.kernels.triton.decode_attention import paged_decode_attention
+from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES, paged_decode_attention
 from tllm.kernels.triton.kv_cache import rope_and_write_kv, write_kv
 
 _MAX_HEAD_DIM = 256
@@ -58,9 +61,10 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         common = (q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
                   metadata.seq_lens)
-        if metadata.is_decode_only:
+        if metadata.max_query_len <= MAX_DECODE_QUERIES:
             return paged_decode_attention(*common, max_seq_len=metadata.max_seq_len,
-                                          scale=self.scale, sliding_window=self.sliding_window,
+                                          scale=self.scale, max_query_len=metadata.max_query_len,
+                                          sliding_window=self.sliding_window,
                                           out=out, k_scale=scales[0], v_scale=scales[1],
                                           logits_soft_cap=self.logits_soft_cap)
         return paged_context_attention(*common, max_query_len=metadata.max_query_len,

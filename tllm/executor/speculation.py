@@ -125,28 +125,36 @@ class Speculation:
 
     def _verify_drafts(self, batch: VerifiedBatch, members: list[int], logits: torch.Tensor,
                        ranges: list[range]) -> None:
+        """Acceptance on the device; the host reads its outcome once (one copy, one wait)."""
         requests = [batch.requests[j] for j in members]
         width = max(len(r) for r in ranges)  # K + 1
-        # [S, K+1] rows of the flat logits; padding repeats a request's last row (ignored)
-        index = torch.tensor([[r[min(c, len(r) - 1)] for c in range(width)] for r in ranges],
-                             device=logits.device)
-        target = logits[index].float()
-        drafts = torch.tensor([r.draft_token_ids + [0] * (width - 1 - len(r.draft_token_ids))
-                               for r in requests], dtype=torch.long, device=logits.device)
-        num_drafts = torch.tensor([len(r.draft_token_ids) for r in requests],
-                                  device=logits.device)
-        tokens = torch.empty_like(index)
-        accepted = torch.empty_like(num_drafts)
+        device = logits.device
+        # [S, K+1] rows of the flat logits; padding repeats a request's last row (ignored).
+        # Host lists go to the device without blocking: torch.tensor(..., device=cuda)
+        # would wait for the forward before the host has anything else to launch.
+        index = _to_device([[r[min(c, len(r) - 1)] for c in range(width)] for r in ranges],
+                           device)
+        drafts = _to_device([r.draft_token_ids + [0] * (width - 1 - len(r.draft_token_ids))
+                             for r in requests], device)
+        num_drafts = _to_device([len(r.draft_token_ids) for r in requests], device)
+        target = logits[index]  # the model's dtype: argmax needs no float copy
         greedy = [s for s, r in enumerate(requests) if r.sampling_params.is_greedy]
-        sampled = [s for s, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if greedy:
-            g = torch.tensor(greedy, device=logits.device)
-            tokens[g], accepted[g] = accept_greedy(target[g], drafts[g], num_drafts[g])
-        if sampled:
-            s = torch.tensor(sampled, device=logits.device)
+        if len(greedy) == len(requests):
+            tokens, accepted = accept_greedy(target, drafts, num_drafts)
+        else:
+            target = target.float()
+            tokens = torch.empty_like(index)
+            accepted = torch.empty_like(num_drafts)
+            sampled = [s for s, r in enumerate(requests) if not r.sampling_params.is_greedy]
+            if greedy:
+                g = _to_device(greedy, device)
+                tokens[g], accepted[g] = accept_greedy(target[g], drafts[g], num_drafts[g])
+            s = _to_device(sampled, device)
             tokens[s], accepted[s] = self._accept_sampled(
                 target[s], drafts[s], num_drafts[s], [requests[i] for i in sampled])
-        self._fill(batch, members, requests, target, tokens.tolist(), accepted.tolist())
+        outcome = torch.cat([tokens, accepted[:, None]], dim=1).tolist()
+        self._fill(batch, members, requests, target,
+                   [row[:-1] for row in outcome], [row[-1] for row in outcome])
 
     def _accept_sampled(self, target: torch.Tensor, drafts: torch.Tensor,
                         num_drafts: torch.Tensor, requests: list[Request]):
@@ -178,6 +186,10 @@ class Speculation:
                 ids = torch.tensor(tokens[s][:n], device=target.device)
                 out = token_logprobs(target[s, :n], ids, [request] * n)
                 batch.logprobs[j] = list(zip(out.logprobs, out.sampled_logprobs))
+
+
+def _to_device(values: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def _row_ranges(counts: list[int]) -> list[range]:

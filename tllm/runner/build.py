@@ -102,7 +102,8 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
         return None
     limit = min(config.max_batch_size, args.max_batch_size)
     sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s <= limit] or [limit]
-    graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device)
+    graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device,
+                             verify_query_len(args))
     try:
         graphs.capture()
     except RuntimeError as exc:  # e.g. transformers' modeling code syncing with the host
@@ -111,6 +112,17 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
                        "decode runs eagerly", str(exc).splitlines()[0][:200])
         return None
     return graphs
+
+
+def verify_query_len(args: LlmArgs) -> int | None:
+    """The query length verify graphs are captured at (the last token and k drafts), when
+    speculation runs without hidden-state capture and k drafts fit the decode kernel."""
+    from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES  # CUDA only
+    spec = args.speculative_config
+    if spec is None or spec.decoding_type == "Eagle":  # EAGLE-3 reads hidden states: eager
+        return None
+    query_len = 1 + spec.max_draft_len
+    return query_len if query_len <= MAX_DECODE_QUERIES else None
 
 
 def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.device,

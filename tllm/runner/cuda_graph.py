@@ -1,8 +1,16 @@
-"""CUDA graphs for decode steps: the model's forward (and the vocabulary projection) for a
-batch of one token per request is captured once per batch size and replayed from static input
-buffers, which removes the per-kernel launch cost that dominates small decode batches. A batch
-is padded up to the next captured size; padding rows write nothing to the KV cache and their
-outputs are dropped."""
+"""CUDA graphs for decode and verify steps: the model's forward (and the vocabulary
+projection) is captured once per batch size and replayed from static input buffers, which
+removes the per-kernel launch cost that dominates small batches.
+
+Decode graphs take one token per request. Verify graphs (speculative decoding) take up to
+`verify_query_len` = 1 + max_draft_len tokens per request: the tokens of all requests lie
+packed at the front of a buffer of batch_size x verify_query_len rows, and
+`query_start_loc` (a static buffer, rewritten before each replay) says where each request's
+start. The decode attention kernel's grid depends only on the batch size and the static
+maximum sequence length, so one capture serves any mix of query lengths 1..verify_query_len
+(requests with fewer drafts, or none). A batch is padded up to the next captured size;
+padding rows (slot -1) write nothing to the KV cache, padding requests have sequence length 0
+and no queries, and their outputs are dropped."""
 from __future__ import annotations
 
 import bisect
@@ -17,23 +25,34 @@ from tllm.kv_cache.manager import KVCacheManager, cdiv
 logger = logging.getLogger(__name__)
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Speculation pays at small batches; each verify graph keeps logits for batch x (1 + k)
+# rows (1,280 x 128K at 256 x 5), so larger verify batches run eagerly.
+MAX_VERIFY_BATCH_SIZE = 64
 
 
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, batch_sizes: list[int],
-                 max_seq_len: int, device: torch.device) -> None:
+                 max_seq_len: int, device: torch.device,
+                 verify_query_len: int | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_seq_len = max_seq_len
         self.device = device
+        # None or 1: no verify graphs (no drafter, or drafts too long for the decode kernel)
+        self.verify_query_len = verify_query_len if (verify_query_len or 1) > 1 else None
+        self.verify_batch_sizes = ([s for s in self.batch_sizes if s <= MAX_VERIFY_BATCH_SIZE]
+                                   or self.batch_sizes[:1]) if self.verify_query_len else []
         max_bs = self.batch_sizes[-1]
+        max_tokens = max(max_bs, max(self.verify_batch_sizes, default=0)
+                         * (self.verify_query_len or 1))
         width = cdiv(max_seq_len, kv_cache.tokens_per_block)
-        self.input_ids = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.long, device=device)
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.seq_lens = torch.zeros(max_bs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
+        self.verify_query_start_loc = torch.zeros(max_bs + 1, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_bs, width, dtype=torch.int32, device=device)
         # KV cache groups 1.. (sliding-window layers) have slots and tables of their own
         self.group_slot_mappings = [torch.full_like(self.slot_mapping, -1)
@@ -41,72 +60,103 @@ class CudaGraphRunner:
         self.group_block_tables = [torch.zeros_like(self.block_tables)
                                    for _ in range(kv_cache.num_groups - 1)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def _metadata(self, batch_size: int) -> AttentionMetadata:
+    def _metadata(self, batch_size: int, query_len: int) -> AttentionMetadata:
         # max_seq_len is the static upper bound: the decode kernel sizes its split-K launch
-        # from it, and a replay must work for any sequence length.
+        # from it, and a replay must work for any sequence length. max_query_len sizes the
+        # kernel's tile rows: the longest query a replay may bring.
+        num_tokens = batch_size * query_len
+        query_start_loc = (self.query_start_loc if query_len == 1
+                           else self.verify_query_start_loc)
         metadata = AttentionMetadata(
-            positions=self.positions[:batch_size], slot_mapping=self.slot_mapping[:batch_size],
-            query_start_loc=self.query_start_loc[:batch_size + 1],
+            positions=self.positions[:num_tokens], slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=query_start_loc[:batch_size + 1],
             seq_lens=self.seq_lens[:batch_size], block_tables=self.block_tables[:batch_size],
-            max_query_len=1, max_seq_len=self.max_seq_len,
+            max_query_len=query_len, max_seq_len=self.max_seq_len,
             tokens_per_block=self.kv_cache.tokens_per_block,
-            query_lens_cpu=[1] * batch_size, seq_lens_cpu=[1] * batch_size)
+            query_lens_cpu=[query_len] * batch_size, seq_lens_cpu=[query_len] * batch_size)
         if self.group_slot_mappings:
             metadata.add_group_views(self.kv_cache.layer_groups, [
-                (slots[:batch_size], tables[:batch_size])
+                (slots[:num_tokens], tables[:batch_size])
                 for slots, tables in zip(self.group_slot_mappings, self.group_block_tables)])
         return metadata
 
-    def _forward(self, batch_size: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:batch_size], self.kv_cache.kv_caches,
-                            self._metadata(batch_size))
+    def _forward(self, batch_size: int, query_len: int) -> torch.Tensor:
+        num_tokens = batch_size * query_len
+        hidden = self.model(self.input_ids[:num_tokens], self.kv_cache.kv_caches,
+                            self._metadata(batch_size, query_len))
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first, all sharing one memory pool."""
+        """Capture every batch size, largest first, all sharing one memory pool: decode
+        graphs, then verify graphs when a verify query length was given."""
         pool = torch.cuda.graph_pool_handle()
-        self.seq_lens.fill_(1)
-        for batch_size in reversed(self.batch_sizes):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm-up: compile kernels, settle the allocator
-                    self._forward(batch_size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(batch_size)
-            self.graphs[batch_size] = (graph, logits)
+        shapes = [(1, self.batch_sizes, self.graphs)]
+        if self.verify_query_len is not None:
+            shapes.append((self.verify_query_len, self.verify_batch_sizes, self.verify_graphs))
+        for query_len, sizes, graphs in shapes:
+            # every request a full query at capture; replays rewrite these
+            self.seq_lens.fill_(query_len)
+            self.verify_query_start_loc.copy_(torch.arange(
+                0, query_len * len(self.verify_query_start_loc), query_len,
+                dtype=torch.int32, device=self.device))
+            for batch_size in reversed(sizes):
+                graphs[batch_size] = self._capture_one(batch_size, query_len, pool)
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+        logger.info("captured CUDA graphs for decode batch sizes %s%s", self.batch_sizes,
+                    f" and verify batch sizes {self.verify_batch_sizes} "
+                    f"({self.verify_query_len} tokens a request)" if self.verify_query_len
+                    else "")
 
-    def can_run(self, num_tokens: int, is_decode_only: bool) -> bool:
-        return is_decode_only and num_tokens <= self.max_batch_size
+    def _capture_one(self, batch_size: int, query_len: int, pool):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: compile kernels, settle the allocator
+                self._forward(batch_size, query_len)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            logits = self._forward(batch_size, query_len)
+        return graph, logits
+
+    def can_run(self, num_tokens: int, num_seqs: int, max_query_len: int) -> bool:
+        """Whether a captured graph fits this step (every row's logits are computed)."""
+        if max_query_len == 1:
+            return num_seqs <= self.max_batch_size
+        return (self.verify_query_len is not None and max_query_len <= self.verify_query_len
+                and num_seqs <= self.verify_batch_sizes[-1])
 
     def run(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Logits [num_tokens, vocab] of a decode step, by graph replay."""
-        n = input_ids.shape[0]
-        padded = self.batch_sizes[bisect.bisect_left(self.batch_sizes, n)]
+        """Logits [num_tokens, vocab] of a decode or verify step, by graph replay."""
+        n, num_seqs = input_ids.shape[0], metadata.num_seqs
+        is_decode = metadata.max_query_len == 1
+        sizes = self.batch_sizes if is_decode else self.verify_batch_sizes
+        padded = sizes[bisect.bisect_left(sizes, num_seqs)]
+        rows = padded if is_decode else padded * self.verify_query_len
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(metadata.positions)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
-        self.slot_mapping[n:padded].fill_(-1)
-        self.seq_lens[:n].copy_(metadata.seq_lens)
-        self.seq_lens[n:padded].fill_(0)
+        self.slot_mapping[n:rows].fill_(-1)
+        self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
+        self.seq_lens[num_seqs:padded].fill_(0)
+        if not is_decode:  # padding requests own no rows
+            self.verify_query_start_loc[:num_seqs + 1].copy_(metadata.query_start_loc)
+            self.verify_query_start_loc[num_seqs + 1:padded + 1].fill_(n)
         width = metadata.block_tables.shape[1]
-        self.block_tables[:n, :width].copy_(metadata.block_tables)
+        self.block_tables[:num_seqs, :width].copy_(metadata.block_tables)
         for slots, tables, view in zip(self.group_slot_mappings, self.group_block_tables,
                                        metadata.group_views):
             slots[:n].copy_(view.slot_mapping)
-            slots[n:padded].fill_(-1)
-            tables[:n, :width].copy_(view.block_tables)
-        graph, logits = self.graphs[padded]
+            slots[n:rows].fill_(-1)
+            tables[:num_seqs, :width].copy_(view.block_tables)
+        graph, logits = (self.graphs if is_decode else self.verify_graphs)[padded]
         graph.replay()
         return logits[:n]

@@ -126,7 +126,8 @@ class ModelRunner:
         graphs = self.cuda_graphs
         # A graph replay computes logits for every row: use it when every row samples.
         plan.use_graph = (graphs is not None and not self.capture_layers
-                          and graphs.can_run(plan.num_tokens, plan.is_decode_only)
+                          and graphs.can_run(plan.num_tokens, len(plan.query_lens),
+                                             max(plan.query_lens))
                           and len(inputs.sample_rows) == plan.num_tokens
                           and not inputs.prompt_rows)
         plan.ids_from_driver = bool(inputs.placeholder_rows) and self.parallel is not None
@@ -139,7 +140,9 @@ class ModelRunner:
         if in_flight is None:
             raise RuntimeError("placeholder tokens without a step in flight")
         row_of = {id(r): i for i, r in enumerate(in_flight.requests)}
-        src = torch.tensor([row_of[id(r)] for r in inputs.placeholder_requests],
-                           device=self.device)
-        dst = torch.tensor(inputs.placeholder_rows, device=self.device)
-        input_ids[dst] = in_flight.token_ids[src]
+        # torch.tensor(..., device=cuda) would wait for the GPU (a blocking copy), which
+        # made the overlapped loop wait for the step in flight before launching the next
+        src = torch.tensor([row_of[id(r)] for r in inputs.placeholder_requests])
+        dst = torch.tensor(inputs.placeholder_rows)
+        input_ids[dst.to(self.device, non_blocking=True)] = in_flight.token_ids[
+            src.to(self.device, non_blocking=True)]

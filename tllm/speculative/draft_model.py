@@ -136,6 +136,7 @@ class DraftSequence:
     fed: list[int] = field(default_factory=list)
     admitted: bool = False         # the draft KV cache holds a block table for it
     draft_token_ids: tuple = ()    # the KV manager's window bookkeeping: no drafts here
+    kv_import: None = None         # nor KV imported from a prefill server
     error: Exception | None = None
 
     @property

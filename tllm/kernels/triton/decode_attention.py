@@ -1,5 +1,6 @@
-"""Paged decode attention: a few query tokens per request (1 for decode, up to 4 for
-speculative verification) against a long paged context.
+"""Paged decode attention: a few query tokens per request (1 for decode, up to 8 for
+speculative verification: the last token and its drafts, causal among themselves) against a
+long paged context.
 
 Two ideas carry the speed. XQA: one program serves all query heads that share a KV head, so
 each KV tile is read from memory once; its query tile is [group x queries, head_dim], padded
@@ -25,7 +26,7 @@ from tllm.kernels.triton.launch import (cdiv, dot_block_d, dot_precision, needs_
 
 __all__ = ["paged_decode_attention", "paged_attention_ref", "choose_num_splits"]
 
-MAX_DECODE_QUERIES = 4
+MAX_DECODE_QUERIES = 8  # rows of a tile: GQA group x queries (32 at Llama's group of 4)
 _MIN_PARTITION = 256      # tokens; shorter partitions cost more in merging than they save
 _MAX_SPLITS = 64
 _WAVES = 4                # programs per SM to aim for: enough loads in flight for HBM

@@ -395,3 +395,13 @@ def test_gptq_block_list_leaves_other_layers_unquantized():
     assert isinstance(config.linear_method("layers.0.mlp.down_proj"), WoqLinearMethod)
     assert isinstance(config.linear_method("layers.0.self_attn.qkv_proj",
                                            MERGED["qkv_proj"]), WoqLinearMethod)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("variant", ["awq_g32", "gptq4_asym_v2_actorder", "gptq8_channel"])
+def test_cuda_kernels_greedy_equals_cpu_reference(variant, checkpoints, source):
+    """The Triton paths (GEMV at decode, dequantize + matmul in prefill; CUDA graphs) in
+    float32 against the CPU's dequantize-then-matmul run."""
+    path = checkpoints[variant]
+    batch = prompts(source[1].config.vocab_size)
+    assert tllm_greedy(path, batch, device="cuda", dtype="float32") == tllm_greedy(path, batch)

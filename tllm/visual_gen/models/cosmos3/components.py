@@ -77,8 +77,9 @@ def dummy_components(name: str, dtype: torch.dtype, device: torch.device, seed: 
         raise ValueError(f"unknown Cosmos 3 dummy {name!r}")
     config = Cosmos3Config()
     tokenizer = chat_tokenizer(_DUMMY_CORPUS, vocab_size=2000)
-    with torch.device(device):
-        transformer = Cosmos3Transformer(config).to(dtype)
+    with torch.device("meta"):      # allocated once, in dtype, on the device
+        transformer = Cosmos3Transformer(config)
+    transformer = transformer.to(dtype).to_empty(device=device)
     init_dummy_weights(transformer, seed)
     if pick_impl(transformer_impl) == "diffusers":
         from tllm.visual_gen.models.cosmos3.diffusers_transformer import DiffusersCosmos3

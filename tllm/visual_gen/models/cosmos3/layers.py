@@ -145,9 +145,14 @@ def _rms_rope(x, weight, cos, sin, eps):
 
 def _sdpa(q, k, v, causal: bool) -> torch.Tensor:
     """[S, H, D] queries over [S', Hk, D] keys -> [S, H * D]."""
+    if q.is_cuda and k.shape[1] != q.shape[1]:
+        # whole heads for the fused kernels (cuDNN's and flash's GQA support varies by
+        # version; the math fallback would not fit a video's attention matrix)
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     with _sdpa_backends(q.device):
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                             enable_gqa=k.shape[1] != q.shape[1])
     return out[0].transpose(0, 1).flatten(1)
 
 
@@ -157,4 +162,4 @@ def _sdpa_backends(device: torch.device):
     if device.type != "cuda":
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+                        SDPBackend.EFFICIENT_ATTENTION], set_priority=True)

@@ -179,14 +179,23 @@ def test_bad_combinations_name_the_argument(kwargs, name):
         SamplingParams(**kwargs)
 
 
-def test_engine_limits_and_streaming_are_refused(tiny_llama):
+def test_engine_limits_are_refused_and_a_stream_yields_the_end(tiny_llama):
+    import asyncio
+
     path, _ = tiny_llama
     prompt = {"prompt_token_ids": [5, 6, 7]}
+
+    async def stream(llm):
+        result = llm.generate_async(prompt, SamplingParams(n=2, best_of=3, max_tokens=4),
+                                    streaming=True)
+        return [output async for output in result]
+
     with LLM(str(path), dtype="float32", max_batch_size=4) as llm:
         with pytest.raises(ValueError, match="max_batch_size"):
             llm.generate(prompt, SamplingParams(use_beam_search=True, best_of=8, temperature=0))
-        with pytest.raises(ValueError, match="cannot stream"):
-            llm.generate_async(prompt, SamplingParams(n=1, best_of=2), streaming=True)
+        snapshots = asyncio.run(stream(llm))
+        assert len(snapshots) == 2  # one per returned sample's final delta, at the end
+        assert snapshots[-1].finished and all(o.finished for o in snapshots[-1].outputs)
         out = llm.generate(prompt, SamplingParams(beam_width=4, temperature=0, max_tokens=3),
                            use_tqdm=False)
         assert len(out.outputs) == 1 and len(out.outputs[0].token_ids) <= 3

@@ -89,7 +89,7 @@ CASES = [
     Case("seed beyond 64 bits", {"seed": 2**70}, param="seed"),
     Case("logit_bias with a bad key", {"logit_bias": {"abc": 1}}, param="logit_bias"),
     Case("logit_bias out of range", {"logit_bias": {"5": 1000}}, param="logit_bias"),
-    Case("best_of above n", {"best_of": 3}, param="best_of"),
+    Case("best_of below n", {"best_of": 1, "n": 2}, param="best_of"),
     Case("suffix", {"suffix": "end"}, param="suffix"),
     # wrong types, unknown fields, bad JSON
     Case("string temperature", {"temperature": "hot"}, param="temperature"),

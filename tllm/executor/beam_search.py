@@ -24,10 +24,10 @@ def check_beam_support(request: Request, *, has_drafter: bool, samples_at_launch
     if request.beam_group is None:
         return
     if has_drafter:
-        raise ValueError("sampling_params.use_beam_search is not supported with speculative "
+        raise ValueError("SamplingParams.use_beam_search is not supported with speculative "
                          "decoding")
     if not samples_at_launch:
-        raise ValueError("sampling_params.use_beam_search is not supported under pipeline "
+        raise ValueError("SamplingParams.use_beam_search is not supported under pipeline "
                          "parallelism")
 
 

@@ -12,7 +12,7 @@ from tllm.request import Request
 from tllm.llmapi.engine import build_engine
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.llmapi.result import GenerationResult
-from tllm.llmapi.sequence_groups import bind_outputs, check_streaming, make_beam_group
+from tllm.llmapi.sequence_groups import bind_outputs, make_beam_group
 from tllm.loader import DEFAULT_MODEL
 from tllm.lora.request import LoRARequest
 from tllm.outputs import CompletionDelta, RequestOutput
@@ -174,7 +174,6 @@ class LLM:
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        check_streaming(params, streaming)
         request_id = str(next(self._ids))
         text, token_ids, requests = self._new_requests(prompt, params, request_id,
                                                        lora_request)

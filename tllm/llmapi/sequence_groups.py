@@ -1,8 +1,8 @@
 """Prompts whose returned samples are chosen among more sequences: best_of sampling (the n
 of best_of samples with the highest cumulative logprob) and beam search (the n best
 hypotheses of a beam group). Their deltas are held back until every sequence has ended,
-then each returned sample gets one final delta, as sample 0..n-1, best first; neither
-streams."""
+then each returned sample gets one final delta, as sample 0..n-1, best first (a streamed
+result yields only that; the server refuses to stream them, as vLLM does)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -17,12 +17,6 @@ from tllm.tokenizer import IncrementalDetokenizer, Tokenizer
 OnDelta = Callable[[CompletionDelta], None]
 
 
-def check_streaming(params: SamplingParams, streaming: bool) -> None:
-    if streaming and params.ranks_by_logprob:
-        raise ValueError("sampling_params: best_of > n and use_beam_search choose their "
-                         "outputs once every sequence has ended; they cannot stream")
-
-
 def make_beam_group(requests: list[Request], params: SamplingParams, *, max_blocks: int,
                     num_blocks: int, max_batch_size: int, max_num_tokens: int) -> None:
     """Make the requests (one per beam) a beam group; ValueError if the engine could never
@@ -30,7 +24,7 @@ def make_beam_group(requests: list[Request], params: SamplingParams, *, max_bloc
     width = params.beam_width
     for limit, name in ((max_batch_size, "max_batch_size"), (max_num_tokens, "max_num_tokens")):
         if width > limit:
-            raise ValueError(f"sampling_params.best_of: a beam width of {width} exceeds the "
+            raise ValueError(f"SamplingParams.best_of: a beam width of {width} exceeds the "
                              f"engine's {name} ({limit})")
     if width * max_blocks > num_blocks:
         raise ValueError(f"inputs: {width} beams of this prompt need up to "

@@ -38,9 +38,6 @@ def _check_options(body: CompletionRequest) -> None:
     if body.suffix is not None:
         raise bad_request("suffix is not supported", param="suffix",
                           code="unsupported_parameter")
-    if body.best_of is not None and body.best_of != body.n:
-        raise bad_request("best_of must equal n (best-of selection is not supported)",
-                          param="best_of", code="unsupported_parameter")
     if body.max_tokens == 0 and (not body.echo or body.stream):
         raise bad_request("max_tokens must be >= 1 (0 is allowed only with echo and without "
                           "stream, to score the prompt)", param="max_tokens")

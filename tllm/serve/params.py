@@ -125,6 +125,21 @@ def guided_decoding(guided: tuple[str, dict] | None, tokenizer):
     return params
 
 
+def beam_search_fields(body) -> dict[str, Any]:
+    """vLLM's best_of / use_beam_search / length_penalty / early_stopping as SamplingParams
+    keywords (bodies without them: none); 400 if they are asked to stream."""
+    fields = {name: getattr(body, name) for name in
+              ("best_of", "use_beam_search", "length_penalty", "early_stopping")
+              if hasattr(body, name)}
+    n = getattr(body, "n", 1)
+    ranks = fields.get("use_beam_search") or (fields.get("best_of") or n) > n
+    if ranks and getattr(body, "stream", False):
+        param = "use_beam_search" if fields.get("use_beam_search") else "best_of"
+        raise bad_request(f"{param}: the n best sequences are known only once all have "
+                          "ended, so the response cannot stream", param=param)
+    return fields
+
+
 def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | None = None,
                     prompt_logprobs: int | None = None,
                     guided_decoding=None) -> SamplingParams:
@@ -132,7 +147,10 @@ def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | Non
     `guided_decoding`: GuidedDecodingParams (from guided_decoding()) or None."""
     guided = {} if guided_decoding is None else {"guided_decoding": guided_decoding}
     logit_bias = check_logit_bias(body.logit_bias)
-    temperature = 1.0 if body.temperature is None else body.temperature
+    beams = beam_search_fields(body)
+    # beam search is deterministic: an absent temperature is 0 there
+    default_temperature = 0.0 if beams.get("use_beam_search") else 1.0
+    temperature = default_temperature if body.temperature is None else body.temperature
     if 0 <= temperature < GREEDY_TEMPERATURE:
         temperature = 0.0
     try:
@@ -148,6 +166,6 @@ def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | Non
                                 else body.repetition_penalty),
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
-            skip_special_tokens=body.skip_special_tokens, **guided)
+            skip_special_tokens=body.skip_special_tokens, **guided, **beams)
     except ValueError as exc:
         raise from_value_error(exc) from exc

@@ -72,6 +72,12 @@ class _SamplingRequest(_Body):
         None, max_length=MAX_STOP_TOKEN_IDS, description="token ids within the vocabulary")
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's best-of and beam search fields (neither streams)
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N, description="sequences generated, "
+                                   "the n best returned; with use_beam_search the beam width")
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
     # Disaggregated serving (set by `tllm serve disaggregated`'s front for its workers):
     # {"request_type": "context_only" | "generation_only", "ctx_request_id", "opaque_state"}
     disaggregated_params: Optional[dict[str, Any]] = None
@@ -108,7 +114,6 @@ class CompletionRequest(_SamplingRequest):
         description=f"absent or null: {COMPLETIONS_DEFAULT_MAX_TOKENS}, as OpenAI's")
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
-    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     suffix: Optional[str] = None
 
     @field_validator("prompt")

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 
 class BeamGroupScheduling:
-    """Mixed into Scheduler (which has running, waiting, _beam_holds, kv_cache, _make_room)."""
+    """Mixed into Scheduler (running, waiting, _beam_holds, kv_cache, _make_room, gates)."""
 
     def _schedule_beam_group(self, batch: ScheduledBatch, i: int,
                              budget: int) -> tuple[int, int, bool]:
@@ -50,16 +50,21 @@ class BeamGroupScheduling:
                 or len(batch) + len(group.live_requests) > self._step_limit
                 or not all(m in self.waiting for m in members)):
             return None
+        gated: list[Request] = []  # other resources (LoRA slots), every beam or none
+        for member in members:
+            if not self._acquire_gates(member):
+                return self._undo_admissions(gated, [])
+            gated.append(member)
         admitted: list[Request] = []
         for member in members:
             admission = self.kv_cache.try_admit(member)
             if admission is None:
-                return self._undo_admissions(admitted)
+                return self._undo_admissions(gated, admitted)
             member.num_computed_tokens = admission.num_computed_tokens
             admitted.append(member)
         plan = _plan_group(group.live_requests, budget)
         if not plan or not all(self.kv_cache.try_grow(r, n) for r, n in plan):
-            return self._undo_admissions(admitted)
+            return self._undo_admissions(gated, admitted)
         now = time.monotonic()
         for member in members:
             self.waiting.remove(member)
@@ -71,7 +76,9 @@ class BeamGroupScheduling:
             batch.add(request, num_new)
         return sum(n for _, n in plan)
 
-    def _undo_admissions(self, admitted: list[Request]) -> None:
+    def _undo_admissions(self, gated: list[Request], admitted: list[Request]) -> None:
+        for request in gated:
+            self._release_gates(request)
         for request in admitted:
             self.kv_cache.free(request)
             request.num_computed_tokens = 0  # swapped-in contents are gone: recompute

@@ -154,7 +154,8 @@ def timed_generate(llm: LLM, prompts, params, repeats: int,
         seconds.append(time.perf_counter() - started)
     if profiler is not None:
         profiles.append(profiler.run(lambda: llm.generate(prompts, params, use_tqdm=False)))
-    return statistics.median(seconds), [list(o.outputs[0].token_ids) for o in outs]
+    return (statistics.median(seconds) if seconds else None,
+            [list(o.outputs[0].token_ids) for o in outs or []])
 
 
 def main() -> int:

@@ -3,12 +3,14 @@ plus one (a query of k + 1 tokens per request over a 512-token cached context) a
 plain decode step (a query of 1), at batch 1 and 32, on dummy:llama-3.1-8b bf16.
 
 Each shape is the engine's own model forward plus the LM head over every query token,
-captured in a CUDA graph (as decode steps are in the engine) and replayed: median of
-repeats, CUDA events. Attention goes through the Triton backend: the decode kernel for a
-query of 1, the paged context kernel for longer queries (what a verify step runs today).
-Goal (issue 18): k = 4 costs at most 1.15x a decode step at batch 1.
+captured in a CUDA graph (as decode and verify steps are in the engine) and replayed:
+median of repeats, CUDA events. Attention goes through the Triton backend: the decode kernel
+(which takes up to 8 queries a sequence, so verify steps up to k = 7 run it too); with
+--compare-context, verify shapes are timed again on the paged context kernel (what verify
+steps ran before). Goal (issue 18): k = 4 costs at most 1.15x a decode step at batch 1.
 
-    python benchmarks/gpu_spec_verify.py [--batches 1,32] [--max-k 7] [--context 512]
+    python benchmarks/gpu_spec_verify.py [--batches 1,32] [--ks 0,1,2,3,4,5,6,7]
+                                         [--context 512] [--compare-context]
     python benchmarks/gpu_spec_verify.py --smoke     # plumbing on the CPU, tiny model, eager
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tllm import LLM  # noqa: E402
+from tllm.attention import triton_backend  # noqa: E402
 from tllm.attention.interface import AttentionMetadata  # noqa: E402
 
 
@@ -89,7 +92,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--batches", default="1,32")
-    parser.add_argument("--max-k", type=int, default=7)
+    parser.add_argument("--ks", default="0,1,2,3,4,5,6,7")
+    parser.add_argument("--compare-context", action="store_true")
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--smoke", action="store_true")
@@ -111,20 +115,27 @@ def main() -> int:
         for k, v in kv_caches:  # finite values in every slot a step reads
             k.normal_(0, 0.1)
             v.normal_(0, 0.1)
+        ks = [int(k) for k in args.ks.split(",")]
+        kernels = ["decode", "context"] if args.compare_context else ["decode"]
         with torch.inference_mode():
             for batch in batches:
                 base = None
-                for k in range(0, args.max_k + 1):
-                    ids, metadata = verify_metadata(batch, k + 1, context, block, device)
-                    seconds = time_step(model, kv_caches, ids, metadata, not smoke,
-                                        3 if smoke else args.repeats)
-                    base = base or seconds
-                    row = {"batch": batch, "k": k, "query": k + 1, "ms": seconds * 1e3,
-                           "vs_decode": seconds / base}
-                    results["rows"].append(row)
-                    print(f"batch {batch:3d}  k {k}  ({k + 1} tokens a request): "
-                          f"{row['ms']:8.3f} ms  {row['vs_decode']:.3f}x a decode step",
-                          flush=True)
+                for k in ks:
+                    for kernel in kernels if k else kernels[:1]:
+                        # the backend sends queries of up to this many tokens to the
+                        # decode kernel; 1 sends every verify shape to the context kernel
+                        triton_backend.MAX_DECODE_QUERIES = 8 if kernel == "decode" else 1
+                        ids, metadata = verify_metadata(batch, k + 1, context, block, device)
+                        seconds = time_step(model, kv_caches, ids, metadata, not smoke,
+                                            3 if smoke else args.repeats)
+                        base = base or seconds
+                        row = {"batch": batch, "k": k, "query": k + 1, "kernel": kernel,
+                               "ms": seconds * 1e3, "vs_decode": seconds / base}
+                        results["rows"].append(row)
+                        print(f"batch {batch:3d}  k {k}  ({k + 1} tokens a request, {kernel:7s}"
+                              f" kernel): {row['ms']:8.3f} ms  {row['vs_decode']:.3f}x a "
+                              "decode step", flush=True)
+        triton_backend.MAX_DECODE_QUERIES = 8
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "spec_verify.json").write_text(json.dumps(results, indent=1))
     return 0

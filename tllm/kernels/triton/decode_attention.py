@@ -143,10 +143,13 @@ class DecodeConfig:
     num_stages: int
 
 
-def decode_config(head_dim: int) -> DecodeConfig:
+def decode_config(head_dim: int, element_size: int = 2) -> DecodeConfig:
     """64-token tiles keep K and V for three pipeline stages in ~100 KB of shared memory at
-    head dim 128, two programs an SM: enough bytes in flight to saturate HBM."""
-    return DecodeConfig(64, 4, 3) if next_pow2(head_dim) <= 128 else DecodeConfig(32, 4, 2)
+    head dim 128, two programs an SM: enough bytes in flight to saturate HBM. 4-byte (fp32)
+    tiles take twice that: two stages (~130 KB) stay well inside the H200's 227 KB."""
+    if next_pow2(head_dim) > 128:
+        return DecodeConfig(32, 4, 2)
+    return DecodeConfig(64, 4, 2 if element_size >= 4 else 3)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int,
@@ -183,7 +186,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     check_paged_layout(q, k_cache, v_cache, out)
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
-    cfg = config or decode_config(head_dim)
+    cfg = config or decode_config(head_dim, q.element_size())
     partition = cdiv(cdiv(max_seq_len, num_splits), cfg.block_n) * cfg.block_n
     num_splits = cdiv(max_seq_len, partition)
     group = num_heads // num_kv_heads

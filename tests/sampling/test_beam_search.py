@@ -89,6 +89,18 @@ def test_beam_search_equals_hf_in_one_mixed_batch(tiny_llama):
     assert finished_early and any(o.stop_reason in STOPS for o in finished_early)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_beam_search_on_the_gpu_equals_hf(tiny_llama):
+    """Triton attention, CUDA graphs, candidates copied to pinned memory, overlap."""
+    path, model = tiny_llama
+    jobs = all_jobs(model.config.vocab_size)[:6]
+    kv = KvCacheConfig(tokens_per_block=16, max_tokens=4096)
+    with LLM(str(path), dtype="float32", device="cuda", max_num_tokens=64,
+             kv_cache_config=kv) as llm:
+        outputs, _ = run_jobs(llm, jobs)
+    assert_equals_hf(model, jobs, outputs)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_groups_preempted_as_a_whole_keep_their_answers(tiny_llama, mode):
     path, model = tiny_llama

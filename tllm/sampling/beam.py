@@ -41,7 +41,7 @@ class BeamChoice:
     cumulative_logprob: float
 
 
-@dataclass
+@dataclass(eq=False)
 class BeamGroup:
     """The B beams (Requests) of one prompt and the search's state. `requests` are slots:
     after each step slot j holds the j-th best live beam."""
@@ -102,6 +102,9 @@ class BeamGroup:
             parent, token = divmod(index, vocab_size)
             candidates.append((value, parent, token, at_limit or token in stops, rank))
         self._add_finished(candidates, gen_len, stops)
+        if len(candidates) < self.beam_width:  # only where vocab < 2 x beam width
+            raise ValueError(f"a beam width of {self.beam_width} needs at least that many "
+                             f"candidates; the vocabulary ({vocab_size}) has too few tokens")
         running = sorted(candidates, key=lambda c: -(c[0] + _NO_SCORE * c[3]))
         running = running[:self.beam_width]
         self.scores = [c[0] + _NO_SCORE * c[3] for c in running]

@@ -36,6 +36,7 @@ KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 GROUP = 32          # values a group: a 32-block, or a K-quant's sub-block (Q6_K: two scales)
 SUPER = 256         # values a K-quant super-block
 _ALIGN = 256        # bytes: every plane starts on its own aligned offset in the buffer
+_CHUNK_VALUES = 2 ** 24  # values repacked at a time (the LM head of a 128K vocabulary: 2^29)
 
 # (bytes per block, values per block) as gguf.GGML_QUANT_SIZES has them
 BLOCK_BYTES = {"Q4_0": (18, 32), "Q4_1": (20, 32), "Q5_0": (22, 32), "Q5_1": (24, 32),
@@ -111,12 +112,15 @@ def pack_planes(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
         raise ValueError(f"GGUF {qtype} blocks must be [rows, blocks, "
                          f"{BLOCK_BYTES[qtype][0]}], got {tuple(blocks.shape)}")
     n, k = blocks.shape[0], blocks.shape[1] * BLOCK_BYTES[qtype][1]
-    planes = _unpacked_planes(blocks.contiguous(), qtype)
-    specs, size = _offsets(qtype, n, k)
+    _, size = _offsets(qtype, n, k)
     buffer = torch.zeros(size, dtype=torch.uint8, device=blocks.device)
-    for name, dtype, elems, offset in specs:
-        plane = planes[name].reshape(n, elems).to(dtype).contiguous()
-        buffer[offset:offset + plane.numel() * dtype.itemsize] = plane.view(-1).view(torch.uint8)
+    view = planes_view(buffer, qtype, n, k)
+    chunk = max(1, _CHUNK_VALUES // k)   # rows a step: the unpacked values stay ~64 MB
+    for start in range(0, n, chunk):
+        part = _unpacked_planes(blocks[start:start + chunk].contiguous(), qtype)
+        for name, plane in part.items():
+            target = getattr(view, name)
+            target[start:start + chunk] = plane.reshape(-1, target.shape[1]).to(target.dtype)
     return buffer
 
 
@@ -182,9 +186,9 @@ def _k_quant_values(b: torch.Tensor, qtype: str) -> dict[str, torch.Tensor]:
     sc, mins = k_scale_min(b[..., 4:16])
     qs = b[..., 16:144] if qtype == "Q4_K" else b[..., 48:176]
     qs = qs.reshape(rows, nblocks, 4, 1, 32)       # 4 chunks of 64 values: lo, then hi nibbles
-    q = torch.cat((qs & 15, qs >> 4), dim=3).reshape(rows, nblocks, 8, 32).long()
+    q = torch.cat((qs & 15, qs >> 4), dim=3).reshape(rows, nblocks, 8, 32).int()
     if qtype == "Q5_K":                            # bit i of byte l: value l of sub-block i
-        qh = b[..., 16:48].long().reshape(rows, nblocks, 1, 32)
+        qh = b[..., 16:48].int().reshape(rows, nblocks, 1, 32)
         q = q | (((qh >> torch.arange(8, device=b.device)[:, None]) & 1) << 4)
     return {"q": q.short(), "d": _f16(b, 0), "dmin": _f16(b, 2), "sc": sc, "m": mins}
 
@@ -194,8 +198,8 @@ def _q6_k_values(b: torch.Tensor) -> dict[str, torch.Tensor]:
     2(2s + t) of qh byte 32h + l (gguf's Q6_K.dequantize_blocks)."""
     rows, nblocks = b.shape[:2]
     ql = b[..., :128].reshape(rows, nblocks, 2, 1, 2, 32)
-    low = torch.cat((ql & 15, ql >> 4), dim=3).long()                    # [.., h, s, t, l]
-    qh = b[..., 128:192].long().reshape(rows, nblocks, 2, 1, 32)
+    low = torch.cat((ql & 15, ql >> 4), dim=3).int()                     # [.., h, s, t, l]
+    qh = b[..., 128:192].int().reshape(rows, nblocks, 2, 1, 32)
     shifts = 2 * torch.arange(4, device=b.device)[:, None]
     high = ((qh >> shifts) & 3).reshape(rows, nblocks, 2, 2, 2, 32)      # p = 2s + t
     q = (low | (high << 4)).reshape(rows, nblocks, 256)
@@ -210,7 +214,7 @@ def _to_int32(word: torch.Tensor) -> torch.Tensor:
 def _unpacked_planes(blocks: torch.Tensor, qtype: str) -> dict[str, torch.Tensor]:
     values = block_values(blocks, qtype)
     rows = blocks.shape[0]
-    q = values.pop("q").long()
+    q = values.pop("q").int()
     groups = q.reshape(rows, -1, 2, 16)                   # each 32: values 0-15, 16-31
     planes = dict(values)
     if qtype == "Q8_0":

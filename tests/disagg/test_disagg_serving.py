@@ -16,6 +16,8 @@ from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_
 from tllm.serve.testing import ServerThread
 
 GREEDY = {"temperature": 0, "ignore_eos": True}
+# two server processes (and their engine processes) to start: about 45 s on two cores
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

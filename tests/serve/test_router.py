@@ -67,6 +67,7 @@ def _run_router(replicas, policy: str, bodies: list[dict]) -> dict:
     return stats
 
 
+@pytest.mark.slow  # two replica processes
 def test_repeated_prefix_goes_to_one_replica(replicas):
     system = "the quick brown fox jumps over the lazy dog. " * 3
     bodies = [{"prompt": system + f"q{i}", "max_tokens": 2} for i in range(6)]
@@ -78,6 +79,7 @@ def test_repeated_prefix_goes_to_one_replica(replicas):
     assert stats["requests"] == 1
 
 
+@pytest.mark.slow  # two replica processes
 def test_mixed_load_keeps_both_replicas_busy(replicas):
     bodies = [{"prompt": f"{i} hello world {i} " * 3, "max_tokens": 4} for i in range(16)]
     stats = _run_router(replicas, "cache_aware", bodies)

@@ -56,6 +56,7 @@ class BeamGroup:
     is_improvable: bool = True   # HF's early-stop heuristic has not fired yet
     is_done: bool = False
     num_generated: int = 0       # tokens each live beam has generated
+    scheduled_in: object = None  # the ScheduledBatch that last considered the group
 
     def __post_init__(self) -> None:
         self.scores = [0.0]

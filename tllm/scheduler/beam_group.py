@@ -24,10 +24,14 @@ class BeamGroupScheduling:
 
     def _schedule_beam_group(self, batch: ScheduledBatch, i: int,
                              budget: int) -> tuple[int, int, bool]:
-        """Schedule the group whose first beam is running[i]: (the index after the group,
-        the budget left, False if the group was preempted to make room for itself)."""
+        """Schedule the group of running[i] when the step first meets it: (the index to go
+        on from, the budget left, False if the group was preempted to make room for
+        itself). Its beams need not be next to each other in `running`."""
         group = self.running[i].beam_group
-        end = i + group.beam_width
+        end = i + 1
+        if group.scheduled_in is batch:
+            return end, budget, True
+        group.scheduled_in = batch
         live = group.live_requests
         if (any(r in self._beam_holds for r in group.requests)
                 or len(batch) + len(live) > self._step_limit):

@@ -4,7 +4,6 @@ openai client); the history's tool_calls and tool messages through SmolLM2's cha
 request validation."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -12,11 +11,11 @@ import openai
 import pytest
 
 from tests.serve.helpers import assert_openai_error
-from tllm.outputs import CompletionDelta
 from tllm.serve.context import ServerConfig
 from tllm.serve.openai_server import build_app
 from tllm.serve.protocol import ChatCompletionRequest
-from tllm.serve.testing import FakeLLM, ServerThread
+from tests.serve.scripted import ScriptedLLM
+from tllm.serve.testing import ServerThread
 from tllm.serve.tool_parsers import (TOOL_PARSERS, ToolRequest, forced_schema, parse_forced,
                                      tool_parser)
 
@@ -92,37 +91,6 @@ def test_forced_schemas_and_their_outputs():
     calls = parse_forced('[{"name": "get_time", "arguments": {}}]', required)
     assert [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
     assert parse_forced('[{"name": "get_time", "argu', required) == []   # cut by length
-
-
-class ScriptedLLM(FakeLLM):
-    """Answers every request with `script`, one character per token, then stops."""
-
-    script = ""
-
-    def generate_async(self, inputs, params, streaming=False):
-        self.last_prompt = inputs["prompt_token_ids"]
-        self.last_params = params
-        return _Scripted(self.script, params.n)
-
-
-class _Scripted:
-    prompt_logprobs = None
-    finished = False
-
-    def __init__(self, script: str, n: int) -> None:
-        self.script, self.n = script, n
-
-    def abort(self) -> None:
-        pass
-
-    async def deltas(self):
-        for step, char in enumerate(self.script):
-            await asyncio.sleep(0)
-            for index in range(self.n):
-                is_last = step == len(self.script) - 1
-                yield CompletionDelta(index, [min(ord(char), 255)], char,
-                                      finish_reason="stop" if is_last else None)
-        self.finished = True
 
 
 HERMES_OUTPUT = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": '

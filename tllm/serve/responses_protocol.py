@@ -70,6 +70,31 @@ InputItem = Annotated[Union[MessageItem, FunctionCallItem, FunctionCallOutputIte
                       Field(discriminator="type")]
 
 
+class FunctionTool(_Body):
+    """A function the model may call (`{"type": "function", "name", "parameters", ...}`)."""
+
+    type: Literal["function"]
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_functions(cls, tool):
+        if isinstance(tool, dict) and tool.get("type") != "function":
+            raise ValueError(f"only function tools are supported, got type "
+                             f"{tool.get('type')!r}")
+        return tool
+
+
+class FunctionToolChoice(_Body):
+    """tool_choice naming the one function the model must call."""
+
+    type: Literal["function"]
+    name: str
+
+
 class TextFormat(_Body):
     """`text.format`: plain text, any JSON object, or JSON valid against a schema."""
 
@@ -103,11 +128,14 @@ class ResponsesRequest(_SamplingRequest):
     store: bool = True
     previous_response_id: Optional[str] = None
     text: Optional[TextConfig] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Optional[str | dict[str, Any]] = None
+    tools: Optional[list[FunctionTool]] = None
+    tool_choice: Optional[Literal["none", "auto", "required"] | FunctionToolChoice] = None
     parallel_tool_calls: Optional[bool] = None
     metadata: Optional[dict[str, str]] = None
     truncation: Optional[Literal["disabled"]] = None
+    # extra output data to include (search results, encrypted reasoning...): this server
+    # has none of those tools, so there is nothing to add (OpenAI's clients send [])
+    include: Optional[list[str]] = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -119,12 +147,18 @@ class ResponsesRequest(_SamplingRequest):
                     else item for item in items]
         return items
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, tools):
-        if tools:
-            raise ValueError("tools are not supported on /v1/responses by this server yet")
-        return tools
+    @model_validator(mode="after")
+    def _tool_choice_among_tools(self):
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return self
+        names = [tool.name for tool in self.tools or ()]
+        if not names:
+            raise ValueError("tool_choice needs tools")
+        if isinstance(choice, FunctionToolChoice) and choice.name not in names:
+            raise ValueError(f"tool_choice names {choice.name!r}, which is not among the "
+                             "tools")
+        return self
 
 
 # ---- responses ----
@@ -146,6 +180,20 @@ class OutputMessage(_Response):
     status: Literal["in_progress", "completed", "incomplete"] = "completed"
     role: Literal["assistant"] = "assistant"
     content: list[OutputText] = Field(default_factory=list)
+
+
+class OutputFunctionCall(_Response):
+    """A call the model made: the client runs it and sends back a function_call_output."""
+
+    type: Literal["function_call"] = "function_call"
+    id: str = Field(default_factory=lambda: new_id("fc"))
+    call_id: str
+    name: str
+    arguments: str      # a JSON object as text
+    status: Literal["in_progress", "completed", "incomplete"] = "completed"
+
+
+OutputItem = Union[OutputMessage, OutputFunctionCall]
 
 
 class ResponseUsage(_Response):
@@ -176,7 +224,7 @@ class ResponseObject(_Response):
     incomplete_details: Optional[IncompleteDetails] = None
     error: Optional[dict[str, Any]] = None
     model: str
-    output: list[OutputMessage] = Field(default_factory=list)
+    output: list[OutputItem] = Field(default_factory=list)
     usage: Optional[ResponseUsage] = None
     instructions: Optional[str] = None
     max_output_tokens: Optional[int] = None

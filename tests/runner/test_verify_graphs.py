@@ -30,7 +30,8 @@ class EagerReplay:
 
     def __init__(self, runner: CudaGraphRunner, batch_size: int, query_len: int) -> None:
         self.forward = lambda: runner._forward(batch_size, query_len)
-        self.logits = torch.empty(batch_size * query_len, runner.model.config.vocab_size)
+        self.logits = torch.empty(batch_size * query_len, runner.model.config.vocab_size,
+                                  device=runner.device)
 
     def replay(self) -> None:
         self.logits.copy_(self.forward())

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The H200 runs of 2026-12-01's round-2 issues, in sections that each fit one device call
+# (10 minutes at most). Run from the repository root on the GPU machine, with .whl carried:
+#   bash benchmarks/gpu_session.sh quant    # GPU tests of the new kernels, INT4, GGUF
+#   bash benchmarks/gpu_session.sh serving  # LoRA, beam search, disaggregated KV transfer
+#   bash benchmarks/gpu_session.sh smollm2  # n-gram speculation and guided JSON on SmolLM2
+# Each step has its own time limit so that one slow step cannot eat the call; output goes to
+# $OUT/<step>.log (and each script's JSON to $OUT).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || [ -d /tmp/site ] || exit 1
+export PYTHONPATH=$PWD:/tmp/site
+step() {  # step NAME SECONDS COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) $(date +%T)"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "=== $name rc=$? $(date +%T)"
+  tail -n 40 "$OUT/$name.log"
+}
+case ${1:-} in
+  quant)
+    step gpu_tests 170 python3 -m pytest -q -m "not slow" -p no:cacheprovider \
+      tests/kernels/test_w4a16_gemm.py tests/loader/test_awq_gptq_checkpoints.py \
+      tests/kernels/test_gguf_gemm.py tests/layers/test_gguf_cuda.py \
+      tests/lora
+    step gpu_int4 200 python3 benchmarks/gpu_int4.py --budget 180
+    step gpu_gguf 150 python3 benchmarks/gpu_gguf.py --budget 130
+    ;;
+  serving)
+    step gpu_tests2 80 python3 -m pytest -q -p no:cacheprovider tests/disagg/test_cuda_ipc.py \
+      tests/sampling/test_beam_search.py -k "gpu or cuda or ipc"
+    step gpu_lora 180 python3 benchmarks/gpu_lora.py --repeats 1
+    step gpu_beam 110 python3 benchmarks/gpu_beam.py --repeats 1
+    step gpu_disagg 200 python3 benchmarks/gpu_disagg.py --out "$OUT"
+    ;;
+  smollm2)  # the GGUF comes in two carried halves (it is over the carry limit)
+    cat /tmp/smol_a .smol/b/part >/tmp/smollm2.gguf
+    echo "a1231443440b107ff29f02bdb38c9d0a  /tmp/smollm2.gguf" | md5sum -c || exit 1
+    step spec_ngram 200 python3 benchmarks/cpu_speculative.py --model /tmp/smollm2.gguf \
+      --repeats 3 --json "$OUT/spec_ngram.json"
+    step guided 150 python3 benchmarks/guided_decoding.py --model /tmp/smollm2.gguf \
+      --repeats 3
+    ;;
+  *) echo "usage: $0 quant|serving|smollm2"; exit 2 ;;
+esac

@@ -19,6 +19,10 @@ class GuidedDecodingParams:
     regex: str | None = None
     grammar: str | None = None
     choice: list[str] | None = None
+    # (start, end) tokens of a reasoning model's thinking, e.g. ("<think>", "</think>"): the
+    # grammar applies only once the thinking has ended (the server sets them with
+    # --reasoning-parser; tllm.guided.manager says how)
+    reasoning_tags: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         given = [k for k in _GUIDED_KINDS if getattr(self, k) not in (None, False)]
@@ -40,6 +44,11 @@ class GuidedDecodingParams:
                 and all(isinstance(c, str) and c for c in self.choice)):
             raise ValueError("GuidedDecodingParams.choice must be a non-empty list of "
                              f"non-empty strings, got {self.choice!r}")
+        tags = self.reasoning_tags
+        if tags is not None and not (isinstance(tags, (list, tuple)) and len(tags) == 2
+                                     and all(isinstance(t, str) and t for t in tags)):
+            raise ValueError("GuidedDecodingParams.reasoning_tags must be two non-empty "
+                             f"strings (start, end), got {tags!r}")
 
     def _check_json(self) -> None:
         schema = self.json

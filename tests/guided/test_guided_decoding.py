@@ -15,7 +15,6 @@ import pytest
 from tests.guided.schemas import SCHEMAS
 from tllm import LLM, GuidedDecodingParams, KvCacheConfig, SamplingParams
 from tllm.guided import compile_check, grammar_cache
-from tllm.llmapi.llm_args import NGramDecodingConfig
 
 PROMPTS = ["hello world", "the quick brown fox", '{"name": "ada"', "[1, 2"]
 LLM_ARGS = dict(max_seq_len=512, max_batch_size=32,
@@ -222,13 +221,3 @@ def test_abort_frees_grammar_state_and_kv_blocks(engine):
     executor, kv = llm._engine.executor, llm._engine.kv_cache
     assert executor.guided.num_active == 0
     assert kv.num_free_blocks == kv.num_blocks
-
-
-def test_guided_requests_do_not_speculate(tiny_model_dir):
-    with LLM(tiny_model_dir, speculative_config=NGramDecodingConfig(max_draft_len=3),
-             **LLM_ARGS) as engine:
-        outputs = engine.generate(PROMPTS[:2], [guided(json=SCHEMAS[5]), guided(json=SCHEMAS[0])],
-                                  use_tqdm=False)
-        stats = engine.get_stats()
-    assert stats["spec_draft_tokens"] == 0
-    assert check_json_outputs(outputs, [SCHEMAS[5], SCHEMAS[0]]) == 2

@@ -8,7 +8,8 @@ import json
 import openai
 import pytest
 
-from tests.serve.test_serve_tools import ASK, WEATHER, ScriptedLLM
+from tests.serve.scripted import ScriptedLLM
+from tests.serve.test_serve_tools import ASK, WEATHER
 from tllm.serve.context import ServerConfig
 from tllm.serve.openai_server import build_app
 from tllm.serve.reasoning import REASONING_PARSERS, ReasoningStream, reasoning_parser
@@ -81,3 +82,16 @@ def test_streamed_reasoning_deltas(scripted):
             reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             content += choice.delta.content or ""
     assert (reasoning, content) == ("Paris is the capital.", "Paris.")
+
+
+def test_guided_requests_wait_for_the_reasoning(scripted, monkeypatch):
+    import tllm.guided
+    monkeypatch.setattr(tllm.guided, "compile_check", lambda *args: None)  # a fake vocabulary
+    llm, client = scripted
+    llm.script = '<think>An object.</think>{"a": 1}'
+    out = client.chat.completions.create(model="fake", messages=ASK,
+                                         response_format={"type": "json_object"})
+    assert llm.last_params.guided_decoding.reasoning_tags == ("<think>", "</think>")
+    assert json.loads(out.choices[0].message.content) == {"a": 1}
+    client.responses.create(model="fake", input="hi", text={"format": {"type": "json_object"}})
+    assert llm.last_params.guided_decoding.reasoning_tags == ("<think>", "</think>")

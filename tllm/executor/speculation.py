@@ -3,8 +3,8 @@ it, verifying them against the target's logits (tllm.speculative.acceptance) int
 request's new tokens, with the counters `get_stats` reports.
 
 A request speculates only where verification reproduces its sampler exactly: no logit bias,
-no penalties (they would need each position's own token history), not guided, past
-`min_tokens`. Its
+no penalties (they would need each position's own token history), past `min_tokens`. A
+guided request's draft positions are masked by its grammar after the drafts before them. Its
 drafts never reach beyond `max_new_tokens`, so a reservation made for its whole life holds.
 Requests of the step without drafts are sampled by the ordinary sampler, as without
 speculation."""
@@ -56,7 +56,6 @@ class VerifiedBatch:
 def can_speculate(request: Request) -> bool:
     params = request.sampling_params
     return (not params.logit_bias and params.repetition_penalty == 1.0
-            and params.guided_decoding is None  # drafts are not checked against a grammar
             and not params.presence_penalty and not params.frequency_penalty
             and request.num_output_tokens >= params.min_tokens)
 
@@ -138,6 +137,8 @@ class Speculation:
                              for r in requests], device)
         num_drafts = _to_device([len(r.draft_token_ids) for r in requests], device)
         target = logits[index]  # the model's dtype: argmax needs no float copy
+        if self.sampler.guided is not None:  # each position as the grammar allows it
+            target = self.sampler.guided.mask_verify_logits(target, requests)
         greedy = [s for s, r in enumerate(requests) if r.sampling_params.is_greedy]
         if len(greedy) == len(requests):
             tokens, accepted = accept_greedy(target, drafts, num_drafts)

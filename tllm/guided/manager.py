@@ -5,9 +5,15 @@ logits' device.
 
 Under the overlap scheduler the loop samples step N+1 only after the host has processed
 step N's tokens, so the mask filled at sampling time is exact; it is filled while step N+1's
-forward runs on the device, and guided requests never force the loop to sync."""
+forward runs on the device, and guided requests never force the loop to sync.
+
+With `reasoning_tags` the grammar waits for the thinking to end (a ReasoningGate); with
+drafts to verify, each draft position gets the mask of the grammar after the drafts before
+it (verify_bitmask), and the matcher is rolled back, so only the host's accepted tokens
+advance it."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,6 +21,24 @@ import torch
 from tllm.guided.grammar import GrammarCache, grammar_cache, register_engine_vocab_size
 from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
+
+
+@dataclass
+class ReasoningGate:
+    """A request whose grammar waits for its thinking to end. Thinking (the prompt opened
+    it, or the output did): nothing is masked until the end token. Not yet known (the
+    prompt has neither tag): the first token may open the thinking or begin the answer."""
+
+    start: int
+    end: int
+    is_thinking: bool
+
+    def after(self, token: int) -> ReasoningGate | None:
+        """The gate after `token` (None: the grammar applies from the next token on, or,
+        for a first token that begins the answer, from this token itself)."""
+        if self.is_thinking:
+            return None if token == self.end else self
+        return ReasoningGate(self.start, self.end, True) if token == self.start else None
 
 
 class GuidedDecoding(ResourceManager):
@@ -26,6 +50,7 @@ class GuidedDecoding(ResourceManager):
         self._vocab_size = vocab_size
         self._cache: GrammarCache | None = None  # made on the first guided request
         self._matchers: dict[Request, Any] = {}
+        self._gates: dict[Request, ReasoningGate] = {}
         register_engine_vocab_size(tokenizer, vocab_size)
 
     @property
@@ -44,6 +69,8 @@ class GuidedDecoding(ResourceManager):
         params = request.sampling_params.guided_decoding
         if params is not None:
             self.cache.compile(params)
+            if params.reasoning_tags is not None:
+                self._tag_ids(params.reasoning_tags)
 
     def prepare(self, batch: ScheduledBatch) -> None:
         import xgrammar as xgr
@@ -51,6 +78,29 @@ class GuidedDecoding(ResourceManager):
             params = request.sampling_params.guided_decoding
             if params is not None and request not in self._matchers:
                 self._matchers[request] = xgr.GrammarMatcher(self.cache.compile(params))
+                if params.reasoning_tags is not None:
+                    self._open_gate(request, params.reasoning_tags)
+
+    def _tag_ids(self, tags: tuple[str, str]) -> tuple[int, int]:
+        ids = []
+        for tag in tags:
+            encoded = self._tokenizer.encode(tag, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ValueError(f"guided_decoding.reasoning_tags: {tag!r} is not one token "
+                                 f"of this model's vocabulary (it encodes as {encoded})")
+            ids.append(encoded[0])
+        return ids[0], ids[1]
+
+    def _open_gate(self, request: Request, tags: tuple[str, str]) -> None:
+        """The gate from the prompt's last tag: its end (thinking disabled, as Qwen3's
+        template writes it) means the grammar applies at once."""
+        start, end = self._tag_ids(tags)
+        for token in reversed(request.prompt_token_ids):
+            if token in (start, end):
+                if token == start:
+                    self._gates[request] = ReasoningGate(start, end, is_thinking=True)
+                return
+        self._gates[request] = ReasoningGate(start, end, is_thinking=False)
 
     def accept(self, request: Request, token_id: int) -> bool:
         """Advance the request's matcher by its new token; True once the grammar has ended
@@ -58,6 +108,13 @@ class GuidedDecoding(ResourceManager):
         matcher = self._matchers.get(request)
         if matcher is None:
             return False
+        gate = self._gates.pop(request, None)
+        if gate is not None:
+            after = gate.after(token_id)
+            if after is not None or gate.is_thinking:
+                if after is not None:
+                    self._gates[request] = after
+                return False
         if not matcher.accept_token(token_id):
             raise ValueError(f"guided decoding: token {token_id} does not continue the "
                              f"grammar of request {request.request_id}")
@@ -65,14 +122,36 @@ class GuidedDecoding(ResourceManager):
 
     def mask_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """`logits` [rows, vocab] with the tokens each guided row's grammar forbids at -inf
-        (a copy; unguided rows untouched)."""
-        rows = [i for i, r in enumerate(requests) if r in self._matchers]
+        (a copy; unguided rows and rows still thinking untouched)."""
+        rows = [i for i, r in enumerate(requests) if r in self._matchers
+                and not self._is_thinking(r)]
         if not rows:
             return logits
         import xgrammar as xgr
         bitmask = xgr.allocate_token_bitmask(len(rows), self.cache.vocab_size)
         for j, i in enumerate(rows):
-            self._matchers[requests[i]].fill_next_token_bitmask(bitmask, j)
+            self._fill(bitmask, j, self._matchers[requests[i]], self._gates.get(requests[i]))
+        return self._masked(logits, rows, bitmask)
+
+    def _is_thinking(self, request: Request) -> bool:
+        gate = self._gates.get(request)
+        return gate is not None and gate.is_thinking
+
+    @staticmethod
+    def _fill(bitmask: torch.Tensor, row: int, matcher: Any,
+              gate: ReasoningGate | None) -> None:
+        """The row's mask: everything while thinking; the grammar's next tokens otherwise,
+        and the thinking's start too while it may still open."""
+        if gate is not None and gate.is_thinking:
+            bitmask[row] = -1
+            return
+        matcher.fill_next_token_bitmask(bitmask, row)
+        if gate is not None:
+            _allow(bitmask, row, gate.start)
+
+    def _masked(self, logits: torch.Tensor, rows: list[int],
+                bitmask: torch.Tensor) -> torch.Tensor:
+        import xgrammar as xgr
         guided = logits[rows].contiguous()  # indexing copies: the step's logits stay raw
         xgr.apply_token_bitmask_inplace(guided, bitmask.to(logits.device, non_blocking=True),
                                         vocab_size=min(self.cache.vocab_size, logits.shape[1]))
@@ -82,5 +161,59 @@ class GuidedDecoding(ResourceManager):
         out[rows] = guided
         return out
 
+    def mask_verify_logits(self, target: torch.Tensor,
+                           requests: list[Request]) -> torch.Tensor:
+        """`target` [requests, K+1, vocab] (a verify step: each request's drafts and the
+        position after them) with each position masked by the grammar after the drafts
+        before it; the matchers end where they began."""
+        num, width, vocab = target.shape
+        guided = [s for s, r in enumerate(requests) if r in self._matchers]
+        if not guided:
+            return target
+        import xgrammar as xgr
+        bitmask = xgr.allocate_token_bitmask(len(guided) * width, self.cache.vocab_size)
+        for j, s in enumerate(guided):
+            self._fill_drafts(bitmask, j * width, width, requests[s])
+        rows = [s * width + c for s in guided for c in range(width)]
+        return self._masked(target.reshape(num * width, vocab), rows,
+                            bitmask).view(num, width, vocab)
+
+    def _fill_drafts(self, bitmask: torch.Tensor, first_row: int, width: int,
+                     request: Request) -> None:
+        """Rows first_row.. : the mask before each draft of the request (and after the last).
+        Past a draft the grammar refuses, rows repeat the last mask: the verify step rejects
+        that draft, so nothing after it is used."""
+        matcher, gate = self._matchers[request], self._gates.get(request)
+        num_accepted, last_filled = 0, first_row
+        drafts = request.draft_token_ids or []
+        for position in range(width):
+            if matcher.is_terminated():     # a draft ended the grammar: the request stops
+                break
+            last_filled = first_row + position
+            self._fill(bitmask, last_filled, matcher, gate)
+            if position == len(drafts):
+                break
+            token = drafts[position]
+            if gate is not None:
+                after = gate.after(token)
+                if after is not None or gate.is_thinking:
+                    gate = after
+                    continue
+                gate = None
+            if not matcher.accept_token(token):
+                break
+            num_accepted += 1
+        bitmask[last_filled + 1:first_row + width] = bitmask[last_filled]
+        if num_accepted:
+            matcher.rollback(num_accepted)
+
     def free(self, request: Request) -> None:
         self._matchers.pop(request, None)
+        self._gates.pop(request, None)
+
+
+def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:
+    """Set one token's bit in xgrammar's packed int32 bitmask."""
+    bit = 1 << (token % 32)
+    word = bitmask[row, token // 32].item() | (bit - (1 << 32) if bit >= 1 << 31 else bit)
+    bitmask[row, token // 32] = word

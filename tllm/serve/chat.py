@@ -22,7 +22,7 @@ from tllm.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChu
                                  ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall,
                                  DeltaMessage, DeltaToolCall, Usage)
 from tllm.serve.choice_stream import ChoiceStream, OutputFormat, StreamUpdate
-from tllm.serve.reasoning import reasoning_parser
+from tllm.serve.reasoning import after_reasoning, reasoning_parser
 from tllm.serve.tool_parsers import ANY_OBJECT, ToolRequest, forced_schema, tool_parser
 
 
@@ -35,7 +35,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     prompt = await _chat_prompt(ctx, body)
     max_tokens = max_new_tokens(len(prompt.token_ids), body.max_new_tokens,
                                 ctx.llm.max_seq_len, "messages")
-    guided = guided_request(body, _guided_by_chat_fields(body))
+    guided = after_reasoning(guided_request(body, _guided_by_chat_fields(body)),
+                             ctx.config.reasoning_parser)
     if guided is not None:  # compiling a grammar takes a while: off the event loop
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
     params = sampling_params(body, max_tokens,

@@ -1,5 +1,5 @@
 """Reasoning output (`--reasoning-parser`): a model's `<think>...</think>` split from its answer
-into `reasoning_content`, whole or as streamed deltas."""
+into `reasoning_content`, whole or as streamed deltas; guided decoding waits for `</think>`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,6 +65,16 @@ REASONING_PARSERS = {
     "qwen3": ReasoningParser("qwen3", starts_thinking=False),
     "deepseek_r1": ReasoningParser("deepseek_r1", starts_thinking=True),
 }
+
+
+def after_reasoning(guided: tuple[str, dict] | None,
+                    parser: str | None) -> tuple[str, dict] | None:
+    """A guided request (params.guided_request's answer) whose grammar waits for the
+    reasoning to end, when the server splits reasoning."""
+    if guided is None or parser is None:
+        return guided
+    field, keywords = guided
+    return field, {**keywords, "reasoning_tags": (THINK_START, THINK_END)}
 
 
 def reasoning_parser(name: str | None) -> ReasoningParser | None:

@@ -26,6 +26,7 @@ from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disc
 from tllm.serve.params import (ModelLimits, guided_decoding, guided_request, max_new_tokens,
                                sampling_params)
 from tllm.serve.protocol import FunctionDefinition
+from tllm.serve.reasoning import after_reasoning
 from tllm.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputItem,
                                            FunctionToolChoice, IncompleteDetails, MessageItem,
                                            OutputFunctionCall, OutputItem, OutputMessage,
@@ -114,7 +115,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     prompt = await _encode(ctx, _with_instructions(body.instructions, messages), tools)
     max_tokens = max_new_tokens(len(prompt.token_ids), body.max_output_tokens,
                                 ctx.llm.max_seq_len, "input")
-    guided = guided_request(body, _guided_by_fields(body, tools))
+    guided = after_reasoning(guided_request(body, _guided_by_fields(body, tools)),
+                             ctx.config.reasoning_parser)
     if guided is not None:  # compiling a grammar takes a while: off the event loop
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
     params = sampling_params(body, max_tokens, guided_decoding=guided)

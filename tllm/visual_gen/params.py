@@ -24,8 +24,12 @@ class VisualGenParams:
     `resolution` and `caption_language` are for the layered model (output size follows the
     input image there; an empty prompt is replaced by a caption of the image, written by the
     text encoder in this language: diffusers' `use_en_prompt`, whose default is Chinese).
-    Video models (Cosmos 3) read `num_frames` and `frame_rate` (None: the model's defaults)
-    and `guidance_scale` as their classifier-free guidance scale (1 disables it).
+    Video models (Cosmos 3, LTX-2) read `num_frames` and `frame_rate` (None: the model's
+    defaults) and `guidance_scale` as their classifier-free guidance scale (1 disables it).
+    LTX-2 (video with sound) also reads `audio_guidance_scale` (the sound's CFG scale),
+    `modality_scale` (guidance away from a prediction without audio-video cross attention; 1
+    disables it) and `guidance_rescale` (toward the unguided prediction's std; 0 disables
+    it); None: the model's defaults, as in diffusers' LTX2Pipeline.
     """
 
     height: int | None = None
@@ -44,6 +48,9 @@ class VisualGenParams:
     caption_language: str = "en"
     num_frames: int | None = None
     frame_rate: float | None = None
+    audio_guidance_scale: float | None = None
+    modality_scale: float | None = None
+    guidance_rescale: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("height", "width"):
@@ -87,6 +94,14 @@ class VisualGenParams:
         if self.frame_rate is not None:
             check(_is_finite(self.frame_rate) and 0 < self.frame_rate <= MAX_FRAME_RATE,
                   "frame_rate", self.frame_rate, f"must be a number in (0, {MAX_FRAME_RATE}]")
+        for name in ("audio_guidance_scale", "modality_scale"):
+            value = getattr(self, name)
+            if value is not None:
+                check(_is_finite(value) and value >= 1, name, value,
+                      "must be a number >= 1 (1 disables it)")
+        if self.guidance_rescale is not None:
+            check(_is_finite(self.guidance_rescale) and 0 <= self.guidance_rescale <= 1,
+                  "guidance_rescale", self.guidance_rescale, "must be a number in [0, 1]")
 
     @property
     def is_cfg(self) -> bool:

@@ -94,6 +94,19 @@ class GuidanceRule(Protocol):
     def combine(self, branches: Sequence[torch.Tensor]) -> torch.Tensor: ...
 
 
+class StreamGuidance:
+    """A guidance rule whose combination depends on the stream and the step (per-stream
+    scales, guidance of the denoised estimate rather than of the velocity, ...)."""
+
+    @property
+    def num_branches(self) -> int:
+        raise NotImplementedError
+
+    def combine_stream(self, name: str, branches: Sequence[torch.Tensor],
+                       step: DenoiseStep) -> torch.Tensor:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class ClassifierFreeGuidance:
     """Branches [uncond, cond]: uncond + scale * (cond - uncond), rescaled to cond's norm per
@@ -262,7 +275,8 @@ PredictFn = Callable[[DenoiseStep], dict[str, Sequence[torch.Tensor]]]
 @torch.no_grad()
 def denoise_streams(streams: dict[str, torch.Tensor],
                     schedulers: dict[str, StreamScheduler], predict: PredictFn,
-                    guidance: GuidanceRule, hooks: Sequence[DenoiseHook] = (),
+                    guidance: GuidanceRule | StreamGuidance,
+                    hooks: Sequence[DenoiseHook] = (),
                     show_progress: bool = False,
                     model_kwargs: dict[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """The denoising loop over several latent streams sharing one schedule: each step,
@@ -281,7 +295,8 @@ def denoise_streams(streams: dict[str, torch.Tensor],
                 hook.prepare(step)
             branches = predict(step)
             step.streams = {
-                name: schedulers[name].step(guidance.combine(branches[name]), index, sample)
+                name: schedulers[name].step(_combine(guidance, name, branches[name], step),
+                                            index, sample)
                 for name, sample in step.streams.items()}
             for hook in hooks:
                 hook.update(step)
@@ -290,6 +305,13 @@ def denoise_streams(streams: dict[str, torch.Tensor],
         for hook in hooks:
             hook.free()
     return streams
+
+
+def _combine(guidance: GuidanceRule | StreamGuidance, name: str,
+             branches: Sequence[torch.Tensor], step: DenoiseStep) -> torch.Tensor:
+    if isinstance(guidance, StreamGuidance):
+        return guidance.combine_stream(name, branches, step)
+    return guidance.combine(branches)
 
 
 def guide(uncond: torch.Tensor, cond: torch.Tensor, guidance: Guidance) -> torch.Tensor:

@@ -30,6 +30,8 @@ register("QwenImageLayeredPipeline",
          dummy="dummy:qwen-image-layered")
 register("Cosmos3OmniPipeline", "tllm.visual_gen.models.cosmos3.pipeline:Cosmos3Pipeline",
          dummy="dummy:cosmos")
+register("LTX2Pipeline", "tllm.visual_gen.models.ltx2.pipeline:LTX2Pipeline",
+         dummy="dummy:ltx2")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,288 @@
+"""LTX-2 text-to-video with sound: Gemma 3 encodes the prompt (all its layers' states), the
+connectors turn that into the video's and the audio's prompt tokens, noise in the video VAE's
+and the audio VAE's latent spaces goes through the shared denoising loop as two streams
+(video, audio) with one flow-match Euler scheduler each and LTX-2's guidance (guidance.py),
+then the video VAE decodes frames and the audio VAE + vocoder a waveform.
+
+Numerics follow diffusers' LTX2Pipeline (the same tokenisation and padding, the same noise
+for the same seed, the same schedule, guidance in float32), so the two agree on the same
+weights. The guidance branches of a step run as one batch of the transformer. Not here yet:
+image-to-video (LTX2ImageToVideoPipeline), prompt enhancement, LTX-2.3's options."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from tllm.visual_gen.models.ltx2.components import (LTX2Components, dummy_components,
+                                                    load_components)
+from tllm.visual_gen.models.ltx2.guidance import LTX2Guidance, StreamScales
+from tllm.visual_gen.models.ltx2.rope import LTX2Rope, audio_positions, video_positions
+from tllm.visual_gen.models.ltx2.transformer import LTX2Inputs
+from tllm.visual_gen.params import VisualGenParams, check
+from tllm.visual_gen.pipeline import (DenoiseHook, DenoiseStep, VisualGenOutput, VisualPipeline,
+                                      denoise_streams, image_seeds)
+from tllm.visual_gen.schedulers import FlowMatchEulerScheduler, calculate_shift
+
+# diffusers' LTX2Pipeline defaults (its STG scale is moot: see guidance.py)
+DEFAULTS = dict(num_frames=121, height=512, width=768, frame_rate=24.0, guidance_scale=3.0,
+                audio_guidance_scale=7.0, modality_scale=3.0, guidance_rescale=0.7)
+MAX_TEXT_TOKENS = 1024      # diffusers' max_sequence_length (the tokenizer's limit if lower)
+
+
+@dataclass(frozen=True)
+class VideoRequest:
+    """A request's settings with the model's defaults filled in."""
+    num_frames: int
+    height: int
+    width: int
+    frame_rate: float
+    guidance_scale: float
+    audio_guidance_scale: float
+    modality_scale: float
+    guidance_rescale: float
+    num_inference_steps: int
+    negative_prompt: str | None
+
+    @classmethod
+    def resolve(cls, params: VisualGenParams) -> VideoRequest:
+        values = {name: getattr(params, name) if getattr(params, name) is not None else default
+                  for name, default in DEFAULTS.items()}
+        return cls(**values, num_inference_steps=params.num_inference_steps,
+                   negative_prompt=params.negative_prompt)
+
+    def scales(self) -> dict[str, StreamScales]:
+        return {"video": StreamScales(self.guidance_scale, self.modality_scale,
+                                      self.guidance_rescale),
+                "audio": StreamScales(self.audio_guidance_scale, self.modality_scale,
+                                      self.guidance_rescale)}
+
+
+@dataclass(frozen=True)
+class LatentGrid:
+    """The latent shapes of one request: video (frames, rows, columns), audio (frames, mel)."""
+    frames: int
+    height: int
+    width: int
+    audio_frames: int
+    mel_bins: int
+
+
+class LTX2Pipeline(VisualPipeline):
+    """LTX-2: a video and its soundtrack per seed."""
+
+    takes_image = False
+    makes_video = True
+    use_cross_timestep = True   # diffusers' default (LTX-2.3's rule; equal for text-to-video)
+
+    def __init__(self, components: LTX2Components) -> None:
+        self.tokenizer = components.tokenizer
+        self.text_encoder = components.text_encoder
+        self.connectors = components.connectors
+        self.transformer = components.transformer
+        self.vae, self.audio_vae, self.vocoder = (components.vae, components.audio_vae,
+                                                  components.vocoder)
+        self.scheduler_config = components.scheduler_config
+        self.config = self.transformer.config
+        self.spatial = int(self.vae.spatial_compression_ratio)
+        self.temporal = int(self.vae.temporal_compression_ratio)
+        self.size_multiple = math.lcm(32, self.spatial * self.config.patch_size)
+        self.max_text_tokens = min(MAX_TEXT_TOKENS, int(self.tokenizer.model_max_length))
+        self.tokenizer.padding_side = "left"        # as Gemma's chat prompts are padded
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.vae.parameters()).device
+
+    @property
+    def sample_rate(self) -> int:
+        return int(self.vocoder.config.output_sampling_rate)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype, device, transformer_impl="auto"):
+        return cls(load_components(path, dtype, device, transformer_impl))
+
+    @classmethod
+    def from_dummy(cls, name: str, dtype, device, seed: int = 0, transformer_impl="auto"):
+        return cls(dummy_components(name, dtype, device, seed, transformer_impl))
+
+    # ---- requests ----
+
+    def check_request(self, params: VisualGenParams, images, prompts) -> None:
+        if images is not None:
+            raise ValueError("image: LTX-2 image-to-video is not supported yet")
+        num_frames = params.num_frames
+        check(num_frames is None or num_frames % self.temporal == 1, "num_frames", num_frames,
+              f"must be {self.temporal} * k + 1 for this model (its VAE packs "
+              f"{self.temporal} frames into one latent frame)")
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            check(value is None or value % self.size_multiple == 0, name, value,
+                  f"must be a multiple of {self.size_multiple} for this model")
+        for name in ("layers", "resolution"):
+            check(getattr(params, name) is None, name, getattr(params, name),
+                  "is for layered models only")
+
+    def frames_for_duration(self, seconds: float, frame_rate: float | None) -> int:
+        """temporal * k + 1 frames lasting about `seconds` at the frame rate."""
+        rate = frame_rate or DEFAULTS["frame_rate"]
+        return self.temporal * max(1, round(seconds * rate / self.temporal)) + 1
+
+    # ---- generation ----
+
+    @torch.no_grad()
+    def generate(self, prompts: list[str], params: VisualGenParams,
+                 images: Sequence[Any] | None = None,
+                 hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:
+        self.check_request(params, images, prompts)
+        request = VideoRequest.resolve(params)
+        seeds = image_seeds(params.seed, len(prompts) * params.num_images_per_prompt)
+        videos, sounds, latents = [], [], []
+        for index, seed in enumerate(seeds):
+            prompt = prompts[index // params.num_images_per_prompt]
+            final = self.denoise_video(prompt, request, seed, hooks)
+            latents.append(final["video"])
+            if params.output_type != "latent":
+                grid = self.latent_grid(request)
+                videos.append(to_uint8(self.decode_video(final["video"], grid)))
+                sounds.append(self.decode_audio(final["audio"], grid)[0].float().cpu())
+        keep = params.return_latents or params.output_type == "latent"
+        return VisualGenOutput([], torch.cat(latents) if keep else None, seeds, videos=videos,
+                               frame_rate=request.frame_rate, audio=sounds or None,
+                               sample_rate=self.sample_rate)
+
+    def denoise_video(self, prompt: str, request: VideoRequest, seed: int,
+                      hooks: Sequence[DenoiseHook] = ()) -> dict[str, torch.Tensor]:
+        """The final packed latents of one video: {"video": (1, S, C), "audio": (1, L, C_a)},
+        float32, normalised as the transformer sees them."""
+        grid = self.latent_grid(request)
+        streams = self.initial_latents(grid, torch.Generator("cpu").manual_seed(seed))
+        schedulers = {name: self.scheduler(request.num_inference_steps, grid)
+                      for name in streams}
+        guidance = LTX2Guidance(request.scales(), schedulers["video"].sigmas)
+        text = self.encode_text(prompt, request.negative_prompt, guidance)
+        rope = LTX2Rope.build(self.config, *self.positions(grid, request.frame_rate))
+        num = guidance.num_branches
+        cross_rows = None
+        if guidance.has_isolated:
+            cross_rows = torch.ones(num, device=self.device)
+            cross_rows[-1] = 0
+
+        def predict(step: DenoiseStep) -> dict[str, list[torch.Tensor]]:
+            video, audio = (step.streams[name].expand(num, -1, -1) for name in ("video", "audio"))
+            inputs = LTX2Inputs(video, audio, step.timestep.expand(num), text, rope,
+                                use_cross_timestep=self.use_cross_timestep,
+                                cross_rows=cross_rows)
+            video_out, audio_out = self.transformer(inputs)
+            return {"video": list(video_out.float().chunk(num)),
+                    "audio": list(audio_out.float().chunk(num))}
+
+        return denoise_streams(streams, schedulers, predict, guidance, hooks,
+                               self.show_progress)
+
+    def latent_grid(self, request: VideoRequest) -> LatentGrid:
+        audio_vae = self.audio_vae
+        per_second = (audio_vae.config.sample_rate / audio_vae.config.mel_hop_length
+                      / float(audio_vae.temporal_compression_ratio))
+        return LatentGrid((request.num_frames - 1) // self.temporal + 1,
+                          request.height // self.spatial, request.width // self.spatial,
+                          round(request.num_frames / request.frame_rate * per_second),
+                          audio_vae.config.mel_bins // audio_vae.mel_compression_ratio)
+
+    def initial_latents(self, grid: LatentGrid, generator) -> dict[str, torch.Tensor]:
+        """Packed float32 noise, the video's drawn first, then the audio's, from one generator
+        (diffusers' order)."""
+        video = torch.randn((1, self.config.in_channels // self.config.patch_size ** 2
+                             // self.config.patch_size_t, grid.frames, grid.height, grid.width),
+                            generator=generator, dtype=torch.float32)
+        audio = torch.randn((1, self.audio_vae.config.latent_channels, grid.audio_frames,
+                             grid.mel_bins), generator=generator, dtype=torch.float32)
+        return {"video": self.pack(video).to(self.device),
+                "audio": audio.transpose(1, 2).flatten(2, 3).to(self.device)}
+
+    def scheduler(self, num_steps: int, grid: LatentGrid) -> FlowMatchEulerScheduler:
+        scheduler = FlowMatchEulerScheduler(self.scheduler_config)
+        p, pt = self.config.patch_size, self.config.patch_size_t
+        num_tokens = (grid.frames // pt) * (grid.height // p) * (grid.width // p)
+        sigmas = np.linspace(1.0, 1 / num_steps, num_steps)
+        scheduler.set_timesteps(num_steps, mu=calculate_shift(num_tokens, self.scheduler_config),
+                                sigmas=sigmas, device=self.device)
+        return scheduler
+
+    def positions(self, grid: LatentGrid, frame_rate: float):
+        return (video_positions(grid.frames, grid.height, grid.width, self.config, frame_rate,
+                                self.device),
+                audio_positions(grid.audio_frames, self.config, self.device))
+
+    # ---- the prompt ----
+
+    def encode_text(self, prompt: str, negative: str | None, guidance: LTX2Guidance):
+        """The transformer's prompt context, one row per guidance branch: [negative prompt
+        ("" when none)] if CFG runs, the prompt, [the prompt] for the isolated branch."""
+        prompts = ([negative or ""] if guidance.has_uncond else []) + [prompt]
+        states, mask = self.text_states(prompts)
+        video, audio, mask = self.connectors(states, mask, padding_side="left")
+        rows = list(range(len(prompts))) + ([len(prompts) - 1] if guidance.has_isolated else [])
+        rows = torch.tensor(rows, device=video.device)
+        return self.transformer.encode_text(video[rows], audio[rows], mask[rows])
+
+    def text_states(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every hidden state of the text encoder, stacked per token: [B, L, D * layers]."""
+        tokens = self.tokenizer([p.strip() for p in prompts], padding="max_length",
+                                max_length=self.max_text_tokens, truncation=True,
+                                add_special_tokens=True, return_tensors="pt")
+        ids, mask = tokens.input_ids.to(self.device), tokens.attention_mask.to(self.device)
+        out = self.text_encoder(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        states = torch.stack(out.hidden_states, dim=-1).flatten(2, 3)
+        return states.to(self.text_encoder.dtype), mask
+
+    # ---- latents and decoding ----
+
+    def pack(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, C, F, H, W) -> (B, F/pt * H/p * W/p, C * pt * p * p), as diffusers packs."""
+        p, pt = self.config.patch_size, self.config.patch_size_t
+        b, c, f, h, w = latents.shape
+        patches = latents.reshape(b, c, f // pt, pt, h // p, p, w // p, p)
+        return patches.permute(0, 2, 4, 6, 1, 3, 5, 7).flatten(4, 7).flatten(1, 3)
+
+    def unpack(self, latents: torch.Tensor, grid: LatentGrid) -> torch.Tensor:
+        p, pt = self.config.patch_size, self.config.patch_size_t
+        b = latents.shape[0]
+        patches = latents.reshape(b, grid.frames // pt, grid.height // p, grid.width // p, -1,
+                                  pt, p, p)
+        return patches.permute(0, 4, 1, 5, 2, 6, 3, 7).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    @torch.no_grad()
+    def decode_video(self, latents: torch.Tensor, grid: LatentGrid) -> torch.Tensor:
+        """Packed latents (1, S, C) -> frames (F, H, W, 3) in [0, 1], float32."""
+        vae = self.vae
+        z = self.unpack(latents, grid).to(self.transformer.dtype)
+        timestep = None
+        if vae.config.timestep_conditioning:    # decode_timestep 0: no noise mixed in
+            timestep = torch.zeros(1, device=z.device, dtype=z.dtype)
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
+        z = z * std / vae.config.scaling_factor + mean
+        video = vae.decode(z.to(vae.dtype), timestep, return_dict=False)[0].float()
+        return (video[0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0)
+
+    @torch.no_grad()
+    def decode_audio(self, latents: torch.Tensor, grid: LatentGrid) -> torch.Tensor:
+        """Packed latents (1, L, C * M) -> waveform (1, channels, samples)."""
+        vae = self.audio_vae
+        mean, std = (t.to(latents.device, latents.dtype) for t in (vae.latents_mean,
+                                                                    vae.latents_std))
+        z = (latents * std + mean).unflatten(2, (-1, grid.mel_bins)).transpose(1, 2)
+        mel = vae.decode(z.to(vae.dtype), return_dict=False)[0]
+        return self.vocoder(mel)
+
+
+def to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """Frames in [0, 1] as uint8, rounded as diffusers rounds its PIL frames."""
+    return (frames.cpu().numpy() * 255).round().astype(np.uint8)

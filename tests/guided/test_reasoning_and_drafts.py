@@ -160,3 +160,25 @@ def test_guided_requests_speculate_with_the_same_output(tiny_model_dir, llm_with
     for out, schema in zip(speculated, schemas):
         if out.outputs[0].finish_reason == "stop":
             jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_threaded_fill_equals_the_loop(think_llm, monkeypatch):
+    import tllm.guided.manager as manager_module
+    vocab = think_llm._engine.executor.guided.cache.vocab_size
+    texts = ["", "{", '{"name": "a', '{"name": "ab", "age": 1', "<think>hm", "<think>",
+             "<think>a</think>", '<think></think>{"name"', "", "{"]  # the last: thinking off
+    masks = []
+    for threads in (1, 2):
+        monkeypatch.setattr(manager_module, "_NUM_FILL_THREADS", threads)
+        manager = _manager(think_llm)
+        requests = [_request(_ids(think_llm, "x" if i < 9 else "x <think></think>"),
+                             GuidedDecodingParams(json=SCHEMA, reasoning_tags=TAGS))
+                    for i in range(len(texts))]
+        manager.prepare(SimpleNamespace(requests=requests))
+        for request, text in zip(requests, texts):
+            for token in _ids(think_llm, text):
+                manager.accept(request, token)
+        masks.append(manager.mask_logits(torch.randn(len(requests), vocab), requests)
+                     .isfinite())
+        assert manager.fill_seconds > 0
+    assert torch.equal(*masks)

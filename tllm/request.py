@@ -60,6 +60,8 @@ class Request:
     # prefix-cache hash: KV computed under one adapter is never reused under another.
     lora_request: LoRARequest | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    # Under the priority scheduling policy: lower values are admitted first (vLLM's rule).
+    priority: int = 0
     # Disaggregated serving: a context-only request's KV blocks outlive it under this id,
     # for a generation server to fetch; a generation-only request starts from KV fetched
     # from a context server, written into its blocks when it is admitted.

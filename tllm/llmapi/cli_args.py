@@ -24,6 +24,9 @@ _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_le
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
                    "kv_cache_dtype": "dtype"}
+# Flags that set a field of scheduler_config: dest -> field.
+_SCHEDULER_FLAGS = {"scheduling_policy": "scheduling_policy",
+                    "step_token_budget": "step_token_budget"}
 
 
 class _ConfigFile(argparse.Action):
@@ -91,6 +94,14 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
                        help="KV cache storage, kv_cache_config.dtype (default auto: the "
                             "model's dtype; fp8 halves its bytes)")
+    group.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                       help="scheduler_config.scheduling_policy: admission by arrival (fcfs, "
+                            "the default) or by each request's priority (lower first)")
+    group.add_argument("--step-token-budget", type=positive_int, metavar="N",
+                       help="scheduler_config.step_token_budget: schedule running decodes "
+                            "first every step and fill up to N tokens with prefill chunks "
+                            "(lower inter-token latency tails; default: max_num_tokens, "
+                            "admission order)")
 
 
 def llm_kwargs(args: argparse.Namespace, model: str | None = None,
@@ -107,9 +118,11 @@ def llm_kwargs(args: argparse.Namespace, model: str | None = None,
     if getattr(args, "speculative_config", None) is not None:
         kwargs["speculative_config"] = read_llm_options(args.speculative_config,
                                                         "--speculative-config")
-    kv_cache = _kv_cache_config(kwargs.pop("kv_cache_config", None), args, flag)
-    if kv_cache:
-        kwargs["kv_cache_config"] = kv_cache
+    for name, flags in (("kv_cache_config", _KV_CACHE_FLAGS),
+                        ("scheduler_config", _SCHEDULER_FLAGS)):
+        merged = _merged_config(name, kwargs.pop(name, None), flags, args, flag)
+        if merged:
+            kwargs[name] = merged
     for name, value in (defaults or {}).items():
         if name not in kwargs:
             kwargs[name] = value(kwargs) if callable(value) else value
@@ -132,13 +145,15 @@ def read_llm_options(path: str | Path, flag: str = CONFIG_FLAGS[0]) -> dict[str,
     return dict(options)
 
 
-def _kv_cache_config(from_file: Any, args: argparse.Namespace, flag: str) -> dict[str, Any]:
-    """The file's kv_cache_config with the KV-cache flags given merged over it."""
+def _merged_config(name: str, from_file: Any, flag_fields: Mapping[str, str],
+                   args: argparse.Namespace, flag: str) -> dict[str, Any]:
+    """The file's `name` mapping (kv_cache_config, scheduler_config) with the flags given
+    for its fields merged over it."""
     if from_file is None:
         from_file = {}
     if not isinstance(from_file, dict):
-        raise ValueError(f"{flag} {args.config}: kv_cache_config must be a mapping, got "
+        raise ValueError(f"{flag} {args.config}: {name} must be a mapping, got "
                          f"{type(from_file).__name__}")
-    flags = {field: getattr(args, dest) for dest, field in _KV_CACHE_FLAGS.items()
-             if getattr(args, dest) is not None}
+    flags = {field: getattr(args, dest, None) for dest, field in flag_fields.items()
+             if getattr(args, dest, None) is not None}
     return {**from_file, **flags}

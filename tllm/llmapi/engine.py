@@ -22,6 +22,7 @@ from tllm.lora.manager import LoraManager
 from tllm.runner.build import RankParts, build_rank
 from tllm.runner.model_runner import ModelRunner
 from tllm.sampling.sampler import Sampler
+from tllm.scheduler.policy import SchedulingPolicy
 from tllm.scheduler.scheduler import Scheduler
 from tllm.tokenizer import Tokenizer
 
@@ -110,7 +111,9 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
                           max_num_tokens=args.max_num_tokens,
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           preemption_mode=args.scheduler_config.preemption_mode,
-                          num_micro_batches=pp_size)
+                          num_micro_batches=pp_size, policy=SchedulingPolicy(
+                              args.scheduler_config.scheduling_policy,
+                              args.scheduler_config.step_token_budget))
     lora = LoraManager(parts.lora) if parts.lora is not None else None
     if lora is not None:
         scheduler.admission_gates.append(lora)  # a request waits for its adapter's slot

@@ -17,10 +17,12 @@ from tllm.loader import DEFAULT_MODEL
 from tllm.lora.request import LoRARequest
 from tllm.outputs import CompletionDelta, RequestOutput
 from tllm.sampling_params import SamplingParams
+from tllm.scheduler.policy import check_priority
 from tllm.tokenizer import IncrementalDetokenizer
 
 # A prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; a dict may add
-# "cache_salt" so that only prompts with the same salt share cached KV blocks.
+# "cache_salt" so that only prompts with the same salt share cached KV blocks, and
+# "priority" (under scheduler_config.scheduling_policy="priority").
 PromptInput = Union[str, Sequence[int], dict]
 Messages = list[dict[str, Any]]
 
@@ -89,16 +91,21 @@ class LLM:
     def generate(self, inputs: PromptInput | Sequence[PromptInput],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: int | Sequence[int] | None = None
                  ) -> RequestOutput | list[RequestOutput]:
         """Run prompts to completion, batched together; one output per prompt, in order.
-        `lora_request`: the adapter of every prompt, or one per prompt (None: the base)."""
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base).
+        `priority`: every prompt's, or one per prompt (lower runs first; needs
+        scheduler_config.scheduling_policy="priority")."""
         prompts, single = _as_prompt_list(inputs)
         params = _broadcast_params(sampling_params, len(prompts))
         loras = _broadcast_loras(lora_request, len(prompts))
+        priorities = _broadcast_priorities(priority, len(prompts))
         sink: queue.Queue = queue.Queue()
-        results = [self._submit(p, sp, streaming=False, sink=sink, lora_request=lora)
-                   for p, sp, lora in zip(prompts, params, loras)]
+        results = [self._submit(p, sp, streaming=False, sink=sink, lora_request=lora,
+                                priority=level)
+                   for p, sp, lora, level in zip(prompts, params, loras, priorities)]
         num_unfinished = len(results)
         with tqdm(total=len(results), disable=not use_tqdm, desc="Generating") as bar:
             while num_unfinished:
@@ -112,10 +119,11 @@ class LLM:
     def generate_async(self, inputs: PromptInput,
                        sampling_params: SamplingParams | None = None,
                        streaming: bool = False,
-                       lora_request: LoRARequest | None = None) -> GenerationResult:
+                       lora_request: LoRARequest | None = None,
+                       priority: int | None = None) -> GenerationResult:
         """Submit one prompt; await the result, or `async for` over it when streaming."""
         return self._submit(inputs, sampling_params or SamplingParams(), streaming,
-                            lora_request=lora_request)
+                            lora_request=lora_request, priority=priority)
 
     async def submit_batch(self, inputs: Sequence[PromptInput],
                            sampling_params: Sequence[SamplingParams],
@@ -170,30 +178,35 @@ class LLM:
 
     def _submit(self, prompt: PromptInput, params: SamplingParams, streaming: bool,
                 sink: queue.Queue | None = None,
-                lora_request: LoRARequest | None = None) -> GenerationResult:
+                lora_request: LoRARequest | None = None,
+                priority: int | None = None) -> GenerationResult:
         self._check_open()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids))
         text, token_ids, requests = self._new_requests(prompt, params, request_id,
-                                                       lora_request)
+                                                       lora_request, priority)
         result = GenerationResult(request_id, text, token_ids, params, streaming, sink,
                                   abort=self._aborter(requests))
         self._start(requests, result.post)
         return result
 
     def _new_requests(self, prompt: PromptInput, params: SamplingParams, request_id: str,
-                      lora_request: LoRARequest | None = None
+                      lora_request: LoRARequest | None = None, priority: int | None = None
                       ) -> tuple[str | None, list[int], list[Request]]:
         """(prompt text, prompt token ids, one Request per sample), validated. A dict
-        prompt may name its adapter ("lora_request"), as the server's do."""
+        prompt may name its adapter ("lora_request") and priority, as the server's do."""
         if lora_request is None and isinstance(prompt, dict):
             lora_request = prompt.get("lora_request")
+        if priority is None and isinstance(prompt, dict):
+            priority = prompt.get("priority")
         self._check_lora(lora_request)
+        priority = check_priority(priority, self.args.scheduler_config.scheduling_policy)
         text, token_ids = self._tokenize(prompt)
         requests = self._make_requests(request_id, token_ids, params)
         for request in requests:
             request.lora_request = lora_request
+            request.priority = priority
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             for request in requests:
                 request.cache_salt = str(prompt["cache_salt"])
@@ -335,6 +348,16 @@ def _broadcast_loras(lora_request, count: int) -> list[LoRARequest | None]:
     if len(loras) != count:
         raise ValueError(f"lora_request: {len(loras)} given for {count} prompts")
     return loras
+
+
+def _broadcast_priorities(priority, count: int) -> list[int | None]:
+    if priority is None or _is_token(priority):
+        return [priority] * count
+    if isinstance(priority, (str, bytes)) or not isinstance(priority, Sequence):
+        raise ValueError(f"priority: an int or one int per prompt, got {priority!r}")
+    if len(priority) != count:
+        raise ValueError(f"priority: {len(priority)} given for {count} prompts")
+    return list(priority)
 
 
 def _broadcast_params(params, count: int) -> list[SamplingParams]:

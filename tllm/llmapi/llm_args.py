@@ -49,6 +49,16 @@ class SchedulerConfig(BaseModel):
     # What happens to a preempted request's KV blocks under MAX_UTILIZATION: dropped and
     # recomputed later, or swapped to host memory (needs kv_cache_config.host_cache_size).
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # Which waiting request runs first: "fcfs" (arrival order) or "priority" (the lowest
+    # request priority first, FCFS within a level; under KV pressure the lowest-priority
+    # running request is preempted first). vLLM's names.
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    # None: each step spends up to max_num_tokens, on running requests in admission order
+    # (a long prefill chunk can make decodes wait: the best throughput). A number: every
+    # running decode is scheduled first, each step, and prefill chunks fill the rest of
+    # this many tokens, so a step costs about a decode step (Sarathi-Serve's stall-free
+    # batching; lower inter-token latency tails). Needs chunked prefill.
+    step_token_budget: int | None = Field(None, ge=1)
 
 
 class CudaGraphConfig(BaseModel):
@@ -195,6 +205,19 @@ class LlmArgs(BaseModel):
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @model_validator(mode="after")
+    def _check_scheduler(self) -> LlmArgs:
+        budget = self.scheduler_config.step_token_budget
+        if budget is None:
+            return self
+        if not self.enable_chunked_prefill:
+            raise ValueError("scheduler_config.step_token_budget needs "
+                             "enable_chunked_prefill=True")
+        if budget > self.max_num_tokens:
+            raise ValueError(f"scheduler_config.step_token_budget ({budget}) must not exceed "
+                             f"max_num_tokens ({self.max_num_tokens})")
+        return self
 
     @model_validator(mode="after")
     def _check_lora(self) -> LlmArgs:

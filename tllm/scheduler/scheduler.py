@@ -5,16 +5,20 @@ the KV cache still holds on preemption, back by the rejected tokens of a specula
 There are no prefill and decode phases. A request has `num_computed_tokens` and
 `num_tokens`; each step gives it up to the difference, within the token budget
 (`max_num_tokens`) and the batch size. Long prompts are chunked; waiting requests join the
-running batch as soon as budget and KV blocks allow (in-flight batching)."""
+running batch as soon as budget and KV blocks allow (in-flight batching). The policy
+(scheduler/policy.py) orders the waiting queue (FCFS or priority), picks preemption
+victims, and may hold each step to a smaller token budget that serves decodes first
+(scheduler/decode_first.py)."""
 from __future__ import annotations
 
 import time
-from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from tllm.request import Request, RequestState
 from tllm.scheduler.beam_group import BeamGroupScheduling
+from tllm.scheduler.decode_first import DecodeFirstScheduling
 from tllm.scheduler.interface import ScheduledBatch
+from tllm.scheduler.policy import SchedulingPolicy
 
 if TYPE_CHECKING:
     from tllm.kv_cache.manager import KVCacheManager
@@ -22,15 +26,20 @@ if TYPE_CHECKING:
 __all__ = ["ScheduledBatch", "Scheduler"]
 
 
-class Scheduler(BeamGroupScheduling):
-    """FCFS scheduling. Capacity is the KV cache manager's business: under
+class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
+    """FCFS (or priority) scheduling. Capacity is the KV cache manager's business: under
     GUARANTEED_NO_EVICT it reserves at admission and growth never fails; under
     MAX_UTILIZATION, when a running request cannot grow, the newest running requests are
     preempted (recomputed later, or swapped to host memory) until it can."""
 
     def __init__(self, kv_cache: KVCacheManager, *, max_batch_size: int, max_num_tokens: int,
                  enable_chunked_prefill: bool, preemption_mode: str = "recompute",
-                 num_micro_batches: int = 1) -> None:
+                 num_micro_batches: int = 1,
+                 policy: SchedulingPolicy | None = None) -> None:
+        self.policy = policy or SchedulingPolicy()
+        if self.policy.step_token_budget is not None and not enable_chunked_prefill:
+            raise ValueError("scheduler_config.step_token_budget needs chunked prefill "
+                             "(enable_chunked_prefill=True)")
         self.kv_cache = kv_cache
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -39,9 +48,10 @@ class Scheduler(BeamGroupScheduling):
         # Pipeline parallelism keeps several micro-batches in flight: each step takes a
         # share of the requests and skips those still in the pipeline (held).
         self.num_micro_batches = num_micro_batches
-        self.waiting: deque[Request] = deque()
+        self.waiting = self.policy.new_waiting_queue()
         self.running: list[Request] = []
         self._held: set[Request] = set()
+        self._batch = ScheduledBatch()  # the step being scheduled
         self._beam_holds: dict[Request, ScheduledBatch] = {}  # beams sampling in that step
         self.num_preemptions = 0
         # Resources besides KV blocks a request needs to run (LoRA adapter slots): each has
@@ -97,9 +107,12 @@ class Scheduler(BeamGroupScheduling):
     def schedule(self) -> ScheduledBatch:
         """This step's requests and tokens; a request with drafts gets 1 + len(drafts) (its
         drafts shortened to the budget, or dropped), one left out keeps none."""
-        batch = ScheduledBatch()
+        batch = self._batch = ScheduledBatch()
         self._step_limit = self._micro_batch_limit()
-        budget = self._schedule_running(batch, self.max_num_tokens)
+        if self.policy.step_token_budget is None:
+            budget = self._schedule_running(batch, self.max_num_tokens)
+        else:
+            budget = self._schedule_decodes_first(batch)
         self._admit_waiting(batch, budget)
         if len(batch) < len(self.running):
             scheduled = set(map(id, batch.requests))
@@ -114,35 +127,41 @@ class Scheduler(BeamGroupScheduling):
         total = min(len(self.running) + len(self.waiting), self.max_batch_size)
         return max(1, -(-total // self.num_micro_batches))
 
-    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and len(batch) < self._step_limit:
-            request = self.running[i]
-            if request.beam_group is not None:
-                i, budget, scheduled = self._schedule_beam_group(batch, i, budget)
-                if not scheduled:
-                    break
+    def _schedule_running(self, batch: ScheduledBatch, budget: int,
+                          pick: Callable[[Request], bool] | None = None) -> int:
+        """Running requests (those `pick` selects) in admission order; the budget left. One
+        preempted while this runs (to make room for another) is passed over."""
+        for request in list(self.running):
+            if len(batch) >= self._step_limit:
+                break
+            if request.state is not RequestState.RUNNING or (pick and not pick(request)):
+                continue
+            group = request.beam_group
+            if group is not None:
+                if request is group.requests[0]:
+                    budget = self._schedule_beam_group(batch, self.running.index(request),
+                                                       budget)[1]
                 continue
             num_new = 0 if request in self._held else self._num_new_tokens(request, budget)
             if num_new == 0:
-                i += 1
                 continue
             if request.draft_token_ids and not self.kv_cache.try_grow(request, num_new):
                 request.clear_drafts()  # no room for the drafts: decode one token
                 num_new = self._num_new_tokens(request, budget)
-            if not self._make_room(request, num_new):
-                break  # the request preempted itself: it was the newest
-            batch.add(request, num_new)
-            budget -= num_new
-            i += 1
+            if self._make_room(request, num_new):  # else it preempted itself
+                batch.add(request, num_new)
+                budget -= num_new
         return budget
 
     def _make_room(self, request: Request, num_new: int) -> bool:
-        """Preempt the newest running requests until `request` can grow; False if it had to
-        preempt `request` itself."""
+        """Preempt running requests (the policy's victims: the newest, or the lowest
+        priority) until `request` can grow; False if it had to preempt `request` itself. A
+        request already in this step's batch is never the victim."""
         while not self.kv_cache.try_grow(request, num_new):
-            victims = [r for r in self.running if not self._is_held(r) or r is request]
-            victim = victims[-1]
+            in_step = set(map(id, self._batch.requests))
+            victims = [r for r in self.running if r is request
+                       or not (self._is_held(r) or _is_in(r, in_step))]
+            victim = self.policy.preemption_victim(victims)
             self._preempt(victim)
             if victim is request or request.state is RequestState.WAITING:
                 return False
@@ -244,3 +263,10 @@ class Scheduler(BeamGroupScheduling):
     def _leader_ready(request: Request) -> bool:
         leader = request.prefix_leader
         return leader is None or leader.is_prompt_done or leader.is_finished
+
+
+def _is_in(request: Request, ids: set[int]) -> bool:
+    """Whether the request, or a beam of its group, is among `ids`."""
+    group = request.beam_group
+    members = group.requests if group is not None else (request,)
+    return any(id(m) in ids for m in members)

@@ -45,7 +45,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     output = _output_format(ctx, body)
     generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="messages",
                                         disaggregated_params=body.disaggregated_params,
-                                        lora_request=lora)
+                                        lora_request=lora, priority=body.priority)
     if body.stream:
         return event_stream(request, generation,
                             _events(ctx, body, prompt, generation, output))

@@ -26,7 +26,7 @@ async def create_completion(ctx: ServingContext, request: Request,
     params = [_sampling_params(ctx, body, prompt) for prompt in prompts]
     generation = await ctx.engine.start(prompts, params, arrival,
                                         disaggregated_params=body.disaggregated_params,
-                                        lora_request=lora)
+                                        lora_request=lora, priority=body.priority)
     if body.stream:
         return event_stream(request, generation, _events(ctx, body, prompts, generation))
     async with generation, abort_on_disconnect(request, generation):

@@ -217,7 +217,7 @@ class EngineClient:
     async def start(self, prompts: list[PromptInput], params: list[SamplingParams],
                     arrival: float, prompt_param: str = "prompt",
                     disaggregated_params: dict | None = None,
-                    lora_request=None) -> Generation:
+                    lora_request=None, priority: int = 0) -> Generation:
         """Submit every prompt (n samples each, with its own params), or none: raises
         APIError when refused (naming prompt_param when the engine refuses a prompt)."""
         self._check_alive()
@@ -226,6 +226,9 @@ class EngineClient:
         if lora_request is not None:  # the adapter the request's "model" names
             for item in inputs:
                 item["lora_request"] = lora_request
+        if priority:
+            for item in inputs:
+                item["priority"] = priority
         if disaggregated_params is not None:
             if len(inputs) != 1:
                 raise APIError(400, "disaggregated_params: one prompt per request",

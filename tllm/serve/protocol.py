@@ -78,6 +78,8 @@ class _SamplingRequest(_Body):
     use_beam_search: bool = False
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # vLLM's: lower runs first (the server's --scheduling-policy priority; else only 0)
+    priority: int = 0
     # Disaggregated serving (set by `tllm serve disaggregated`'s front for its workers):
     # {"request_type": "context_only" | "generation_only", "ctx_request_id", "opaque_state"}
     disaggregated_params: Optional[dict[str, Any]] = None

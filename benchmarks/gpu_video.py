@@ -20,6 +20,9 @@ UniPCMultistepScheduler of our scheduler's config.
     python benchmarks/gpu_video.py --out gpu_video.json                      # H200, ~5 min
     python benchmarks/gpu_video.py --tiny --device cpu --dtype float32       # CPU smoke test
 
+`--family ltx2` runs the LTX-2 section instead (benchmarks/gpu_video_ltx2.py says what it
+measures; --ltx-height/--ltx-width/--ltx-frames/--ltx-pipe-steps set its sizes).
+
 Prints a markdown table last; writes the numbers as JSON to --out (or $OUT/gpu_video.json)."""
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
@@ -48,6 +52,7 @@ GUIDANCE = 6.0
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", default="cosmos", choices=["cosmos", "ltx2"])
     p.add_argument("--model", default="dummy:cosmos")
     p.add_argument("--tiny", action="store_true", help="the tests' tiny random folder")
     p.add_argument("--device", default="cuda")
@@ -63,8 +68,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pipe-steps", type=int, default=10)
     p.add_argument("--skip-pipeline", action="store_true")
     p.add_argument("--out", type=Path)
+    for name in ("height", "width", "frames", "pipe-steps"):
+        p.add_argument(f"--ltx-{name}", type=int, help="LTX-2 section (default: its own)")
     args = p.parse_args()
-    if args.tiny:
+    if args.tiny and args.family == "cosmos":
         from tests.visual_gen.tiny_cosmos import save_tiny_cosmos
         args.model = str(save_tiny_cosmos(Path(tempfile.mkdtemp(prefix="tiny_cosmos_"))))
         args.height, args.width, args.frames = 48, 64, 9
@@ -176,6 +183,8 @@ def bench_pipeline(gen, theirs, args, device) -> dict:
 def main() -> int:
     args = parse_args()
     device = torch.device(args.device)
+    if args.family == "ltx2":
+        return run_ltx2(args, device)
     start = time.perf_counter()
     gen = VisualGen(args.model, dtype=args.dtype, device=args.device, show_progress=False)
     theirs = DiffusersCosmos3.from_ours(gen.pipeline.transformer)
@@ -203,6 +212,19 @@ def main() -> int:
         print(f"| whole pipeline, {pipe['steps']} steps + VAE decode | {pipe['size']} | "
               f"{pipe['ours_s']:.2f} | {pipe['diffusers_s']:.2f} | {pipe['speedup']:.2f}x | "
               f"{pipe['latents_rel_error']:.2e} |")
+    return 0
+
+
+def run_ltx2(args, device: torch.device) -> int:
+    import gpu_video_ltx2
+    results = gpu_video_ltx2.run(args, device, timed, relative)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    results.update(device=name, dtype=args.dtype)
+    out = args.out or (Path(os.environ["OUT"]) / "gpu_video_ltx2.json" if "OUT" in os.environ
+                       else None)
+    if out is not None:
+        out.write_text(json.dumps(results, indent=2))
+    gpu_video_ltx2.print_table(results, name, args.dtype)
     return 0
 
 

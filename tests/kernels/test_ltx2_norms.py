@@ -73,3 +73,34 @@ def test_norm_rope(device, dtype, mode, width, chunks):
     want = norm_rope_ref(x.float(), weight.float(), 1e-6, cos, sin, split)
     assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
     assert relative_error(got, want) < TOL[dtype]
+
+
+def test_transformer_on_the_kernels_equals_diffusers(device, monkeypatch):
+    """The tiny LTX-2 transformer with every norm, modulation and QK-norm + RoPE in the
+    kernels (interpreted on the CPU) gives diffusers' output (fp32)."""
+    from tests.visual_gen.tiny_ltx2 import TEXT_DIM, tiny_transformer
+    from tllm.visual_gen.models.ltx2 import blocks
+    from tllm.visual_gen.models.ltx2.config import LTX2Config
+    from tllm.visual_gen.models.ltx2.diffusers_transformer import DiffusersLTX2
+    from tllm.visual_gen.models.ltx2.rope import LTX2Rope, audio_positions, video_positions
+    from tllm.visual_gen.models.ltx2.transformer import LTX2Inputs, LTX2Transformer
+
+    monkeypatch.setattr(blocks, "uses_triton", lambda x: True)
+    torch.manual_seed(0)
+    theirs = tiny_transformer().to(device)
+    ours = LTX2Transformer(LTX2Config.from_dict(theirs.config)).to(device)
+    ours.load_diffusers_state_dict(theirs.state_dict())
+    config = ours.config
+    rope = LTX2Rope.build(config, video_positions(2, 2, 3, config, 24.0, device),
+                          audio_positions(5, config, device))
+    video, audio = torch.randn(2, 12, 4, device=device), torch.randn(2, 5, 4, device=device)
+    text = torch.randn(2, 2, 4, TEXT_DIM, device=device)
+    timestep = torch.full((2,), 640.0, device=device)
+    outputs = []
+    with torch.no_grad():
+        for model in (ours, DiffusersLTX2(theirs)):
+            context = model.encode_text(text[0], text[1], None)
+            outputs.append(model(LTX2Inputs(video, audio, timestep, context, rope,
+                                            clean_tokens=6, cross_rows=torch.tensor([1.0, 0.0]))))
+    for got, want in zip(*outputs):
+        assert relative_error(got, want) < 1e-5

@@ -79,7 +79,7 @@ class Attention(nn.Module):
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, rope: RopeTable | None):
         tables = () if rope is None else (rope.cos, rope.sin, rope.split_chunks)
-        if x.is_cuda:
+        if uses_triton(x):
             from tllm.kernels.triton.ltx2_norms import norm_rope
             return norm_rope(x, weight, self.eps, *tables)
         return norm_rope_ref(x, weight, self.eps, *tables)
@@ -189,12 +189,18 @@ def modulate(x, mods, eps, split, residual=None):
     whose pending value is None, only the norm."""
     if residual is not None and residual[0] is None:
         residual = None
-    if x.is_cuda:
+    if uses_triton(x):
         from tllm.kernels.triton.ltx2_norms import rms_modulate
         out = rms_modulate(x, mods, eps, split, residual)
     else:
         out = rms_modulate_ref(x, mods, eps, split, residual)
     return out if residual is not None else (x, out)
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether the elementwise work runs in the Triton kernels (CUDA tensors; tests also
+    run them on the CPU under the Triton interpreter)."""
+    return x.is_cuda
 
 
 def sdpa_backends(device: torch.device):

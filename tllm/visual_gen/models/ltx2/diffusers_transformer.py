@@ -34,18 +34,19 @@ class DiffusersLTX2(nn.Module):
 
     @classmethod
     def from_ours(cls, ours: LTX2Transformer) -> DiffusersLTX2:
-        """diffusers' model with our weights (same values, their layout)."""
+        """diffusers' model sharing our weights (views of our fused parameters, no copy)."""
         from diffusers import LTX2VideoTransformer3DModel
         with torch.device("meta"):
             model = LTX2VideoTransformer3DModel(**ours.config.to_diffusers())
-        model = model.to(ours.dtype).to_empty(device=ours.device)
         params = dict(ours.named_parameters())
         state = {}
         for name in model.state_dict():
             mine, rows = our_name(ours, name)
             state[name] = params[mine] if rows is None else params[mine][rows]
-        model.load_state_dict(state, strict=True)
-        return cls(model.eval())
+        model.load_state_dict(state, strict=True, assign=True)
+        if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+            raise ValueError("diffusers' LTX-2 model has tensors our weights do not fill")
+        return cls(model.eval().requires_grad_(False))
 
     @property
     def dtype(self) -> torch.dtype:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tllm.loader.hf import CheckpointError, iter_safetensors, safetensors_files
+from tllm.visual_gen.models.ltx2 import blocks
 from tllm.visual_gen.models.ltx2.blocks import LTX2Block, StreamState
 from tllm.visual_gen.models.ltx2.config import LTX2Config
 from tllm.visual_gen.models.ltx2.rope import LTX2Rope
@@ -156,14 +157,15 @@ class LTX2Transformer(nn.Module):
     def _output(self, stream: StreamState, embedded: torch.Tensor, table: torch.Tensor,
                 proj: nn.Linear, split: int | None) -> torch.Tensor:
         """The last gated residual, LayerNorm modulated by the table + embedding, projection."""
-        values = table + embedded[:, :, None]                   # [B, G, 2, d]
-        shift, scale = values[:, :, 0], values[:, :, 1]
-        if stream.x.is_cuda:
+        y, gate = stream.pending
+        # shift, scale and gate as views of one [B, G, 3, d] tensor (the kernel's layout)
+        values = torch.cat([table + embedded[:, :, None], gate[:, :, None]], dim=2)
+        shift, scale, gate = values.unbind(2)
+        if blocks.uses_triton(stream.x):
             from tllm.kernels.triton.mmdit import adaln_modulate
-            _, h = adaln_modulate(stream.x, shift, scale, 1e-6, split, stream.pending)
+            _, h = adaln_modulate(stream.x, shift, scale, 1e-6, split, (y, gate))
             return proj(h)
         from tllm.kernels.triton.ltx2_norms import per_token
-        y, gate = stream.pending
         n = stream.x.shape[1]
         x = stream.x + y * per_token(gate, n, split)
         h = F.layer_norm(x, x.shape[-1:], eps=1e-6)

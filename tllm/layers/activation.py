@@ -18,6 +18,9 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor, quantize_to: torch.dtype | None = None):
         _check_quantize_to(self, quantize_to)
+        if x.is_cuda and quantize_to is None and torch.compiler.is_compiling():
+            from tllm.kernels import custom_ops  # the kernel as an op the compiler keeps whole
+            return custom_ops.silu_and_mul(x)
         if x.is_cuda:
             from tllm.kernels.triton.activation import silu_and_mul, silu_and_mul_quant
             return (silu_and_mul if quantize_to is None else silu_and_mul_quant)(x)

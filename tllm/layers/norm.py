@@ -22,6 +22,11 @@ class RMSNorm(nn.Module):
                 quantize_to: torch.dtype | None = None):
         if quantize_to is not None and quantize_to != fp8.FP8_DTYPE:
             raise ValueError(f"RMSNorm quantizes to {fp8.FP8_DTYPE} only, not {quantize_to}")
+        if x.is_cuda and quantize_to is None and torch.compiler.is_compiling():
+            from tllm.kernels import custom_ops  # the kernel as an op the compiler keeps whole
+            if residual is None:
+                return custom_ops.rms_norm(x, self.weight, self.eps)
+            return custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         if x.is_cuda:  # one fused Triton kernel instead of ~8 elementwise ones
             from tllm.kernels.triton.rmsnorm import rms_norm, rms_norm_quant
             return (rms_norm if quantize_to is None else rms_norm_quant)(

@@ -69,6 +69,10 @@ class CudaGraphConfig(BaseModel):
 
     batch_sizes: list[int] | None = None  # default: 1, 2, 4, 8, 16, 24, 32, 48, ... 256
     max_batch_size: int = Field(256, ge=1)
+    # Capture the graphs from a torch.compile'd model (our kernels as torch custom ops, the
+    # code between them fused by Inductor): slower to start (a trace per batch size, cached
+    # on disk by Inductor), off by default.
+    torch_compile: bool = False
 
 
 class _SpeculativeConfig(BaseModel):

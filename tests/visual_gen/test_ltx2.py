@@ -2,7 +2,8 @@
 audio latents after a few steps (<= 1e-4) with guidance off and with every guidance it runs
 (CFG with per-stream scales, modality isolation, rescale), the decoded frames and waveform
 (<= 1e-3) at diffusers' defaults; the same seed gives the same video and sound; the registry,
-`tllm visual --out clip.mp4` with its AAC track, bad parameters."""
+image-to-video against LTX2ImageToVideoPipeline; `tllm visual --out clip.mp4` with its AAC
+track, bad parameters."""
 from __future__ import annotations
 
 import numpy as np
@@ -112,17 +113,43 @@ def test_bad_video_params(gen, field, value, match):
         gen.generate("a fox", VisualGenParams(**{field: value}))
 
 
-def test_image_to_video_is_refused(gen):
+def test_image_to_video_equals_diffusers(ltx2_dir, gen):
+    """LTX2ImageToVideoPipeline on the same folder: the image (H.264-recompressed, resized)
+    is the clean first latent frame."""
+    from diffusers import LTX2ImageToVideoPipeline
     from PIL import Image
-    image = Image.new("RGB", (32, 32))
+    reference = LTX2ImageToVideoPipeline.from_pretrained(ltx2_dir)
+    reference.set_progress_bar_config(disable=True)
+    image = Image.fromarray((np.random.RandomState(0).rand(40, 56, 3) * 255).astype(np.uint8))
+    scales = dict(guidance_scale=3.0, audio_guidance_scale=1.0, modality_scale=1.0,
+                  guidance_rescale=0.0)
+    seen = {}
+
+    def keep_latents(_, step, timestep, tensors):
+        seen["latents"] = tensors["latents"]
+        return {}
+
+    ref_out = reference(image=image, prompt=PROMPT, negative_prompt=NEGATIVE, height=SIZE,
+                        width=SIZE, num_frames=FRAMES, frame_rate=RATE,
+                        num_inference_steps=STEPS, generator=torch.Generator().manual_seed(5),
+                        output_type="np", max_sequence_length=MAX_TEXT_TOKENS,
+                        callback_on_step_end=keep_latents, stg_scale=0.0, audio_stg_scale=0.0,
+                        audio_modality_scale=1.0, audio_guidance_rescale=0.0, **scales)
+    out = gen.generate(PROMPT, _params(seed=5, return_latents=True, **scales), image=image)
+    assert _relative(out.latents, seen["latents"]) <= 1e-4
+    grid = gen.pipeline.latent_grid(VideoRequest.resolve(_params()))
+    frames = gen.pipeline.decode_video(out.latents, grid).numpy()
+    assert np.abs(frames - ref_out.frames[0]).max() <= 1e-3
+    assert (out.audio[0] - ref_out.audio[0]).abs().max().item() <= 1e-3
     with pytest.raises(ValueError, match="image"):
-        gen.generate("a fox", _params(), image=image)
+        gen.generate(["a", "b", "c"], _params(), image=[image, image])
 
 
 def test_folder_and_dummy_are_visual_models(ltx2_dir):
     assert registry.resolve(str(ltx2_dir)).class_name == "LTX2Pipeline"
     assert registry.resolve("dummy:ltx2").dummy_preset == "ltx2"
     assert registry.is_visual_model("dummy:ltx2")
+    assert registry.resolve(str(ltx2_dir)).pipeline_class().takes_image is False
 
 
 def test_visual_writes_an_mp4_with_sound(ltx2_dir, tmp_path, capsys):

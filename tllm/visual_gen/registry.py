@@ -32,6 +32,8 @@ register("Cosmos3OmniPipeline", "tllm.visual_gen.models.cosmos3.pipeline:Cosmos3
          dummy="dummy:cosmos")
 register("LTX2Pipeline", "tllm.visual_gen.models.ltx2.pipeline:LTX2Pipeline",
          dummy="dummy:ltx2")
+register("LTX2ImageToVideoPipeline",
+         "tllm.visual_gen.models.ltx2.pipeline:LTX2ImageToVideoPipeline")
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,16 @@
-"""LTX-2 text-to-video with sound: Gemma 3 encodes the prompt (all its layers' states), the
+"""LTX-2 text-to-video and image-to-video with sound: Gemma 3 encodes the prompt (all its layers' states), the
 connectors turn that into the video's and the audio's prompt tokens, noise in the video VAE's
 and the audio VAE's latent spaces goes through the shared denoising loop as two streams
 (video, audio) with one flow-match Euler scheduler each and LTX-2's guidance (guidance.py),
-then the video VAE decodes frames and the audio VAE + vocoder a waveform.
+then the video VAE decodes frames and the audio VAE + vocoder a waveform. Image-to-video
+(diffusers' LTX2ImageToVideoPipeline) encodes the image, re-compressed as H.264 at CRF 33 as
+LTX-2 was trained, into the first latent frame and keeps it clean: its tokens see timestep 0
+and the scheduler does not move them.
 
 Numerics follow diffusers' LTX2Pipeline (the same tokenisation and padding, the same noise
 for the same seed, the same schedule, guidance in float32), so the two agree on the same
 weights. The guidance branches of a step run as one batch of the transformer. Not here yet:
-image-to-video (LTX2ImageToVideoPipeline), prompt enhancement, LTX-2.3's options."""
+prompt enhancement, a settable image CRF, LTX-2.3's options, the two-stage upsampling."""
 from __future__ import annotations
 
 import math
@@ -18,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from tllm.visual_gen.models.ltx2.conditioning import KeepCleanTokens, preprocess_image
 from tllm.visual_gen.models.ltx2.components import (LTX2Components, dummy_components,
                                                     load_components)
 from tllm.visual_gen.models.ltx2.guidance import LTX2Guidance, StreamScales
@@ -75,7 +79,7 @@ class LatentGrid:
 class LTX2Pipeline(VisualPipeline):
     """LTX-2: a video and its soundtrack per seed."""
 
-    takes_image = False
+    takes_image = False     # an image is optional: image-to-video
     makes_video = True
     use_cross_timestep = True   # diffusers' default (LTX-2.3's rule; equal for text-to-video)
 
@@ -115,8 +119,10 @@ class LTX2Pipeline(VisualPipeline):
     # ---- requests ----
 
     def check_request(self, params: VisualGenParams, images, prompts) -> None:
-        if images is not None:
-            raise ValueError("image: LTX-2 image-to-video is not supported yet")
+        if images is not None and len(images) not in (1, len(prompts)):
+            raise ValueError("image: give one input image, or one per prompt")
+        if self.takes_image and images is None:
+            raise ValueError("image: this image-to-video model needs an input image")
         num_frames = params.num_frames
         check(num_frames is None or num_frames % self.temporal == 1, "num_frames", num_frames,
               f"must be {self.temporal} * k + 1 for this model (its VAE packs "
@@ -146,7 +152,9 @@ class LTX2Pipeline(VisualPipeline):
         videos, sounds, latents = [], [], []
         for index, seed in enumerate(seeds):
             prompt = prompts[index // params.num_images_per_prompt]
-            final = self.denoise_video(prompt, request, seed, hooks)
+            image = None if images is None else images[min(index // params.num_images_per_prompt,
+                                                            len(images) - 1)]
+            final = self.denoise_video(prompt, request, seed, hooks, image)
             latents.append(final["video"])
             if params.output_type != "latent":
                 grid = self.latent_grid(request)
@@ -158,11 +166,17 @@ class LTX2Pipeline(VisualPipeline):
                                sample_rate=self.sample_rate)
 
     def denoise_video(self, prompt: str, request: VideoRequest, seed: int,
-                      hooks: Sequence[DenoiseHook] = ()) -> dict[str, torch.Tensor]:
+                      hooks: Sequence[DenoiseHook] = (), image=None) -> dict[str, torch.Tensor]:
         """The final packed latents of one video: {"video": (1, S, C), "audio": (1, L, C_a)},
-        float32, normalised as the transformer sees them."""
+        float32, normalised as the transformer sees them; `image` makes it image-to-video."""
         grid = self.latent_grid(request)
-        streams = self.initial_latents(grid, torch.Generator("cpu").manual_seed(seed))
+        first = None if image is None else self.encode_image(image, request)
+        streams = self.initial_latents(grid, torch.Generator("cpu").manual_seed(seed), first)
+        clean = 0
+        if first is not None:
+            p = self.config.patch_size
+            clean = self.config.patch_size_t * (grid.height // p) * (grid.width // p)
+            hooks = [KeepCleanTokens("video", streams["video"][:, :clean]), *hooks]
         schedulers = {name: self.scheduler(request.num_inference_steps, grid)
                       for name in streams}
         guidance = LTX2Guidance(request.scales(), schedulers["video"].sigmas)
@@ -176,7 +190,7 @@ class LTX2Pipeline(VisualPipeline):
 
         def predict(step: DenoiseStep) -> dict[str, list[torch.Tensor]]:
             video, audio = (step.streams[name].expand(num, -1, -1) for name in ("video", "audio"))
-            inputs = LTX2Inputs(video, audio, step.timestep.expand(num), text, rope,
+            inputs = LTX2Inputs(video, audio, step.timestep.expand(num), text, rope, clean,
                                 use_cross_timestep=self.use_cross_timestep,
                                 cross_rows=cross_rows)
             video_out, audio_out = self.transformer(inputs)
@@ -195,12 +209,16 @@ class LTX2Pipeline(VisualPipeline):
                           round(request.num_frames / request.frame_rate * per_second),
                           audio_vae.config.mel_bins // audio_vae.mel_compression_ratio)
 
-    def initial_latents(self, grid: LatentGrid, generator) -> dict[str, torch.Tensor]:
+    def initial_latents(self, grid: LatentGrid, generator,
+                        first_frame: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Packed float32 noise, the video's drawn first, then the audio's, from one generator
-        (diffusers' order)."""
+        (diffusers' order); with `first_frame` (1, C, 1, h, w) latents the video's first frame
+        is that image."""
         video = torch.randn((1, self.config.in_channels // self.config.patch_size ** 2
                              // self.config.patch_size_t, grid.frames, grid.height, grid.width),
                             generator=generator, dtype=torch.float32)
+        if first_frame is not None:
+            video[:, :, :1] = first_frame.cpu()
         audio = torch.randn((1, self.audio_vae.config.latent_channels, grid.audio_frames,
                              grid.mel_bins), generator=generator, dtype=torch.float32)
         return {"video": self.pack(video).to(self.device),
@@ -244,6 +262,18 @@ class LTX2Pipeline(VisualPipeline):
 
     # ---- latents and decoding ----
 
+    @torch.no_grad()
+    def encode_image(self, image, request: VideoRequest) -> torch.Tensor:
+        """The conditioning image -> normalised latents (1, C, 1, h, w), float32: the mode of
+        the VAE's posterior, as diffusers encodes it."""
+        vae = self.vae
+        pixels = preprocess_image(image, request.height, request.width, self.spatial)
+        pixels = pixels.to(self.device, self.transformer.dtype)
+        mode = vae.encode(pixels[:, :, None].to(vae.dtype)).latent_dist.mode().float()
+        mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(mode.device, mode.dtype)
+        std = vae.latents_std.view(1, -1, 1, 1, 1).to(mode.device, mode.dtype)
+        return (mode - mean) / std
+
     def pack(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, C, F, H, W) -> (B, F/pt * H/p * W/p, C * pt * p * p), as diffusers packs."""
         p, pt = self.config.patch_size, self.config.patch_size_t
@@ -281,6 +311,12 @@ class LTX2Pipeline(VisualPipeline):
         z = (latents * std + mean).unflatten(2, (-1, grid.mel_bins)).transpose(1, 2)
         mel = vae.decode(z.to(vae.dtype), return_dict=False)[0]
         return self.vocoder(mel)
+
+
+class LTX2ImageToVideoPipeline(LTX2Pipeline):
+    """A folder saved from diffusers' LTX2ImageToVideoPipeline: an input image is required."""
+
+    takes_image = True
 
 
 def to_uint8(frames: torch.Tensor) -> np.ndarray:

@@ -3,7 +3,9 @@
 # (10 minutes at most). Run from the repository root on the GPU machine, with .whl carried:
 #   bash benchmarks/gpu_session.sh quant    # GPU tests of the new kernels, INT4, GGUF
 #   bash benchmarks/gpu_session.sh serving  # LoRA, beam search, disaggregated KV transfer
-#   bash benchmarks/gpu_session.sh smollm2  # n-gram speculation and guided JSON on SmolLM2
+#   bash benchmarks/gpu_session.sh spec     # verify graphs: tests, verify cost, replay speed-up
+#   bash benchmarks/gpu_session.sh kernels  # INT4 and LoRA again after tuning
+#   bash benchmarks/gpu_session.sh smollm2  # n-gram speculation and guided JSON on SmolLM2, GGUF
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
 # $OUT/<step>.log (and each script's JSON to $OUT).
 set -u
@@ -35,13 +37,30 @@ case ${1:-} in
     step gpu_beam 110 python3 benchmarks/gpu_beam.py --repeats 1
     step gpu_disagg 200 python3 benchmarks/gpu_disagg.py --out "$OUT"
     ;;
+  spec)
+    export PYTHONUNBUFFERED=1
+    step spec_replay_bf16 150 python3 benchmarks/gpu_spec_replay.py --planted \
+      --corrupt 0,0.245,0.4 --profile
+    step spec_tests 70 python3 -m pytest -q -x -p no:cacheprovider \
+      tests/runner/test_verify_graphs.py tests/kernels/test_decode_attention.py \
+      -k "verify or eight or several or large_on_gpu"
+    step spec_verify 50 python3 benchmarks/gpu_spec_verify.py --batches 1,32 --ks 0,1,4,7 \
+      --compare-context --repeats 30
+    ;;
+  kernels)
+    step gpu_int4 120 python3 benchmarks/gpu_int4.py --budget 110
+    step gpu_lora 110 python3 benchmarks/gpu_lora.py
+    ;;
   smollm2)  # the GGUF comes in two carried halves (it is over the carry limit)
     cat /tmp/smol_a .smol/b/part >/tmp/smollm2.gguf
     echo "a1231443440b107ff29f02bdb38c9d0a  /tmp/smollm2.gguf" | md5sum -c || exit 1
-    step spec_ngram 200 python3 benchmarks/cpu_speculative.py --model /tmp/smollm2.gguf \
+    step spec_ngram 120 python3 benchmarks/cpu_speculative.py --model /tmp/smollm2.gguf \
       --repeats 3 --json "$OUT/spec_ngram.json"
-    step guided 150 python3 benchmarks/guided_decoding.py --model /tmp/smollm2.gguf \
-      --repeats 3
+    step guided 80 python3 benchmarks/guided_decoding.py --model /tmp/smollm2.gguf \
+      --repeats 2 --out "$OUT"
+    step gpu_gguf 100 python3 benchmarks/gpu_gguf.py --budget 90
     ;;
-  *) echo "usage: $0 quant|serving|smollm2"; exit 2 ;;
+  stage)  # the first half of the SmolLM2 GGUF, carried alone
+    cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|stage|smollm2"; exit 2 ;;
 esac

@@ -48,7 +48,9 @@ def test_gemv(device, qtype, dtype):
     planes, _ = planes_of(qtype, n, k, seed=2, device=device)
     x = torch.randn(1, k, device=device).to(dtype)
     ref = gguf_mm_ref(x, planes)
-    for config in (None, GemvConfig(16, 4, 3), GemvConfig(32, 8, 1)):  # uneven split, no split
+    # default, uneven split (folded; two kernels), no split
+    for config in (None, GemvConfig(16, 4, 3), GemvConfig(16, 4, 3, fold=False),
+                   GemvConfig(32, 8, 1)):
         out = torch.full((1, n), float("nan"), device=device, dtype=dtype)
         out[:] = gguf_gemv(x, planes, config)
         assert out.dtype == dtype
@@ -57,25 +59,27 @@ def test_gemv(device, qtype, dtype):
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
-@pytest.mark.parametrize("m", [2, 9])
-def test_fused_mm(device, qtype, m):
-    n, k = 72, k_of(qtype)
+def test_fused_mm(device, qtype):
+    n, k, m = 72, k_of(qtype), 9
     planes, _ = planes_of(qtype, n, k, seed=3, device=device)
     x = torch.randn(m, k, device=device)
     ref = gguf_mm_ref(x, planes)
     assert relative_error(gguf_fused_mm(x, planes), ref) < 1e-5
-    out = gguf_fused_mm(x.bfloat16(), planes, FusedMmConfig(16, 32, 2, 3))
+    out = gguf_fused_mm(x.bfloat16(), planes, FusedMmConfig(16, 32, 2, 3))  # folded split
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
     assert relative_error(out, ref) < 1e-2
 
 
-@pytest.mark.parametrize("qtype", ["Q5_1", "Q4_K"])
+@pytest.mark.parametrize("qtype", ["Q5_1", "Q4_K", "Q6_K"])
 def test_fused_mm_row_tiles(device, qtype):
-    """Rows beyond one M tile (21 rows in tiles of 16), with split K."""
+    """Rows beyond one M tile (21 rows in tiles of 16), with split K folded and in two
+    kernels, and the first (tile-transposing) kernel."""
     planes, _ = planes_of(qtype, 40, 512, seed=8, device=device)
     x = torch.randn(21, 512, device=device)
-    out = gguf_fused_mm(x, planes, FusedMmConfig(16, 32, 4, 2))
-    assert relative_error(out, gguf_mm_ref(x, planes)) < 1e-5
+    for config in (FusedMmConfig(16, 32, 4, 2), FusedMmConfig(16, 32, 4, 2, fold=False),
+                   FusedMmConfig(16, 32, 2, 3, tile=True)):
+        out = gguf_fused_mm(x, planes, config)
+        assert relative_error(out, gguf_mm_ref(x, planes)) < 1e-5, config
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES)
@@ -115,12 +119,41 @@ def test_bad_inputs_are_refused(device):
 
 def test_configs_split_narrow_layers():
     cpu = torch.device("cpu")  # counts as 8 SMs
-    assert gemv_config(4096, 4096, cpu).split_k == 1
-    narrow = gemv_config(64, 4096, cpu)
-    assert narrow.block_n == 16 and narrow.block_g == 16 and narrow.split_k == 4
-    assert gemv_config(64, 256, cpu).block_g == 8
-    assert fused_mm_config(32, 64, 4096, cpu).split_k > 1
-    assert fused_mm_config(100, 4096, 4096, cpu) == FusedMmConfig(64, 64, 4, 1)
+    assert gemv_config("Q4_K", 4096, 4096, cpu).split_k == 1
+    narrow = gemv_config("Q4_K", 64, 4096, cpu)
+    assert narrow.block_n == 8 and narrow.block_g == 16 and narrow.split_k == 4
+    assert gemv_config("Q8_0", 64, 256, cpu).block_g == 8
+    assert fused_mm_config("Q4_K", 32, 64, 4096, cpu).split_k > 1
+    assert fused_mm_config("Q4_K", 100, 4096, 4096, cpu) == FusedMmConfig(64, 64, 2, 1)
+
+
+def test_tuned_entries_override_and_round_trip(tmp_path, monkeypatch):
+    from tllm.kernels.triton import gguf_configs
+    monkeypatch.setattr(gguf_configs, "TUNED", {})
+    cpu = torch.device("cpu")
+    gemv, fused = GemvConfig(4, 32, 2, 8, fold=False), FusedMmConfig(32, 128, 4, 1, tile=True)
+    gguf_configs.TUNED.update({("Q6_K", 512, 1024, 1): gemv, ("Q6_K", 512, 1024, 32): fused})
+    assert gemv_config("Q6_K", 512, 1024, cpu) == gemv
+    assert fused_mm_config("Q6_K", 20, 512, 1024, cpu) == fused   # rows 17-32: bucket 32
+    assert fused_mm_config("Q6_K", 8, 512, 1024, cpu) != fused
+    path = tmp_path / "tuned.json"
+    path.write_text(gguf_configs.tuned_to_json(gguf_configs.TUNED))
+    table = dict(gguf_configs.TUNED)
+    gguf_configs.TUNED.clear()
+    assert gguf_configs.load_tuned(path) == 2 and gguf_configs.TUNED == table
+
+
+def test_folded_split_leaves_its_counters_at_zero(device):
+    """The last split of a tile resets its counter: a second call (a graph replay) folds
+    the same way."""
+    from tllm.kernels.triton import gguf_gemm
+    planes, _ = planes_of("Q4_K", 24, 1024, seed=9, device=device)
+    x = torch.randn(1, 1024, device=device)
+    ref = gguf_mm_ref(x, planes)
+    for _ in range(2):
+        assert relative_error(gguf_gemv(x, planes, GemvConfig(8, 4, 4)), ref) < 1e-5
+    locks = [v for (_, ptr, _), v in gguf_gemm._LOCKS.items() if ptr == planes.qs.data_ptr()]
+    assert locks and all(int(v.abs().sum()) == 0 for v in locks)
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a GPU")

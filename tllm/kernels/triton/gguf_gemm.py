@@ -1,20 +1,21 @@
 """GGUF block formats multiplied as they are kept (the planes of tllm.kernels.gguf): out [M, N]
-= x [M, K] times the weight [N, K]^T, the weight decoded in registers, never written out.
+= x [M, K] times the weight [N, K]^T, the weight decoded in registers (gguf_decode), never
+written out.
 
-One decoder serves every type (`_dequant_halves`, QTYPE a constexpr): a tile is rows x groups
-of 32 values, read as its two halves (the low nibbles: values 0-15 of each group, the high:
-16-31), each [BLOCK_N, BLOCK_G, 16], with the 5th / 6th bits OR-ed in from their plane and the
-scales loaded once per group ([BLOCK_N, BLOCK_G, 1], broadcast). The activations are loaded at
-the positions of each half, so no interleave is needed. Integer values become float32 through
-the mantissa of 2^23 (an OR and a subtraction) rather than an int-to-float conversion, which
-runs at a quarter of the rate on Hopper; the arithmetic then follows gguf's dequantize.
-
-- `gguf_gemv` (M = 1, batch-1 decode): products accumulate elementwise in a float32
-  [BLOCK_N, BLOCK_G, 16] tile, summed once at the end; CUDA cores, no tensor-core padding.
-- `gguf_fused_mm` (small M): the decoded halves, cast to x's dtype (what the dense bf16 model
-  would hold), go through tl.dot against [BLOCK_M, 16 * BLOCK_G] activation tiles.
-- both split K when the N tiles cannot fill the SMs; a second kernel sums the partial tiles in
-  a fixed order (deterministic, no atomics).
+- `gguf_gemv` (M = 1, batch-1 decode), on CUDA cores: a program takes BLOCK_N weight rows
+  and BLOCK_G groups of 32 values a K step, as [BLOCK_N, BLOCK_G, 16] tiles of its low and
+  high half-groups; it sums q * x over each half-group (the integers less the type's offset,
+  in float32: exact), then scales once a half-group and adds low * sum(x) once a group. The
+  accumulator is one float32 a (row, group) of the tile: few registers, so many programs fit
+  on an SM and keep many loads in flight (a GEMV is bound by the bytes it reads).
+- `gguf_fused_mm` (2..MAX_FUSED_M rows): per half-group, the [16, BLOCK_N] weight tile (its
+  16 bytes of each row, contiguous) is decoded once and multiplied into all BLOCK_M rows by
+  one tl.dot of depth 16, its scales a [1, BLOCK_N] row; BLOCK_G half-group pairs a K step
+  (unrolled). FusedMmConfig(tile=True) runs the first kernel instead (a [BLOCK_N, 16 BLOCK_G]
+  tile decoded, then transposed for the dot), for the sweep's comparison.
+- both split K when the N (x M) tiles cannot fill the SMs. By default the last program to
+  finish a tile sums the partials in split order (a counter per tile, reset by that program:
+  deterministic, one launch); fold=False sums them in a second kernel.
 - `gguf_dequantize`: decoded rows (all, or those `rows` names: the embedding's lookups) in a
   float dtype. `gguf_mm` above the fused kernel's rows decodes the weight and calls cuBLAS: a
   prefill is bound by its FLOPs, and the one-off decode costs a few percent of them.
@@ -23,157 +24,145 @@ Reference: tllm.kernels.gguf.dequantize_planes / gguf_mm_ref (gguf's own dequant
 values)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from tllm.kernels.gguf import GROUP, KERNEL_TYPES, GgufPlanes
-from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot, next_pow2, num_sms
+from tllm.kernels.triton.gguf_configs import (FusedMmConfig, GemvConfig, fused_mm_config,  # noqa: F401
+                                              gemv_config)
+from tllm.kernels.triton.gguf_decode import dequant_halves, scales, values
+from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot, next_pow2
 
 QTYPE_CODES = {name: i for i, name in enumerate(KERNEL_TYPES)}
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = range(8)
 MAX_FUSED_M = 128   # rows above which gguf_mm decodes the weight once and uses torch.matmul
-_MAGIC = tl.constexpr(0x4B000000)  # the bits of 2^23 as float32
-
-
-@dataclass(frozen=True)
-class GemvConfig:
-    block_n: int
-    block_g: int        # groups of 32 values a K step
-    split_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-@dataclass(frozen=True)
-class FusedMmConfig:
-    block_m: int
-    block_n: int
-    block_g: int
-    split_k: int
-    num_warps: int = 4
-    num_stages: int = 2
+NO_SPLIT, TWO_PASS, FOLD = 0, 1, 2
 
 
 @triton.jit
-def _as_float(q, offset: tl.constexpr):
-    """float32(q - offset) for 0 <= q < 2^22 (int32): q is placed in the mantissa of 2^23."""
-    return (q | _MAGIC).to(tl.float32, bitcast=True) - (8388608.0 + offset)
-
-
-@triton.jit
-def _dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j, mask,
-                    s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE: tl.constexpr):
-    """float32 weights of rows r [BN, 1, 1] (int64), groups g [1, BG, 1] (mask: the groups
-    that exist), positions j [1, 1, 16]: (values 32g + j, values 32g + 16 + j)."""
-    if QTYPE == 4:  # Q8_0: int8 values, shifted to 0..255 for _as_float
-        base = qs_ptr + r * s_qs + g * 32 + j
-        lo = tl.load(base, mask=mask, other=0).to(tl.int32) + 128
-        hi = tl.load(base + 16, mask=mask, other=0).to(tl.int32) + 128
+def _finish(acc, out_ptrs, part_ptrs, lock_ptr, mask, stride_ps, SPLIT: tl.constexpr):
+    """Store a program's result: the output (no split), or its partial; with FOLD the last
+    split of the tile to arrive sums every partial in split order into the output."""
+    if SPLIT == 0:
+        tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=mask)
     else:
-        byte = tl.load(qs_ptr + r * s_qs + g * 16 + j, mask=mask, other=0).to(tl.int32)
-        lo = byte & 15
-        hi = byte >> 4
-        if QTYPE == 2 or QTYPE == 3 or QTYPE == 6:  # Q5_0, Q5_1, Q5_K: bit j of the word
-            h = tl.load(qh_ptr + r * s_qh + g, mask=mask, other=0)
-            lo = lo | (((h >> j) & 1) << 4)
-            hi = hi | (((h >> (j + 16)) & 1) << 4)
-        if QTYPE == 7:  # Q6_K: 2 bits each, values 0-15 in one word, 16-31 in the next
-            h_lo = tl.load(qh_ptr + r * s_qh + 2 * g, mask=mask, other=0)
-            h_hi = tl.load(qh_ptr + r * s_qh + 2 * g + 1, mask=mask, other=0)
-            lo = lo | (((h_lo >> (2 * j)) & 3) << 4)
-            hi = hi | (((h_hi >> (2 * j)) & 3) << 4)
-    if QTYPE == 5 or QTYPE == 6:  # Q4_K, Q5_K: (d * sc) * q - dmin * m per 32
-        d = tl.load(d_ptr + r * s_d + g // 8, mask=mask, other=0).to(tl.float32)
-        dmin = tl.load(dmin_ptr + r * s_dmin + g // 8, mask=mask, other=0).to(tl.float32)
-        scale = d * tl.load(sc_ptr + r * s_sc + g, mask=mask, other=0).to(tl.float32)
-        low = dmin * tl.load(m_ptr + r * s_m + g, mask=mask, other=0).to(tl.float32)
-        w_lo = scale * _as_float(lo, 0) - low
-        w_hi = scale * _as_float(hi, 0) - low
-    elif QTYPE == 7:  # Q6_K: (d * sc) * (q - 32) per 16
-        d = tl.load(d_ptr + r * s_d + g // 8, mask=mask, other=0).to(tl.float32)
-        sc_lo = tl.load(sc_ptr + r * s_sc + 2 * g, mask=mask, other=0).to(tl.float32)
-        sc_hi = tl.load(sc_ptr + r * s_sc + 2 * g + 1, mask=mask, other=0).to(tl.float32)
-        w_lo = (d * sc_lo) * _as_float(lo, 32)
-        w_hi = (d * sc_hi) * _as_float(hi, 32)
-    else:
-        d = tl.load(d_ptr + r * s_d + g, mask=mask, other=0).to(tl.float32)
-        if QTYPE == 1 or QTYPE == 3:  # Q4_1, Q5_1: d * q + m
-            m = tl.load(m_ptr + r * s_m + g, mask=mask, other=0).to(tl.float32)
-            w_lo = d * _as_float(lo, 0) + m
-            w_hi = d * _as_float(hi, 0) + m
-        elif QTYPE == 0:  # Q4_0: d * (q - 8)
-            w_lo = d * _as_float(lo, 8)
-            w_hi = d * _as_float(hi, 8)
-        elif QTYPE == 2:  # Q5_0: d * (q - 16)
-            w_lo = d * _as_float(lo, 16)
-            w_hi = d * _as_float(hi, 16)
-        else:  # Q8_0: q * d (q shifted by 128 above)
-            w_lo = d * _as_float(lo, 128)
-            w_hi = d * _as_float(hi, 128)
-    return w_lo, w_hi
+        tl.store(part_ptrs + tl.program_id(1) * stride_ps, acc, mask=mask)
+        if SPLIT == 2:
+            num_splits = tl.num_programs(1)
+            tl.debug_barrier()  # every thread's partial is written before the count
+            arrived = tl.atomic_add(lock_ptr, 1)  # acq_rel, GPU scope
+            if arrived == num_splits - 1:
+                total = tl.zeros_like(acc)
+                for s in range(0, num_splits):
+                    total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0,
+                                     cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr, 0)  # ready for the next call (graph replays too)
 
 
 @triton.jit
-def _gguf_gemv_kernel(out_ptr, part_ptr, x_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                      N, G, groups_per_split, stride_ps,
+def _gguf_gemv_kernel(out_ptr, part_ptr, lock_ptr, x_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr,
+                      sc_ptr, m_ptr, N, G, groups_per_split, stride_ps,
                       s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, IS_SPLIT: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr):
     """Program (n tile, k split): one activation row against BLOCK_N weight rows over its
     share of the K groups."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = (offs_n % N).to(tl.int64)[:, None, None]   # rows past N are computed, not stored
     j = tl.arange(0, 16)[None, None, :]
     offs_g = tl.arange(0, BLOCK_G)[None, :, None]
-    g_lo = pid_k * groups_per_split
+    g_lo = tl.program_id(1) * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, G)
-    acc = tl.zeros([BLOCK_N, BLOCK_G, 16], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=tl.float32)
     for g0 in range(g_lo, g_hi, BLOCK_G):
         g = g0 + offs_g
         mask = g < g_hi
-        w_lo, w_hi = _dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j,
-                                     mask, s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE)
+        q_lo, q_hi = values(qs_ptr, qh_ptr, r, g, j, mask, s_qs, s_qh, QTYPE)
         x_lo = tl.load(x_ptr + g * 32 + j, mask=mask, other=0.0).to(tl.float32)
         x_hi = tl.load(x_ptr + g * 32 + 16 + j, mask=mask, other=0.0).to(tl.float32)
-        acc += w_lo * x_lo + w_hi * x_hi
+        s_lo, s_hi, low = scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, mask, s_d, s_dmin,
+                                 s_sc, s_m, QTYPE)
+        if QTYPE == 7:  # Q6_K: a scale a half-group
+            acc += (s_lo * tl.sum(q_lo * x_lo, axis=2, keep_dims=True)
+                    + s_hi * tl.sum(q_hi * x_hi, axis=2, keep_dims=True))
+        else:
+            acc += s_lo * tl.sum(q_lo * x_lo + q_hi * x_hi, axis=2, keep_dims=True)
+        if QTYPE == 1 or QTYPE == 3 or QTYPE == 5 or QTYPE == 6:  # + low * sum(x)
+            acc += low * tl.sum(x_lo + x_hi, axis=2, keep_dims=True)
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
-    if IS_SPLIT:
-        tl.store(part_ptr + pid_k * stride_ps + offs_n, out, mask=offs_n < N)
-    else:
-        tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    _finish(out, out_ptr + offs_n, part_ptr + offs_n, lock_ptr + pid_n, offs_n < N,
+            stride_ps, SPLIT)
 
 
 @triton.jit
-def _gguf_mm_kernel(out_ptr, part_ptr, x_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr,
-                    M, N, G, groups_per_split, stride_xm, stride_om, stride_ps, stride_pm,
-                    s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE: tl.constexpr,
+def _gguf_mm_kernel(out_ptr, part_ptr, lock_ptr, x_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr,
+                    sc_ptr, m_ptr, M, N, G, groups_per_split, stride_xm, stride_om, stride_ps,
+                    stride_pm, s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
-                    IS_SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
-    """Program (n tile, k split, m tile): BLOCK_M activation rows against BLOCK_N weight rows,
-    each half of the decoded tile one tl.dot."""
+                    SPLIT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """Program (n tile, k split, m tile): BLOCK_M activation rows against BLOCK_N weight rows;
+    each half-group's decoded [16, BLOCK_N] tile one tl.dot."""
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rows_m = (offs_m % M).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = (offs_n % N).to(tl.int64)[None, :]
+    j = tl.arange(0, 16)[:, None]
+    x_base = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm + tl.arange(0, 16)[None, :]
+    zero_n = tl.zeros([1, BLOCK_N], dtype=tl.int32)
+    zero_16 = tl.zeros([1, 16], dtype=tl.int32)
+    g_lo = tl.program_id(1) * groups_per_split
+    g_hi = tl.minimum(g_lo + groups_per_split, G)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for g0 in range(g_lo, g_hi, BLOCK_G):
+        for i in tl.static_range(BLOCK_G):
+            g = g0 + i
+            # the group's masks as blocks: [1, BLOCK_N] for the weights, [1, 16] for x
+            w_mask = (zero_n + g) < g_hi
+            x_mask = (zero_16 + g) < g_hi
+            w_lo, w_hi = dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j,
+                                        w_mask, s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE)
+            x_lo = tl.load(x_base + g * 32, mask=x_mask, other=0.0)
+            x_hi = tl.load(x_base + g * 32 + 16, mask=x_mask, other=0.0)
+            if DOT_FP32:
+                x_lo = x_lo.to(tl.float32)
+                x_hi = x_hi.to(tl.float32)
+            acc = tl.dot(x_lo, w_lo.to(x_lo.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(x_hi, w_hi.to(x_hi.dtype), acc, input_precision=PRECISION)
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    part_offs = offs_m[:, None] * stride_pm + offs_n[None, :]
+    _finish(acc, out_ptr + out_offs, part_ptr + part_offs,
+            lock_ptr + pid_m * tl.num_programs(0) + pid_n,
+            (offs_m < M)[:, None] & (offs_n < N)[None, :], stride_ps, SPLIT)
+
+
+@triton.jit
+def _gguf_mm_tile_kernel(out_ptr, part_ptr, lock_ptr, x_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr,
+                         sc_ptr, m_ptr, M, N, G, groups_per_split, stride_xm, stride_om,
+                         stride_ps, stride_pm, s_qs, s_qh, s_d, s_dmin, s_sc, s_m,
+                         QTYPE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_G: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
+                         PRECISION: tl.constexpr):
+    """The first fused kernel: a [BLOCK_N, BLOCK_G, 16] tile of each half decoded, reshaped
+    and transposed into one tl.dot of depth 16 BLOCK_G."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = (offs_n % N).to(tl.int64)[:, None, None]
     j = tl.arange(0, 16)[None, None, :]
     offs_g = tl.arange(0, BLOCK_G)[None, :, None]
     c = tl.arange(0, BLOCK_G * 16)           # a half's column: group c // 16, position c % 16
-    x_base = x_ptr + rows_m[:, None] * stride_xm
-    g_lo = pid_k * groups_per_split
+    x_base = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm
+    g_lo = tl.program_id(1) * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, G)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for g0 in range(g_lo, g_hi, BLOCK_G):
         g = g0 + offs_g
-        w_lo, w_hi = _dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j,
-                                     g < g_hi, s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE)
+        w_lo, w_hi = dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j,
+                                    g < g_hi, s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE)
         gc = g0 + c // 16
         k_lo = (gc * 32 + c % 16)[None, :]
         x_mask = (gc < g_hi)[None, :]
@@ -186,13 +175,11 @@ def _gguf_mm_kernel(out_ptr, part_ptr, x_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr, s
         w_hi = tl.trans(tl.reshape(w_hi, (BLOCK_N, BLOCK_G * 16)).to(x_lo.dtype))
         acc = tl.dot(x_lo, w_lo, acc, input_precision=PRECISION)
         acc = tl.dot(x_hi, w_hi, acc, input_precision=PRECISION)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if IS_SPLIT:
-        tl.store(part_ptr + pid_k * stride_ps + offs_m[:, None] * stride_pm + offs_n[None, :],
-                 acc, mask=mask)
-    else:
-        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out_offs = offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    part_offs = offs_m[:, None] * stride_pm + offs_n[None, :]
+    _finish(acc, out_ptr + out_offs, part_ptr + part_offs,
+            lock_ptr + pid_m * tl.num_programs(0) + pid_n,
+            (offs_m < M)[:, None] & (offs_n < N)[None, :], stride_ps, SPLIT)
 
 
 @triton.jit
@@ -211,8 +198,8 @@ def _gguf_dequant_kernel(out_ptr, ids_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_p
     j = tl.arange(0, 16)[None, None, :]
     g = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)[None, :, None]
     mask = g < G
-    w_lo, w_hi = _dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j, mask,
-                                 s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE)
+    w_lo, w_hi = dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j, mask,
+                                s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE)
     dst = out_ptr + offs.to(tl.int64)[:, None, None] * stride_om + g * 32 + j
     store_mask = valid[:, None, None] & mask
     tl.store(dst, w_lo.to(out_ptr.dtype.element_ty), mask=store_mask)
@@ -231,36 +218,10 @@ def _sum_splits_kernel(out_ptr, part_ptr, N, num_splits, stride_om, stride_ps, s
     tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- configurations ----
-
-def gemv_config(n: int, k: int, device: torch.device) -> GemvConfig:
-    """16 weight rows a program and up to 512 values a K step (a 4096-value float32 tile);
-    K is split until about four programs run per SM (a 4096 x 4096 layer makes 256 N tiles
-    for the H200's 132 SMs), keeping at least two K steps a split."""
-    groups = k // GROUP
-    block_n, block_g = 16, min(16, next_pow2(groups))
-    tiles, steps = cdiv(n, block_n), cdiv(groups, block_g)
-    split = 1
-    if tiles < 4 * num_sms(device):
-        split = max(1, min(cdiv(4 * num_sms(device), tiles), steps // 2))
-    return GemvConfig(block_n, block_g, split)
-
-
-def fused_mm_config(m: int, n: int, k: int, device: torch.device) -> FusedMmConfig:
-    """64 weight rows a program, 128 values (two dots of 64) a K step; K split to fill the SMs
-    twice over."""
-    groups = k // GROUP
-    block_m = min(64, max(16, next_pow2(m)))
-    block_n, block_g = 64, min(4, next_pow2(groups))
-    tiles = cdiv(n, block_n) * cdiv(m, block_m)
-    steps = cdiv(groups, block_g)
-    split = 1
-    if tiles < 2 * num_sms(device):
-        split = max(1, min(cdiv(2 * num_sms(device), tiles), steps // 4))
-    return FusedMmConfig(block_m, block_n, block_g, split)
-
-
 # ---- wrappers ----
+
+_LOCKS: dict[tuple[str, int, int], torch.Tensor] = {}
+
 
 def _plane_args(planes: GgufPlanes) -> list:
     """(pointers of qs, qh, d, dmin, sc, m; their row strides): absent planes point at qs."""
@@ -288,6 +249,23 @@ def _split(groups: int, block_g: int, split_k: int) -> tuple[int, int]:
     return per_split, cdiv(groups, per_split)
 
 
+def _split_mode(planes: GgufPlanes, num_splits: int, fold: bool, tiles: int,
+                out: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """(SPLIT mode, the tiles' counters): a layer's zeroed counters are made on its first
+    split call (outside a CUDA graph capture: during one it sums in a second kernel)."""
+    if num_splits == 1:
+        return NO_SPLIT, out
+    if not fold:
+        return TWO_PASS, out
+    key = (str(out.device), planes.qs.data_ptr(), tiles)
+    locks = _LOCKS.get(key)
+    if locks is None:
+        if out.is_cuda and torch.cuda.is_current_stream_capturing():
+            return TWO_PASS, out
+        locks = _LOCKS[key] = torch.zeros(tiles, dtype=torch.int32, device=out.device)
+    return FOLD, locks
+
+
 def _sum_splits(out: torch.Tensor, part: torch.Tensor) -> None:
     m, n = out.shape
     block = min(1024, next_pow2(n))
@@ -304,16 +282,18 @@ def gguf_gemv(x: torch.Tensor, planes: GgufPlanes,
         raise ValueError(f"gguf_gemv takes one row, got {x.shape[0]}")
     n, groups = planes.n, planes.k // GROUP
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    cfg = config or gemv_config(n, planes.k, x.device)
+    cfg = config or gemv_config(planes.qtype, n, planes.k, x.device)
     per_split, num_splits = _split(groups, cfg.block_g, cfg.split_k)
+    tiles = cdiv(n, cfg.block_n)
+    mode, locks = _split_mode(planes, num_splits, cfg.fold, tiles, out)
     part = (torch.empty(num_splits, 1, n, dtype=torch.float32, device=x.device)
             if num_splits > 1 else out)
     pointers, strides = _plane_args(planes)
-    _gguf_gemv_kernel[(cdiv(n, cfg.block_n), num_splits)](
-        out, part, x, *pointers, n, groups, per_split, part.stride(0), *strides,
+    _gguf_gemv_kernel[(tiles, num_splits)](
+        out, part, locks, x, *pointers, n, groups, per_split, part.stride(0), *strides,
         QTYPE=QTYPE_CODES[planes.qtype], BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g,
-        IS_SPLIT=num_splits > 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_splits > 1:
+        SPLIT=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if mode == TWO_PASS:
         _sum_splits(out, part)
     return out
 
@@ -327,20 +307,21 @@ def gguf_fused_mm(x: torch.Tensor, planes: GgufPlanes,
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    cfg = config or fused_mm_config(m, n, planes.k, x.device)
+    cfg = config or fused_mm_config(planes.qtype, m, n, planes.k, x.device)
     per_split, num_splits = _split(groups, cfg.block_g, cfg.split_k)
+    grid = (cdiv(n, cfg.block_n), num_splits, cdiv(m, cfg.block_m))
+    mode, locks = _split_mode(planes, num_splits, cfg.fold, grid[0] * grid[2], out)
     part = (torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)
             if num_splits > 1 else out)
     pointers, strides = _plane_args(planes)
-    grid = (cdiv(n, cfg.block_n), num_splits, cdiv(m, cfg.block_m))
-    _gguf_mm_kernel[grid](
-        out, part, x, *pointers, m, n, groups, per_split, x.stride(0), out.stride(0),
-        part.stride(0) if num_splits > 1 else 0, part.stride(1) if num_splits > 1 else 0,
-        *strides, QTYPE=QTYPE_CODES[planes.qtype], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_G=cfg.block_g, IS_SPLIT=num_splits > 1,
-        DOT_FP32=needs_fp32_dot(_gguf_mm_kernel, x.dtype), PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if num_splits > 1:
+    kernel = _gguf_mm_tile_kernel if cfg.tile else _gguf_mm_kernel
+    kernel[grid](
+        out, part, locks, x, *pointers, m, n, groups, per_split, x.stride(0), out.stride(0),
+        part.stride(0), part.stride(1) if num_splits > 1 else n, *strides,
+        QTYPE=QTYPE_CODES[planes.qtype], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_G=cfg.block_g, SPLIT=mode, DOT_FP32=needs_fp32_dot(kernel, x.dtype),
+        PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if mode == TWO_PASS:
         _sum_splits(out, part)
     return out
 

@@ -1,6 +1,8 @@
 """Weight-only int4/int8 GEMM kernels vs the float32 torch reference (tllm.kernels.woq): the
-M = 1 GEMV, the small-M split-K dot path and the tiled path, the dequantize kernel; random
-weights with asymmetric zeros, several M/N/K/group sizes, 4 and 8 bits."""
+M = 1 GEMV (fp32 math; the packed 16-bit PTX math on the GPU only), the "wx" dot kernel
+(weight tile as the left operand) and the first "xw" one, with and without split-K, the
+dequantize kernel; random weights with asymmetric zeros, several M/N/K/group sizes, 4 and 8
+bits; every config the benchmark sweeps."""
 import pytest
 import torch
 
@@ -9,7 +11,8 @@ pytest.importorskip("triton")
 from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels import woq  # noqa: E402
 from tllm.kernels.triton.w4a16_gemm import (WoqConfig, default_config,  # noqa: E402
-                                            woq_dequantize, woq_mm)
+                                            sweep_configs, woq_dequantize, woq_mm)
+from tllm.kernels.triton.w4a16_gemv import split_counters  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
@@ -60,16 +63,42 @@ def test_default_configs(device, bits, dtype, m, n, k, group):
 
 
 @pytest.mark.parametrize("cfg", [WoqConfig(1, 16, split_k=3), WoqConfig(1, 32, 2),
-                                 WoqConfig(16, 32, split_k=4), WoqConfig(32, 16, 2)])
+                                 WoqConfig(1, 8, 2, kind="gemv", chunks=2),
+                                 WoqConfig(1, 4, 1, kind="gemv", chunks=4),
+                                 WoqConfig(16, 32, split_k=4), WoqConfig(32, 16, 2),
+                                 WoqConfig(16, 32, split_k=4, kind="xw")])
 @pytest.mark.parametrize("group", [64, 384])
 def test_split_k(device, cfg, group):
-    # uneven splits of the K tiles; N not a multiple of the tile; groups shorter than a tile
+    # uneven splits of the K tiles; N not a multiple of the tile; groups shorter than a
+    # chunk (64) and longer (384); the split counters are left zero for the next launch
     m = 1 if cfg.block_m == 1 else 5
     n, k = 40, 384
     (qweight, scales, zeros), layout, _ = packed_weight(n, k, 4, group, device)
-    x = torch.randn(m, k, device=device)
+    for _ in range(2):
+        x = torch.randn(m, k, device=device)
+        out = woq_mm(x, qweight, scales, zeros, layout, config=cfg)
+        assert relative_error(out, woq.woq_mm_ref(x, qweight, scales, zeros, layout)) < 1e-5
+    assert not split_counters(torch.device(device), 64)[:64].any()
+
+
+def test_split_sum_is_deterministic(device):
+    (qweight, scales, zeros), layout, _ = packed_weight(24, 512, 4, 128, device)
+    x = torch.randn(1, 512, device=device)
+    cfg = WoqConfig(1, 8, split_k=4, kind="gemv")
+    first = woq_mm(x, qweight, scales, zeros, layout, config=cfg)
+    assert torch.equal(first, woq_mm(x, qweight, scales, zeros, layout, config=cfg))
+
+
+@pytest.mark.parametrize("cfg", sweep_configs(1) + sweep_configs(16) + sweep_configs(64)
+                         + sweep_configs(256), ids=lambda c: c.label().replace(" ", "-"))
+def test_benchmark_sweep_configs(device, cfg):
+    # every launch the benchmark times is correct (smaller shapes, same constexprs)
+    gemv = cfg.resolved_kind == "gemv"
+    m, n, k = (1, 24, 128 * cfg.chunks) if gemv else (5, 24, 256)
+    (qweight, scales, zeros), layout, _ = packed_weight(n, k, 4, 128, device, torch.float16)
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
     out = woq_mm(x, qweight, scales, zeros, layout, config=cfg)
-    assert relative_error(out, woq.woq_mm_ref(x, qweight, scales, zeros, layout)) < 1e-5
+    assert relative_error(out, woq.woq_mm_ref(x, qweight, scales, zeros, layout)) < 1e-2
 
 
 def test_tiled_path_grouped_order(device):
@@ -92,11 +121,16 @@ def test_config_choice():
     cpu = torch.device("cpu")  # counts as 8 SMs
     layout = woq.WoqLayout(4, 128, 16)
     wide = default_config(1, 4096, 4096, layout, cpu)
-    assert wide.block_m == 1 and wide.block_n == 128 and wide.split_k == 1
+    assert wide.kind == "gemv" and wide.block_n == 8 and wide.chunks == 32
+    assert wide.split_k == 1 and wide.packed
+    assert default_config(1, 4096, 14336, layout, cpu).chunks == 16     # 112 chunks
     narrow = default_config(1, 32, 4096, layout, cpu)
-    assert narrow.block_n == 32 and narrow.split_k > 1
-    assert default_config(8, 4096, 4096, layout, cpu).block_m == 16
+    assert narrow.split_k > 1
+    small = default_config(8, 4096, 4096, layout, cpu)
+    assert small.kind == "wx" and small.block_m == 16
+    assert default_config(40, 4096, 4096, layout, cpu).block_m == 64
     assert default_config(100, 4096, 4096, layout, cpu).block_m == 128
+    assert default_config(4096, 4096, 4096, layout, cpu).kind == "dequant"
 
 
 def test_narrow_chunks_take_the_dequantized_path(device):

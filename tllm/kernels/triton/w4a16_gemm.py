@@ -2,31 +2,32 @@
 weight kept in tllm.kernels.woq's packed form (qweight int32 [N, K / pack], scales and zeros
 [K / group, N]), dequantized in registers.
 
-Values are unpacked without a shift or an int-to-float conversion (a slow instruction): the
-layout interleaves each chunk of K so that one bit-field of a row of words is a contiguous
-run of K; a field inside the float mantissa is masked in place and OR-ed into 2^23, which
-reads as 2^23 + q * 2^(4j), and one fused multiply-add by a power of two takes it to q - z
-exactly. The group scale is applied to a whole K tile's partial sum where the group spans
-the tile, not to each weight, so the per-weight work is mask-and-or, multiply-add,
-multiply-add (SASS for sm_90 checked on the CPU with triton.compile: no shuffles, 16-byte
-weight loads, ~5.5 instructions a weight in the GEMV loop).
+Values are unpacked without an int-to-float conversion (a slow instruction): the layout
+interleaves each chunk of K so that one bit-field of a row of words is a contiguous run of
+K; a field is masked and OR-ed into a float's exponent (2^23 in fp32; 128 in bf16, 1024 in
+fp16 for the GEMV's packed math), which reads as bias + q, and one multiply-add takes it to
+q - z exactly. A group's scale multiplies a whole chunk's partial sum.
 
-Three paths, by the number of rows M:
-- M = 1 (batch-1 decode), `_gemv_kernel`: CUDA cores, no tensor-core tile of which 15/16
-  would be padding. A program streams BLOCK_N weight rows along K (whole 16-byte runs of
-  each row) and accumulates elementwise, reducing once at the end.
-- 2 <= M < DEQUANT_MIN_ROWS, `_mm_kernel`: tl.dot tiles of (q - z) in the activation dtype
-  (exact: small integers), the scale applied to each tile's product. Small M takes one
-  16-row M tile and splits K when N alone cannot fill the SMs (split-K); larger M tiles M
-  and N (the tiled path) in grouped order so column tiles are reused from L2.
-- M >= DEQUANT_MIN_ROWS (prefill): compute bound; the weight is dequantized once into a
-  [N, K] buffer (`_dequant_kernel`) and multiplied by cuBLAS, as vLLM does for AWQ.
-Split-K partial sums are added by a second kernel in a fixed order (deterministic).
+Kernels, by the number of rows M (WoqConfig.kind; `default_config` picks):
+- "gemv" (M = 1, batch-1 decode; w4a16_gemv.py): CUDA cores, packed 16-bit math.
+- "wx" (2 <= M < DEQUANT_MIN_ROWS; w4a16_mm.py): the dequantized weight tile is the MMA's
+  left operand, x^T its narrow right one (BLOCK_M 16 .. 128), split-K to fill the SMs.
+- "xw" (`_mm_kernel` below, the first dot kernel): x the left operand, the weight tile the
+  right one; kept for comparison in the benchmark's sweep and for any shape it wins.
+- "dequant" (M >= DEQUANT_MIN_ROWS, prefill): the weight dequantized once into a [N, K]
+  buffer (`_dequant_kernel`) and multiplied by cuBLAS, as vLLM does for AWQ.
+Split-K partials are added in a fixed split order (deterministic): by the last split of a
+tile to arrive ("gemv", "wx"), or by a second kernel ("xw").
+
+The first H200 run (2026-12-01, benchmarks/gpu_int4.py) measured the first GEMV at 1-1.5 TB/s
+and the "xw" kernel at 0.3x bf16 at M = 64; the defaults below follow the instruction-count
+analysis in w4a16_gemv.py and w4a16_mm.py (SASS for sm_90 compiled on the CPU) until the
+benchmark's sweep (`--sweep`) has measured them.
 
 Reference: tllm.kernels.woq.woq_mm_ref / dequantize."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -35,84 +36,44 @@ import triton.language as tl
 
 from tllm.kernels.triton.fp8_gemm import _sum_splits_kernel
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot, next_pow2, num_sms
+from tllm.kernels.triton.w4a16_gemv import _field_minus_zero, _gemv_kernel, split_counters
+from tllm.kernels.triton.w4a16_mm import _mm_wx_kernel
 from tllm.kernels.woq import WoqLayout
 
-DEQUANT_MIN_ROWS = 256     # from here a dequantized weight and cuBLAS (compute bound)
-_MIN_TILES_PER_SPLIT = 4   # K tiles (chunks): shorter splits cost more in partial sums than they gain
+DEQUANT_MIN_ROWS = 512     # from here a dequantized weight and cuBLAS (compute bound)
+_MIN_TILES_PER_SPLIT = 2   # K tiles a split at least: shorter ones cost more than they gain
+KINDS = ("gemv", "wx", "xw", "dequant")
 
 
 @dataclass(frozen=True)
 class WoqConfig:
-    """Launch shape; the K tile is always one interleave chunk of the weight's layout."""
-    block_m: int       # 1: the GEMV kernel
+    """Launch shape. kind "gemv" (block_m 1): block_n rows a program, `chunks` interleave
+    chunks of K an iteration, `packed` 16-bit math (4-bit weights, bf16/fp16 x, groups of
+    whole chunks; else fp32). "wx" / "xw": block_m x block_n output tiles, one chunk of K an
+    iteration. split_k: K splits (1 = none). "dequant": the rest is ignored."""
+    block_m: int
     block_n: int
     split_k: int = 1
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 4
+    kind: str = ""             # "" = "gemv" for block_m 1, else "wx"
+    chunks: int = 1
+    packed: bool = True
 
+    @property
+    def resolved_kind(self) -> str:
+        return self.kind or ("gemv" if self.block_m == 1 else "wx")
 
-@triton.jit
-def _field_minus_zero(words, high, z, J: tl.constexpr, BITS: tl.constexpr):
-    """Bit-field J of a tile of words [BN, KW] minus the rows' zero points z [BN]: float32
-    q - z, exactly. A field inside the 23-bit mantissa is masked in place, others from `high`
-    (words >> HI * BITS); the masked bits OR-ed into 2^23 read as 2^23 + q * UNIT, so one
-    fused multiply-add by 1 / UNIT (a power of two) leaves q - z."""
-    HI: tl.constexpr = 23 // BITS
-    POS: tl.constexpr = J if J < HI else J - HI
-    FIELD: tl.constexpr = ((1 << BITS) - 1) << (BITS * POS)
-    INV_UNIT: tl.constexpr = 1.0 / (1 << (BITS * POS))
-    src = words if J < HI else high
-    biased = ((src & FIELD) | 0x4B000000).to(tl.float32, bitcast=True)
-    return biased * INV_UNIT - (8388608.0 * INV_UNIT + z)[:, None]
-
-
-@triton.jit
-def _gemv_kernel(out_ptr, part_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, N, tiles_per_split,
-                 num_tiles, stride_qn, stride_sg, stride_ps,
-                 BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KW: tl.constexpr, IS_SPLIT: tl.constexpr):
-    """M = 1. Program (n tile, k split): BLOCK_N rows over its share of the K tiles (one
-    interleave chunk, KW words a row, each): field j of the tile meets x[k0 + j*KW ...]."""
-    PACK: tl.constexpr = 32 // BITS
-    BLOCK_K: tl.constexpr = KW * PACK
-    HI: tl.constexpr = 23 // BITS
-    TILE_SCALED: tl.constexpr = GROUP % BLOCK_K == 0   # else a scale per field
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows = offs_n % N                       # rows past N are computed and not stored
-    offs_w = tl.arange(0, KW)
-    w_ptrs = qw_ptr + rows.to(tl.int64)[:, None] * stride_qn + offs_w[None, :]
-    t_lo = pid_k * tiles_per_split
-    t_hi = tl.minimum(t_lo + tiles_per_split, num_tiles)
-    acc = tl.zeros([BLOCK_N, KW], dtype=tl.float32)
-    for t in range(t_lo, t_hi):
-        k0 = t * BLOCK_K
-        words = tl.load(w_ptrs + t * KW, eviction_policy="evict_first")
-        high = words >> (HI * BITS)
-        inner = tl.zeros([BLOCK_N, KW], dtype=tl.float32)
-        for j in tl.static_range(PACK):
-            g = (k0 + j * KW) // GROUP
-            if TILE_SCALED:
-                g = k0 // GROUP
-            z = tl.load(z_ptr + g * stride_sg + rows).to(tl.float32)
-            xj = tl.load(x_ptr + k0 + j * KW + offs_w).to(tl.float32)
-            prod = _field_minus_zero(words, high, z, j, BITS) * xj[None, :]
-            if TILE_SCALED:
-                inner += prod
-            else:
-                inner += prod * tl.load(s_ptr + g * stride_sg + rows).to(tl.float32)[:, None]
-        if TILE_SCALED:
-            inner = inner * tl.load(s_ptr + (k0 // GROUP) * stride_sg + rows).to(
-                tl.float32)[:, None]
-        acc += inner
-    out = tl.sum(acc, axis=1)
-    mask = offs_n < N
-    if IS_SPLIT:
-        tl.store(part_ptr + pid_k * stride_ps + offs_n, out, mask=mask)
-    else:
-        tl.store(out_ptr + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask)
+    def label(self) -> str:
+        kind = self.resolved_kind
+        if kind == "dequant":
+            return "dequant+cuBLAS"
+        if kind == "gemv":
+            return (f"gemv bn{self.block_n} ch{self.chunks} w{self.num_warps} "
+                    f"split{self.split_k}{' packed' if self.packed else ' fp32'}")
+        return (f"{kind} bm{self.block_m} bn{self.block_n} w{self.num_warps} "
+                f"st{self.num_stages} split{self.split_k}")
 
 
 @triton.jit
@@ -158,7 +119,7 @@ def _mm_kernel(out_ptr, part_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, M, N, tiles_per_s
             if TILE_SCALED:
                 g = k0 // GROUP
             z = tl.load(z_ptr + g * stride_sg + rows_n).to(tl.float32)
-            qz = _field_minus_zero(words, high, z, j, BITS)
+            qz = _field_minus_zero(words, high, z[:, None], j, BITS)
             if not TILE_SCALED:
                 qz = qz * tl.load(s_ptr + g * stride_sg + rows_n).to(tl.float32)[:, None]
             xj = tl.load(x_base + k0 + j * KW)
@@ -199,7 +160,7 @@ def _dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, N, stride_wn, stride_qn, stride
         g = (k0 + j * KW) // GROUP
         z = tl.load(z_ptr + g * stride_sg + rows).to(tl.float32)
         s = tl.load(s_ptr + g * stride_sg + rows).to(tl.float32)
-        w = _field_minus_zero(words, high, z, j, BITS) * s[:, None]
+        w = _field_minus_zero(words, high, z[:, None], j, BITS) * s[:, None]
         tl.store(out_ptrs + k0 + j * KW, w.to(w_ptr.dtype.element_ty),
                  mask=(offs_n < N)[:, None])
 
@@ -208,19 +169,43 @@ def _dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, N, stride_wn, stride_qn, stride
 
 def default_config(m: int, n: int, k: int, layout: WoqLayout,
                    device: torch.device) -> WoqConfig:
-    """M = 1: 128 rows a program (4 a thread, so each activation value loaded serves four
-    weight rows), K split until the programs fill the SMs twice over. Small M: one 16-row
-    dot tile, split-K alike. Larger M: 64/128-row tiles."""
+    """The launch for an [m, k] x [k, n] product (see the module docstring for the kinds).
+    M = 1: 8 rows a program, every thread on a different 16 bytes of K and all 8 rows in its
+    registers (one x value serves 8 weights), 32 chunks (2 KB of each row at 4 bits) an
+    iteration: 16 KB in flight a program, ~2.8 SASS instructions a weight in the packed math.
+    Small M: one 16..64-row x^T tile against 64 weight rows, K split until the SMs are full
+    twice over. Larger M: 128 x 128 tiles; from DEQUANT_MIN_ROWS, dequantize + cuBLAS."""
     sms = num_sms(device)
+    if m >= DEQUANT_MIN_ROWS:
+        return WoqConfig(0, 0, kind="dequant")
     if m == 1:
-        return _with_split(WoqConfig(1, min(128, max(16, next_pow2(n))), num_warps=4,
-                                     num_stages=4), n, k, layout, sms)
-    if m <= 16:
-        return _with_split(WoqConfig(16, 64, num_warps=4, num_stages=4), n, k, layout, sms)
+        return _gemv_default(n, k, layout, sms)
+    if layout.chunk_words < 16:       # the dot kernels need 16-deep fields
+        return WoqConfig(0, 0, kind="dequant")
     if m <= 64:
-        return _with_split(WoqConfig(64, 64, num_warps=4, num_stages=4), n, k, layout, sms,
-                           tiles_m=cdiv(m, 64))
-    return WoqConfig(128, 128, num_warps=8, num_stages=3)
+        cfg = WoqConfig(max(16, next_pow2(m)), 64, num_warps=4, num_stages=3, kind="wx")
+        return _with_split(cfg, n, k, layout, sms)
+    return _with_split(WoqConfig(128, 128, num_warps=8, num_stages=3, kind="wx"), n, k,
+                       layout, sms, tiles_m=cdiv(m, 128))
+
+
+def _gemv_default(n: int, k: int, layout: WoqLayout, sms: int) -> WoqConfig:
+    """8 rows a program; a narrow layer (fewer than 2 programs an SM) splits K, with shorter
+    iterations where K holds too few of 32 chunks for the splits."""
+    tiles = cdiv(n, 8)
+    want = cdiv(2 * sms, tiles) if tiles < 2 * sms else 1
+    total = k // layout.chunk
+    chunks = _gemv_chunks(k, layout, max(1, min(32, total // want)))
+    split = max(1, min(want, total // chunks))
+    return WoqConfig(1, 8, split, num_warps=4, num_stages=1, kind="gemv", chunks=chunks)
+
+
+def _gemv_chunks(k: int, layout: WoqLayout, most: int) -> int:
+    """The largest power of two <= most whose chunks divide K."""
+    chunks = next_pow2(most + 1) // 2
+    while chunks > 1 and (k // layout.chunk) % chunks:
+        chunks //= 2
+    return chunks
 
 
 def _with_split(cfg: WoqConfig, n: int, k: int, layout: WoqLayout, sms: int,
@@ -228,10 +213,51 @@ def _with_split(cfg: WoqConfig, n: int, k: int, layout: WoqLayout, sms: int,
     tiles = cdiv(n, cfg.block_n) * tiles_m
     if tiles >= 2 * sms:
         return cfg
-    iters = k // layout.chunk
+    iters = k // (layout.chunk * cfg.chunks)
     split = max(1, min(cdiv(2 * sms, tiles), iters // _MIN_TILES_PER_SPLIT))
-    return WoqConfig(cfg.block_m, cfg.block_n, split, cfg.group_m, cfg.num_warps,
-                     cfg.num_stages)
+    return replace(cfg, split_k=split)
+
+
+def usable(cfg: WoqConfig, m: int, n: int, k: int, layout: WoqLayout,
+           device: torch.device) -> WoqConfig:
+    """cfg made runnable for this product: gemv chunks that divide K, split_k 0 resolved
+    to the default fill of the SMs; ValueError for a kind that cannot take it."""
+    kind = cfg.resolved_kind
+    if kind not in KINDS:
+        raise ValueError(f"woq GEMM: config kind {cfg.kind!r} is not one of {KINDS}")
+    if kind == "gemv" and m != 1:
+        raise ValueError("the GEMV config (block_m 1) takes one row")
+    if kind in ("wx", "xw") and layout.chunk_words < 16:
+        raise ValueError("the dot kernel needs chunks of 16 words")
+    cfg = replace(cfg, kind=kind, chunks=_gemv_chunks(k, layout, cfg.chunks)
+                  if kind == "gemv" else 1)
+    if cfg.split_k == 0 and kind != "dequant":
+        tiles_m = 1 if kind == "gemv" else cdiv(m, cfg.block_m)
+        cfg = _with_split(replace(cfg, split_k=1), n, k, layout, num_sms(device), tiles_m)
+    return cfg
+
+
+def sweep_configs(m: int) -> list[WoqConfig]:
+    """The launches benchmarks/gpu_int4.py times for an M bucket (1, <= 16, <= 64, more);
+    the first is the default's kind and tiles. split_k 0: the default split for the shape."""
+    if m == 1:
+        gemv = [(8, 32, 4, 0, True), (4, 32, 4, 0, True), (16, 32, 4, 0, True),
+                (8, 16, 4, 0, True), (16, 16, 8, 0, True), (8, 32, 4, 2, True),
+                (16, 8, 2, 0, True), (8, 32, 4, 0, False)]
+        return [WoqConfig(1, bn, split, num_warps=w, num_stages=1, kind="gemv", chunks=ch,
+                          packed=packed) for bn, ch, w, split, packed in gemv]
+    if m <= 16:
+        dots = [("wx", 16, 64, 4, 3, 0), ("wx", 16, 32, 4, 3, 0), ("wx", 16, 128, 4, 3, 0),
+                ("wx", 16, 64, 4, 3, 1), ("wx", 16, 128, 8, 3, 0), ("xw", 16, 64, 4, 4, 0)]
+    elif m <= 64:
+        dots = [("wx", 64, 64, 4, 3, 0), ("wx", 64, 128, 8, 3, 0), ("wx", 64, 32, 4, 3, 0),
+                ("wx", 32, 64, 4, 3, 0), ("wx", 64, 128, 4, 4, 0), ("xw", 64, 64, 4, 4, 0)]
+    else:
+        dots = [("wx", 128, 128, 8, 3, 0), ("wx", 64, 128, 4, 3, 0), ("wx", 128, 64, 4, 3, 0),
+                ("wx", 256, 64, 8, 3, 0), ("xw", 128, 128, 8, 3, 0)]
+    configs = [WoqConfig(bm, bn, split, num_warps=w, num_stages=st, kind=kind)
+               for kind, bm, bn, w, st, split in dots]
+    return configs + ([WoqConfig(0, 0, kind="dequant")] if m > 64 else [])
 
 
 # ---- wrappers ----
@@ -239,48 +265,90 @@ def _with_split(cfg: WoqConfig, n: int, k: int, layout: WoqLayout, sms: int,
 def woq_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
            layout: WoqLayout, config: WoqConfig | None = None) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, rows contiguous) times the packed weight -> [M, N] in x's
-    dtype. Without an explicit config, M >= DEQUANT_MIN_ROWS (and M > 1 where the chunks are
-    narrower than a 16-deep dot) dequantizes, then cuBLAS."""
+    dtype."""
     m, k = x.shape
     n = qweight.shape[0]
     _check(x, qweight, scales, zeros, layout)
-    if config is None and (m >= DEQUANT_MIN_ROWS or (m > 1 and layout.chunk_words < 16)):
+    cfg = usable(config or default_config(m, n, k, layout, x.device), m, n, k, layout,
+                 x.device)
+    if cfg.kind == "dequant":
         return F.linear(x, woq_dequantize(qweight, scales, zeros, layout, x.dtype))
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
-    cfg = config or default_config(m, n, k, layout, x.device)
-    if cfg.block_m == 1 and m > 1:
-        raise ValueError("the GEMV config (block_m 1) takes one row")
-    if cfg.block_m > 1 and layout.chunk_words < 16:
-        raise ValueError("the dot kernel needs chunks of 16 words")
-    num_tiles = k // layout.chunk
-    per_split = cdiv(num_tiles, cfg.split_k)
-    num_splits = cdiv(num_tiles, per_split)
-    part = (torch.empty(num_splits, m, n, dtype=torch.float32, device=x.device)
-            if num_splits > 1 else out)
-    ps = part.stride(0) if num_splits > 1 else 0
-    common = dict(BITS=layout.bits, GROUP=layout.group, BLOCK_N=cfg.block_n,
-                  KW=layout.chunk_words, IS_SPLIT=num_splits > 1, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
-    if cfg.block_m == 1:
-        _gemv_kernel[(cdiv(n, cfg.block_n), num_splits)](
-            out, part, x, qweight, scales, zeros, n, per_split, num_tiles, qweight.stride(0),
-            scales.stride(0), ps, **common)
+    if cfg.kind == "gemv":
+        _launch_gemv(out, x, qweight, scales, zeros, layout, cfg)
+    elif cfg.kind == "wx":
+        _launch_wx(out, x, qweight, scales, zeros, layout, cfg)
     else:
-        grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), num_splits)
-        _mm_kernel[grid](
-            out, part, x, qweight, scales, zeros, m, n, per_split, num_tiles, x.stride(0),
-            out.stride(0), qweight.stride(0), scales.stride(0), ps,
-            part.stride(1) if num_splits > 1 else 0, BLOCK_M=cfg.block_m, GROUP_M=cfg.group_m,
-            DOT_FP32=needs_fp32_dot(_mm_kernel, x.dtype), PRECISION=dot_precision(x.dtype),
-            **common)
-    if num_splits > 1:
+        _launch_xw(out, x, qweight, scales, zeros, layout, cfg)
+    return out
+
+
+def _splits(num_tiles: int, split_k: int) -> tuple[int, int]:
+    per_split = cdiv(num_tiles, max(1, split_k))
+    return per_split, cdiv(num_tiles, per_split)
+
+
+def _launch_gemv(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConfig) -> None:
+    n, k = out.shape[1], x.shape[1]
+    num_tiles = k // (layout.chunk * cfg.chunks)
+    per_split, splits = _splits(num_tiles, cfg.split_k)
+    tiles_n = cdiv(n, cfg.block_n)
+    part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    packed = (cfg.packed and layout.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
+              and layout.group % layout.chunk == 0 and not _interpreted(_gemv_kernel))
+    _gemv_kernel[(tiles_n, splits)](
+        out, part, split_counters(x.device, tiles_n), x, qweight, scales, zeros, n,
+        per_split, num_tiles, qweight.stride(0), scales.stride(0), BITS=layout.bits,
+        GROUP=layout.group, BLOCK_N=cfg.block_n, KW=layout.chunk_words, CHUNKS=cfg.chunks,
+        SPLIT=splits, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_wx(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConfig) -> None:
+    m, n, k = out.shape[0], out.shape[1], x.shape[1]
+    num_tiles = k // layout.chunk
+    per_split, splits = _splits(num_tiles, cfg.split_k)
+    tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
+            else out)
+    _mm_wx_kernel[(tiles, splits)](
+        out, part, split_counters(x.device, tiles), x, qweight, scales, zeros, m, n,
+        per_split, num_tiles, x.stride(0), qweight.stride(0), scales.stride(0), m * n,
+        BITS=layout.bits, GROUP=layout.group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        KW=layout.chunk_words, SPLIT=splits, DOT_FP32=needs_fp32_dot(_mm_wx_kernel, x.dtype),
+        PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_xw(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConfig) -> None:
+    m, n, k = out.shape[0], out.shape[1], x.shape[1]
+    num_tiles = k // layout.chunk
+    per_split, splits = _splits(num_tiles, cfg.split_k)
+    part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
+            else out)
+    grid = (cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n), splits)
+    _mm_kernel[grid](
+        out, part, x, qweight, scales, zeros, m, n, per_split, num_tiles, x.stride(0),
+        out.stride(0), qweight.stride(0), scales.stride(0),
+        part.stride(0) if splits > 1 else 0, part.stride(1) if splits > 1 else 0,
+        BITS=layout.bits, GROUP=layout.group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        KW=layout.chunk_words, GROUP_M=cfg.group_m, IS_SPLIT=splits > 1,
+        DOT_FP32=needs_fp32_dot(_mm_kernel, x.dtype), PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
         block_cols = min(1024, next_pow2(n))
         _sum_splits_kernel[(m, cdiv(n, block_cols))](
-            out, part, n, num_splits, out.stride(0), part.stride(0), part.stride(1),
+            out, part, n, splits, out.stride(0), part.stride(0), part.stride(1),
             BLOCK=block_cols, num_warps=4)
-    return out
+
+
+def _interpreted(kernel) -> bool:
+    """The Triton interpreter runs no inline PTX: the GEMV takes its fp32 math there."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        return False
+    return isinstance(kernel, InterpretedFunction)
 
 
 def woq_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

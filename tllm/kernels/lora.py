@@ -1,6 +1,7 @@
-"""The batched LoRA op (many adapters in one batch, the SGMV/BGMV idea) and its torch
-references. Every token of the batch has an adapter slot (`indices`, -1: none); a linear
-layer's output gets, per token, x @ A[slot].T @ B[slot].T added, in two steps:
+"""The batched LoRA op (many adapters in one batch, the SGMV/BGMV idea), the step's token
+grouping it reads, and its torch references. Every token of the batch has an adapter slot
+(-1: none); a linear layer's output gets, per token, x @ A[slot].T @ B[slot].T added, in two
+steps:
 
   shrink  h[t, s*R:(s+1)*R] = x[t] @ A[slot_t, s*R:(s+1)*R].T   (float32, per output slice s)
   expand  out[t, n] += h[t, s(n)*R:(s(n)+1)*R] @ B[slot_t, n].T  (n in slice s(n))
@@ -8,11 +9,95 @@ layer's output gets, per token, x @ A[slot].T @ B[slot].T added, in two steps:
 `a_stack` [slots, num_slices * R, in] and `b_stack` [slots, out, R] are static stacked buffers
 (an adapter's scale is folded into its B; a lower rank is zero-padded to R). A merged layer
 (q/k/v, gate/up) has one slice per projection: `bounds` are the slices' output offsets,
-[0, q, q + k, q + k + v]. On CUDA the Triton kernels of tllm.kernels.triton.lora run; elsewhere
-the grouped torch reference below (a matmul per adapter present)."""
+[0, q, q + k, q + k + v].
+
+The step's tokens are grouped by slot once per step (`LoraBatch.fill`, on the host, where
+the slots are known) into tiles of at most LORA_BLOCK_T tokens of one slot; every layer's
+kernels read the same tile table, one program per (tile, column block), so each program
+reads one adapter's weights. The table lives in static buffers and the kernels' grids
+depend only on the number of tokens, so CUDA graphs capture them (unused tiles exit at once).
+On CUDA the Triton kernels of tllm.kernels.triton.lora run; elsewhere the grouped torch
+reference below (a matmul per adapter present)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+LORA_BLOCK_T = 16  # tokens of a tile: tl.dot's minimum M
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class LoraKernelConfig:
+    """Launch settings of the Triton kernels (the benchmark sweeps them)."""
+
+    shrink_block_k: int = 128
+    shrink_programs_per_sm: int = 2   # split K until the shrink has about this many
+    expand_block_n: int = 128
+    num_warps: int = 4
+
+
+class LoraBatch:
+    """A step's tokens grouped by adapter slot, in static device buffers that every layer
+    (and a captured graph) reads: `tile_slots` [max_tiles] each tile's slot (-1: unused),
+    `tile_tokens` [max_tiles, LORA_BLOCK_T] its token ids (-1: no token), and `indices`
+    [max_tokens] each token's slot (-1: none; the references read it, first `num_tokens`)."""
+
+    def __init__(self, max_tokens: int, max_loras: int, device: torch.device) -> None:
+        self.max_tokens, self.max_loras = max_tokens, max_loras
+        self.max_tiles = _cdiv(max_tokens, LORA_BLOCK_T) + max_loras
+        self.num_tokens = 0
+        self.has_adapters = False
+        # one buffer, so that a step's table goes over in one copy
+        self._table = torch.full((self.max_tiles * (1 + LORA_BLOCK_T),), -1,
+                                 dtype=torch.int32, device=device)
+        self.tile_slots = self._table[:self.max_tiles]
+        self.tile_tokens = self._table[self.max_tiles:].view(self.max_tiles, LORA_BLOCK_T)
+        self.indices = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+
+    def tile_bound(self, num_tokens: int) -> int:
+        """Programs along the tile axis for a step of `num_tokens` rows (graph-static): at
+        most one partly filled tile per slot beyond the full ones."""
+        return min(self.max_tiles, _cdiv(num_tokens, LORA_BLOCK_T) + self.max_loras)
+
+    def fill(self, per_token: torch.Tensor) -> None:
+        """This step's grouping from each token's slot (a host int tensor)."""
+        n = per_token.shape[0]
+        if n > self.max_tokens:
+            raise RuntimeError(f"a step of {n} tokens is larger than LoRA's token buffer "
+                               f"({self.max_tokens})")
+        slots, tokens = group_tokens(per_token, self.max_tiles)
+        packed = torch.cat([slots, tokens.flatten()])  # rows past `tokens` stay unread
+        self._table[:packed.shape[0]].copy_(packed, non_blocking=True)
+        self.indices[:n].copy_(per_token, non_blocking=True)
+        self.num_tokens = n
+        self.has_adapters = tokens.shape[0] > 0
+
+
+def group_tokens(per_token: torch.Tensor, max_tiles: int, block_t: int = LORA_BLOCK_T
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tile slots [max_tiles] int32, -1 past the used tiles; tile tokens [used, block_t]
+    int32, -1 padded): the tokens with a slot, grouped by slot into tiles of one slot."""
+    per_token = per_token.to(torch.int64)
+    order = torch.argsort(per_token, stable=True)
+    order = order[int((per_token < 0).sum()):]
+    slots, counts = torch.unique_consecutive(per_token[order], return_counts=True)
+    tiles_per_slot = (counts + block_t - 1) // block_t
+    seg = torch.repeat_interleave(torch.arange(slots.shape[0]), tiles_per_slot)
+    first_tile = torch.cumsum(tiles_per_slot, 0) - tiles_per_slot
+    offset = (torch.arange(seg.shape[0]) - first_tile[seg]) * block_t   # within the slot
+    start = (torch.cumsum(counts, 0) - counts)[seg] + offset            # within `order`
+    lanes = torch.arange(block_t)
+    has_token = lanes[None, :] < (counts[seg] - offset)[:, None]
+    positions = (start[:, None] + lanes[None, :]).clamp(max=max(order.shape[0] - 1, 0))
+    tokens = torch.where(has_token, order[positions] if order.numel() else positions, -1)
+    tile_slots = torch.full((max_tiles,), -1, dtype=torch.int32)
+    tile_slots[:seg.shape[0]] = slots[seg].to(torch.int32)
+    return tile_slots, tokens.to(torch.int32)
 
 
 def lora_shrink_ref(x: torch.Tensor, a_stack: torch.Tensor,
@@ -54,14 +139,17 @@ def lora_bmm_ref(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-             indices: torch.Tensor, bounds: tuple[int, ...],
-             bounds_tensor: torch.Tensor | None = None) -> torch.Tensor:
+             batch: LoraBatch, bounds: tuple[int, ...],
+             bounds_tensor: torch.Tensor | None = None,
+             config: LoraKernelConfig | None = None) -> torch.Tensor:
     """out += the LoRA deltas of every token (in place; returns out). `bounds_tensor` is
     `bounds` as an int32 tensor on out's device (the Triton kernels read it)."""
     if out.is_cuda:
         from tllm.kernels.triton import lora as triton_lora
-        h = triton_lora.lora_shrink(x, a_stack, indices)
-        return triton_lora.lora_expand(out, h, b_stack, indices, bounds_tensor, len(bounds) - 1)
+        h = triton_lora.lora_shrink(x, a_stack, batch, config=config)
+        return triton_lora.lora_expand(out, h, b_stack, batch, bounds_tensor, len(bounds) - 1,
+                                       config=config)
+    indices = batch.indices[:x.shape[0]]
     return lora_expand_ref(out, lora_shrink_ref(x, a_stack, indices), b_stack, indices, bounds)
 
 

@@ -8,9 +8,11 @@ gate/up) keeps B's rows of its output slice and all of A; a row-parallel one (o,
 A's columns of its input slice and all of B, and its partial products are summed by the
 layer's own all-reduce. A merged layer's projections are slices with their own A and B.
 
-Which adapter each token uses is `TokenSlots`: one static buffer read by every layer (a
-captured CUDA graph reads it too), filled at the start of each step (`LoraModel.begin_step`),
-where the plan's adapter loads are applied first."""
+Which adapter each token uses is `TokenSlots`: the step's tokens grouped by slot, in static
+buffers read by every layer (a captured CUDA graph reads them too), computed once at the
+start of each step (`LoraModel.begin_step`), where the plan's adapter loads are applied
+first. A step without adapters skips the LoRA op in eager forwards; a graph replay runs it
+over an empty tile table, whose programs exit at once."""
 from __future__ import annotations
 
 import threading
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tllm.kernels.lora import add_lora
+from tllm.kernels.lora import LoraBatch, add_lora
 from tllm.layers.linear import (ColumnParallelLinear, Linear, MergedLinear, QKVLinear,
                                 RowParallelLinear)
 from tllm.layers.quant.base import QuantMethod
@@ -29,22 +31,19 @@ from tllm.lora.request import LoRARequest
 
 
 class TokenSlots:
-    """The adapter slot of every token of the step (-1: none), in a static device buffer."""
+    """The adapter slot of every token of the step, grouped by slot (`LoraBatch`: static
+    device buffers every layer and a captured graph read), filled once per step."""
 
-    def __init__(self, max_tokens: int, device: torch.device) -> None:
-        self.buffer = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+    def __init__(self, max_tokens: int, max_loras: int, device: torch.device) -> None:
+        self.batch = LoraBatch(max_tokens, max_loras, device)
         self.is_active = False  # some token of this step has an adapter
 
     def set(self, slots_per_request: list[int], query_lens: list[int]) -> None:
         slots = torch.tensor(slots_per_request, dtype=torch.int32)
-        per_token = slots.repeat_interleave(torch.tensor(query_lens))
-        n = per_token.shape[0]
-        if n > self.buffer.shape[0]:
-            raise RuntimeError(f"a step of {n} tokens is larger than LoRA's token buffer "
-                               f"({self.buffer.shape[0]})")
-        self.buffer[:n].copy_(per_token, non_blocking=True)
-        self.buffer[n:].fill_(-1)  # padding rows of a graph replay: no adapter
         self.is_active = bool((slots >= 0).any())
+        if not self.is_active and not self.batch.has_adapters:
+            return  # the table already says "no adapter" (a graph replay exits at once)
+        self.batch.fill(slots.repeat_interleave(torch.tensor(query_lens)))
 
 
 @dataclass
@@ -100,9 +99,8 @@ class LoraLinearMethod(QuantMethod):
         out = self.base.apply(layer, x)
         if not self.token_slots.is_active:
             return out
-        indices = self.token_slots.buffer[:x.shape[0]]
-        return add_lora(out, x.to(self.a_stack.dtype), self.a_stack, self.b_stack, indices,
-                        self.bounds, self.bounds_tensor)
+        return add_lora(out, x.to(self.a_stack.dtype), self.a_stack, self.b_stack,
+                        self.token_slots.batch, self.bounds, self.bounds_tensor)
 
     def load(self, slot: int, adapter: Adapter, module: str) -> None:
         """This rank's shard of the adapter's projections of this layer into `slot`."""
@@ -140,7 +138,7 @@ class LoraModel:
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
                  max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.token_slots = TokenSlots(max_tokens, device)
+        self.token_slots = TokenSlots(max_tokens, max_loras, device)
         self.layers: dict[str, LoraLinearMethod] = {}
         self._stage_layers = set(getattr(model, "stage_layers", ()))
         self._num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)

@@ -133,18 +133,18 @@ class GuidedDecoding(ResourceManager):
             return logits
         import xgrammar as xgr
         start = time.perf_counter()
-        bitmask = xgr.allocate_token_bitmask(len(rows), self.cache.vocab_size)
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.cache.vocab_size)  # by row
         matchers = [self._matchers[requests[i]] for i in rows]
         if len(rows) >= _MIN_ROWS_FOR_THREADS and _NUM_FILL_THREADS > 1:
             if self._batch_matcher is None:
                 self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=_NUM_FILL_THREADS)
-            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask)
+            self._batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         else:
-            for j, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(bitmask, j)
-        for j, i in enumerate(rows):    # a first token may open the thinking
+            for i, matcher in zip(rows, matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
+        for i in rows:    # a first token may open the thinking
             if (gate := self._gates.get(requests[i])) is not None:
-                _allow(bitmask, j, gate.start)
+                _allow(bitmask, i, gate.start)
         self.fill_seconds += time.perf_counter() - start
         return self._masked(logits, rows, bitmask)
 
@@ -166,14 +166,16 @@ class GuidedDecoding(ResourceManager):
 
     def _masked(self, logits: torch.Tensor, rows: list[int],
                 bitmask: torch.Tensor) -> torch.Tensor:
+        """A copy of `logits` (the step's stay raw) with `rows` masked by the same rows of
+        `bitmask`: one copy, one masking pass over the guided rows only."""
         import xgrammar as xgr
-        guided = logits[rows].contiguous()  # indexing copies: the step's logits stay raw
-        xgr.apply_token_bitmask_inplace(guided, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=min(self.cache.vocab_size, logits.shape[1]))
-        if guided.shape[1] > self.cache.vocab_size:  # padded rows past the tokenizer
-            guided[:, self.cache.vocab_size:] = float("-inf")
         out = logits.clone()
-        out[rows] = guided
+        vocab = self.cache.vocab_size
+        xgr.apply_token_bitmask_inplace(out, bitmask.to(logits.device, non_blocking=True),
+                                        vocab_size=min(vocab, out.shape[1]),
+                                        indices=rows if len(rows) < out.shape[0] else None)
+        if out.shape[1] > vocab:  # padded columns past the tokenizer
+            out[rows, vocab:] = float("-inf")
         return out
 
     def mask_verify_logits(self, target: torch.Tensor,
@@ -186,9 +188,9 @@ class GuidedDecoding(ResourceManager):
         if not guided:
             return target
         import xgrammar as xgr
-        bitmask = xgr.allocate_token_bitmask(len(guided) * width, self.cache.vocab_size)
-        for j, s in enumerate(guided):
-            self._fill_drafts(bitmask, j * width, width, requests[s])
+        bitmask = xgr.allocate_token_bitmask(num * width, self.cache.vocab_size)  # by row
+        for s in guided:
+            self._fill_drafts(bitmask, s * width, width, requests[s])
         rows = [s * width + c for s in guided for c in range(width)]
         return self._masked(target.reshape(num * width, vocab), rows,
                             bitmask).view(num, width, vocab)

@@ -1,25 +1,30 @@
-"""GGUF kept quantized on the GPU (issue 20, GGUF part) in one device call, under 4 minutes:
+"""GGUF kept quantized on the GPU (issue 20, GGUF part) in one device call, ~3 minutes:
 
-  micro  each kernel type's GEMM (tllm.kernels.triton.gguf_gemm.gguf_mm as a layer calls it:
-         the GEMV at M = 1, the fused dequant-dot at M = 32) on Llama-3.1-8B shapes (qkv
-         6144x4096, down 4096x14336), checked against the torch reference, timed from CUDA
-         graphs of back-to-back calls cycling over weight copies that do not fit in L2; against
-         the weight-read floor (the planes' bytes / the device-to-device copy bandwidth
-         measured in the same run) and bf16 torch.matmul on the same shape. Then a small sweep
-         of GEMV tile configurations (Q4_K, Q8_0 at M = 1) next to the default.
+  micro  each kernel type's GEMM (tllm.kernels.triton.gguf_gemm.gguf_mm as a layer calls it,
+         default configs: the GEMV at M = 1, the fused dequant-dot at M = 32) on Llama-3.1-8B
+         shapes (qkv 6144x4096, down 4096x14336), checked against the torch reference, timed
+         from CUDA graphs of back-to-back calls cycling over weight copies that do not fit in
+         L2; against the weight-read floor (the planes' bytes / the device-to-device copy
+         bandwidth measured in the same run) and bf16 torch.matmul on the same shape.
+  sweep  benchmarks/gguf_sweep.py (<= 30 s): GEMV tiles x K splits on the e2e model's layer
+         shapes (and an 8B one), fused tiles at 32 rows; the best of each shape goes into
+         gguf_configs.TUNED for the e2e run and to $OUT/gguf_configs_<device>.json (copy it
+         to tllm/kernels/triton/configs/ to make it the device's table); per type, the GEMV
+         tiles ranked over its shapes (the per-type default to keep).
   e2e    a GGUF file written in-process with gguf's GGUFWriter: a Llama-3.2-1B-shaped model
          (hidden 2048, 16 layers, 32/8 heads, FFN 8192, vocab 32000 with a tiny tokenizer)
          laid out as a Q4_K_M file (q, k, o, gate, up, token_embd Q4_K; v, down, output
-         Q6_K), random blocks with finite scales; `LLM(path)` kept quantized against
-         `LLM(path, quantization="none")` (dequantized to bf16 at load): batch-1 decode
-         tok/s at ISL 128 / OSL 256 (tllm.bench.offline.run_latency), the weights' resident
-         GPU bytes (distinct storages of the model's parameters and buffers), the file's
-         size, and how many greedy tokens the two agree on (info: the Q6_K v inside the
-         merged qkv is re-quantized to Q8_0 when kept; random weights leave near-ties).
+         Q6_K), random blocks with finite scales; `LLM(path)` kept quantized (with the
+         sweep's configs) against `LLM(path, quantization="none")` (dequantized to bf16 at
+         load): batch-1 decode tok/s at ISL 128 / OSL 256 (tllm.bench.offline.run_latency),
+         the weights' resident GPU bytes, the file's size, how many greedy tokens the two
+         agree on and, where they part, whether each side's token is in the other's top 5
+         (random weights leave near-ties; the Q6_K v inside the merged qkv is re-quantized
+         to Q8_0 when kept).
 
 The figures go to $OUT/gpu_gguf.json as they come; a table comes last.
 
-    python benchmarks/gpu_gguf.py [--sections micro,e2e] [--budget 220] [--shape 1b|8b]
+    python benchmarks/gpu_gguf.py [--sections micro,sweep,e2e] [--budget 130] [--shape 1b|8b]
 """
 from __future__ import annotations
 
@@ -113,7 +118,7 @@ def _copies(make, nbytes: int) -> list:
 # ---- micro ----
 
 def section_micro(results: dict, deadline: float) -> None:
-    from tllm.kernels.triton.gguf_gemm import GemvConfig, gemv_config, gguf_gemv, gguf_mm
+    from tllm.kernels.triton.gguf_gemm import gguf_mm
     bandwidth = copy_bandwidth()
     results["micro"] = micro = {"copy_tb_s": bandwidth / 1e12, "shapes": {}}
     rng = np.random.default_rng(0)
@@ -146,27 +151,26 @@ def section_micro(results: dict, deadline: float) -> None:
                     "floor_us": floor_us, "of_floor": floor_us / us, "vs_bf16": bf16_us / us}
             del copies, planes, buffer, blocks
             torch.cuda.empty_cache()
-    micro["sweep"] = sweep = {}
-    n, k = SHAPES["qkv"]
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    configs = [None, GemvConfig(16, 16, 2), GemvConfig(16, 8, 1), GemvConfig(32, 8, 1),
-               GemvConfig(8, 16, 1, num_warps=2), GemvConfig(16, 16, 1, num_warps=8),
-               GemvConfig(32, 16, 1, num_warps=8), GemvConfig(16, 32, 1, num_warps=8)]
-    for qtype in ("Q4_K", "Q8_0"):
-        blocks = torch.from_numpy(random_blocks(qtype, n, k, rng)).cuda()
-        buffer = pack_planes(blocks.reshape(n, k // BLOCK_BYTES[qtype][1], -1), qtype)
-        planes = [planes_view(b, qtype, n, k) for b in _copies(lambda: buffer.clone(),
-                                                               buffer.numel())]
-        for cfg in configs:
-            if time.perf_counter() > deadline:
-                break
-            label = f"{qtype} {cfg or ('default ' + str(gemv_config(n, k, x.device)))}"
-            try:
-                sweep[label] = time_calls([lambda p=p: gguf_gemv(x, p, cfg) for p in planes])
-            except Exception as exc:  # a tile that does not fit: recorded, not fatal
-                sweep[label] = f"error: {str(exc)[:120]}"
-        del planes, buffer
-        torch.cuda.empty_cache()
+
+
+def make_planes(qtype: str, n: int, k: int, rng=None) -> list:
+    """Views of enough copies of one random [n, k] weight's planes to overflow L2."""
+    rng = rng or np.random.default_rng(0)
+    blocks = torch.from_numpy(random_blocks(qtype, n, k, rng)).cuda()
+    buffer = pack_planes(blocks.reshape(n, k // BLOCK_BYTES[qtype][1], -1), qtype)
+    return [planes_view(b, qtype, n, k) for b in _copies(lambda: buffer.clone(),
+                                                         buffer.numel())]
+
+
+def section_sweep(results: dict, deadline: float) -> None:
+    from gguf_sweep import sweep
+    from tllm.kernels.triton import gguf_configs
+    best = sweep(results, deadline, make_planes, time_calls, _rel)
+    gguf_configs.TUNED.update(best)
+    name = gguf_configs.device_file_name(torch.cuda.get_device_name())
+    table = gguf_configs.tuned_to_json(best)
+    (Path(os.environ.get("OUT", ".")) / name).write_text(table)
+    results["tuned"] = {"file": name, "entries": len(best)}
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -247,9 +251,12 @@ def run_engine(path: Path, quantization: str | None, isl: int, osl: int) -> dict
         out.update({key: latency[key] for key in ("output_tokens_per_s", "tpot_ms", "ttft_ms",
                                                   "latency_s")})
         prompts = [{"prompt_token_ids": list(range(10 + i, 42 + i))} for i in range(4)]
-        greedy = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0,
+        greedy = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0, logprobs=5,
                                                       ignore_eos=True), use_tqdm=False)
         out["greedy"] = [list(o.outputs[0].token_ids) for o in greedy]
+        out["top5"] = [[sorted(step) for step in o.outputs[0].logprobs] for o in greedy]
+        from tllm.kernels.triton import gguf_configs
+        out["tuned_entries"] = len(gguf_configs.TUNED)
     del llm, model
     gc.collect()
     if torch.cuda.is_available():
@@ -268,13 +275,22 @@ def section_e2e(results: dict, deadline: float, shape: str, skip_dense: bool) ->
         _save(results)
         e2e["kept"] = run_engine(path, None, 128, 256)
         _save(results)
-        if skip_dense or time.perf_counter() > deadline:
+        if skip_dense or time.perf_counter() > deadline:  # the whole budget twice over
             e2e["dense"] = "skipped"
             return
         e2e["dense"] = run_engine(path, "none", 128, 256)
     kept, dense = e2e["kept"]["greedy"], e2e["dense"]["greedy"]
     e2e["greedy_agree"] = [_common_prefix(a, b) for a, b in zip(kept, dense)]
+    e2e["top5_at_parting"] = [_in_top5(a, b, ta, tb, i) for a, b, ta, tb, i in zip(
+        kept, dense, e2e["kept"]["top5"], e2e["dense"]["top5"], e2e["greedy_agree"])]
     e2e["speedup"] = e2e["kept"]["output_tokens_per_s"] / e2e["dense"]["output_tokens_per_s"]
+
+
+def _in_top5(a: list, b: list, top_a: list, top_b: list, i: int) -> bool | None:
+    """Where two greedy runs part (step i): each side's token is in the other's top 5."""
+    if i >= min(len(a), len(b)) or i >= min(len(top_a), len(top_b)):
+        return None
+    return a[i] in top_b[i] and b[i] in top_a[i]
 
 
 def _common_prefix(a: list, b: list) -> int:
@@ -309,8 +325,7 @@ def summary(results: dict) -> str:
                     lines.append(f"{name:<18}{op:<12}{v['us']:>9.1f}{v['achieved_tb_s']:>8.2f}"
                                  f"{v['floor_us']:>10.1f}{v['of_floor']:>10.2f}"
                                  f"{v['vs_bf16']:>9.2f}{v['rel_err']:>10.1e}")
-        for label, us in micro.get("sweep", {}).items():
-            lines.append(f"  sweep {label}: {us if isinstance(us, str) else f'{us:.1f} us'}")
+    lines += sweep_lines(results)
     e2e = results.get("e2e")
     if isinstance(e2e, dict):
         lines.append(f" LLM(gguf) batch 1, ISL 128 / OSL 256, {e2e['shape']} "
@@ -325,16 +340,39 @@ def summary(results: dict) -> str:
                 lines.append(f"{name:<6} {v}")
         if "speedup" in e2e:
             lines.append(f"kept / dense: {e2e['speedup']:.2f}x; greedy tokens agreed for "
-                         f"{e2e['greedy_agree']} of 32")
+                         f"{e2e['greedy_agree']} of 32; where they part, each in the other's "
+                         f"top 5: {e2e.get('top5_at_parting')}; kept ran with "
+                         f"{e2e['kept'].get('tuned_entries', 0)} tuned configs")
     for key, value in results.items():
         if key.endswith("_error"):
             lines.append(f"{key}: {value.splitlines()[-1] if value else value}")
     return "\n".join(lines)
 
 
+def sweep_lines(results: dict) -> list[str]:
+    sweep = results.get("sweep")
+    if not isinstance(sweep, dict):
+        return []
+    lines = [" launch sweep (bf16 x; us; the best goes to TUNED) ".center(96, "=")]
+    for kind in ("gemv", "fused"):
+        for label, e in sweep.get(kind, {}).items():
+            default = e.get("default_us")
+            lines.append(f"{kind:<6}{label:<28} default "
+                         f"{default if not isinstance(default, float) else f'{default:.1f}'}"
+                         f"  best {e.get('best_us', float('nan')):.1f}  {e.get('best', '-')}")
+    for qtype, ranked in sweep.get("tile_ranking", {}).items():
+        lines.append(f"GEMV tiles for {qtype} (geomean of best-split time / shape's best):")
+        lines += [f"    {tile}: {ratio:.2f} over {count}" for tile, ratio, count in ranked[:4]]
+    if "stopped" in sweep:
+        lines.append(f"sweep {sweep['stopped']}")
+    if "tuned" in results:
+        lines.append(f"tuned configs: {results['tuned']}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sections", default="micro,e2e")
+    parser.add_argument("--sections", default="micro,sweep,e2e")
     parser.add_argument("--budget", type=float, default=220.0)
     parser.add_argument("--shape", choices=sorted(MODEL_SHAPES), default="1b")
     parser.add_argument("--skip-dense", action="store_true")
@@ -345,11 +383,15 @@ def main() -> None:
                "date": time.strftime("%Y-%m-%d"), "argv": sys.argv[1:]}
     sections = args.sections.split(",")
     for name in sections:
-        share = 0.45 if name == "micro" and "e2e" in sections else 0.95
-        deadline = time.perf_counter() + share * (args.budget - (time.perf_counter() - start))
+        # micro and sweep take fixed shares (~25 s, <= 30 s at --budget 130); e2e runs its
+        # two engines unless past twice the budget
+        seconds = {"micro": 0.2 * args.budget, "sweep": min(30.0, 0.25 * args.budget)}
+        deadline = time.perf_counter() + seconds.get(name, 2 * args.budget)
         try:
             if name == "micro":
                 section_micro(results, deadline)
+            elif name == "sweep":
+                section_sweep(results, deadline)
             elif name == "e2e":
                 section_e2e(results, deadline, args.shape, args.skip_dense)
         except Exception:

@@ -1,7 +1,8 @@
 """Launch configurations of the GGUF kernels (tllm.kernels.triton.gguf_gemm): a tile per type
 from measurements, a K split computed from the SM count, and tuned entries that override both
 for an exact (type, N, K, rows) where a sweep found better (benchmarks/gpu_gguf.py measures
-them and writes a JSON; `load_tuned` reads one; `TUNED` holds them in the process).
+them and writes a JSON; `load_tuned` reads one; `TUNED` holds them in the process, and takes
+configs/gguf_<device name>.json beside this file, where there is one for the GPU in use).
 
 Evidence behind the defaults (H200, benchmarks/gpu_gguf.py, the first kernels, 6144 x 4096):
 at one row 8 weight rows x 512 values a step on 2 warps (21.7 us Q4_K, 19.6 us Q8_0) beat 16
@@ -10,7 +11,9 @@ memory latency. The GEMV now keeps one float32 a (row, group) instead of a 16-va
 programs are smaller still in registers."""
 from __future__ import annotations
 
+import functools
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,7 +55,35 @@ FUSED_PROGRAMS_PER_SM = 2
 TUNED: dict[tuple[str, int, int, int], GemvConfig | FusedMmConfig] = {}
 
 
-def _split(tiles: int, steps: int, per_sm: int, device: torch.device, min_steps: int) -> int:
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def device_file_name(device_name: str) -> str:
+    return "gguf_" + re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json"
+
+
+@functools.lru_cache(maxsize=None)
+def _load_device_table(index: int) -> int:
+    """Once a process per GPU: its measured table into TUNED (entries already there win)."""
+    path = CONFIG_DIR / device_file_name(torch.cuda.get_device_name(index))
+    if not path.exists():
+        return 0
+    before = dict(TUNED)
+    count = load_tuned(path)
+    TUNED.update(before)
+    return count
+
+
+def _tuned(key: tuple, device: torch.device):
+    if device.type == "cuda":
+        _load_device_table(device.index if device.index is not None
+                           else torch.cuda.current_device())
+    return TUNED.get(key)
+
+
+def split_for(tiles: int, steps: int, per_sm: int, device: torch.device, min_steps: int) -> int:
+    """K splits so that about per_sm programs run on each SM, keeping min_steps K steps a
+    split."""
     target = per_sm * num_sms(device)
     if tiles >= target:
         return 1
@@ -60,13 +91,13 @@ def _split(tiles: int, steps: int, per_sm: int, device: torch.device, min_steps:
 
 
 def gemv_config(qtype: str, n: int, k: int, device: torch.device) -> GemvConfig:
-    tuned = TUNED.get((qtype, n, k, 1))
+    tuned = _tuned((qtype, n, k, 1), device)
     if isinstance(tuned, GemvConfig):
         return tuned
     block_n, block_g, warps = GEMV_TILES.get(qtype, (8, 16, 2))
     groups = k // GROUP
     block_g = min(block_g, next_pow2(groups))
-    split = _split(cdiv(n, block_n), cdiv(groups, block_g), GEMV_PROGRAMS_PER_SM, device, 2)
+    split = split_for(cdiv(n, block_n), cdiv(groups, block_g), GEMV_PROGRAMS_PER_SM, device, 2)
     return GemvConfig(block_n, block_g, split, warps)
 
 
@@ -76,13 +107,13 @@ def rows_bucket(m: int) -> int:
 
 def fused_mm_config(qtype: str, m: int, n: int, k: int, device: torch.device) -> FusedMmConfig:
     block_m = rows_bucket(m)
-    tuned = TUNED.get((qtype, n, k, block_m))
+    tuned = _tuned((qtype, n, k, block_m), device)
     if isinstance(tuned, FusedMmConfig):
         return tuned
     groups = k // GROUP
     block_n, block_g = 64, min(2, next_pow2(groups))
     tiles = cdiv(n, block_n) * cdiv(m, block_m)
-    split = _split(tiles, cdiv(groups, block_g), FUSED_PROGRAMS_PER_SM, device, 4)
+    split = split_for(tiles, cdiv(groups, block_g), FUSED_PROGRAMS_PER_SM, device, 4)
     return FusedMmConfig(block_m, block_n, block_g, split)
 
 

@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.gguf import GROUP, KERNEL_TYPES, GgufPlanes
-from tllm.kernels.triton.gguf_configs import (FusedMmConfig, GemvConfig, fused_mm_config,  # noqa: F401
-                                              gemv_config)
+from tllm.kernels.triton.gguf_configs import FusedMmConfig, GemvConfig  # noqa: F401
+from tllm.kernels.triton.gguf_configs import fused_mm_config, gemv_config
 from tllm.kernels.triton.gguf_decode import dequant_halves, scales, values
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot, next_pow2
 

@@ -163,8 +163,7 @@ def op_cases(args, config: dict) -> dict:
         cases[layer] = dict(
             x=rand(args.batch, inp), a=rand(slots, len(names) * rank, inp) / inp ** .5,
             b=rand(slots, bounds[-1], rank) * 0.1, out=rand(args.batch, bounds[-1]),
-            weight=rand(bounds[-1], inp) / inp ** .5, bounds=tuple(bounds),
-            bounds_t=torch.tensor(bounds, dtype=torch.int32, device=device), batches=batches)
+            weight=rand(bounds[-1], inp) / inp ** .5, bounds=tuple(bounds), batches=batches)
     return cases
 
 
@@ -172,8 +171,8 @@ def run_op(case: dict, label: str, kernel_config=None):
     from tllm.kernels.triton import lora as triton_lora
     batch = case["batches"][label]
     h = triton_lora.lora_shrink(case["x"], case["a"], batch, config=kernel_config)
-    return triton_lora.lora_expand(case["out"], h, case["b"], batch, case["bounds_t"],
-                                   len(case["bounds"]) - 1, config=kernel_config)
+    return triton_lora.lora_expand(case["out"], h, case["b"], batch, case["bounds"],
+                                   config=kernel_config)
 
 
 def check_op(case: dict, kernel_config=None) -> float:

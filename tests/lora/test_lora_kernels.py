@@ -66,9 +66,7 @@ def test_shrink_and_expand_match_the_reference(device, dtype, num_tokens, in_fea
     assert relative_error(h[has], h_ref[has].float()) < TOL[dtype]
 
     base = torch.randn(num_tokens, sum(slices)).to(dtype).to(device)
-    bounds_t = torch.tensor(bounds, dtype=torch.int32, device=device)
-    out = lora_expand(base.clone(), h_ref.float().to(device)[None], b, batch, bounds_t,
-                      len(slices))
+    out = lora_expand(base.clone(), h_ref.float().to(device)[None], b, batch, bounds)
     want = lora_expand_ref(base.double(), h_ref.to(device), b.double(), indices.to(device),
                            bounds)
     assert not out.isnan().any()
@@ -76,7 +74,7 @@ def test_shrink_and_expand_match_the_reference(device, dtype, num_tokens, in_fea
     # rows without an adapter are left exactly as they were
     assert torch.equal(out[~has.to(device)], base[~has.to(device)])
     # the expand sums the shrink's K partials itself
-    fused = lora_expand(base.clone(), partial, b, batch, bounds_t, len(slices))
+    fused = lora_expand(base.clone(), partial, b, batch, bounds)
     assert relative_error(fused, want.to(dtype)) < TOL[dtype]
 
 
@@ -86,8 +84,7 @@ def test_every_token_without_an_adapter_changes_nothing(device):
     batch = make_batch(indices, 2, device)
     assert not batch.has_adapters
     base = torch.randn(9, 64, device=device)
-    out = lora_expand(base.clone(), lora_shrink(x, a, batch), b, batch,
-                      torch.tensor(bounds, dtype=torch.int32, device=device), 2)
+    out = lora_expand(base.clone(), lora_shrink(x, a, batch), b, batch, bounds)
     assert torch.equal(out, base)
 
 
@@ -101,8 +98,7 @@ def test_a_later_step_reuses_the_buffers(device):
     batch.fill(small)
     rows = 8  # 3 padding rows past the step's 5 tokens, as a captured batch size brings
     base = torch.randn(rows, 32, device=device)
-    bounds_t = torch.tensor(bounds, dtype=torch.int32, device=device)
-    out = lora_expand(base.clone(), lora_shrink(x[:rows], a, batch), b, batch, bounds_t, 2)
+    out = lora_expand(base.clone(), lora_shrink(x[:rows], a, batch), b, batch, bounds)
     padded = torch.cat([small, torch.full((3,), -1, dtype=torch.int32)]).to(device)
     want = lora_expand_ref(base.double(), lora_shrink_ref(x[:rows].double(), a.double(),
                                                           padded), b.double(), padded, bounds)
@@ -151,8 +147,15 @@ def test_split_k_partials_sum_to_h(device, num_splits):
     h_ref = lora_shrink_ref(x.double(), a.double(), indices.to(device)).cpu()
     assert relative_error(partial.sum(0).cpu()[has], h_ref[has].float()) < 1e-5
     base = torch.randn(18, 64, device=device)
-    out = lora_expand(base.clone(), partial, b, batch,
-                      torch.tensor(bounds, dtype=torch.int32, device=device), 2, config=config)
+    out = lora_expand(base.clone(), partial, b, batch, bounds, config=config)
     want = lora_expand_ref(base.double(), h_ref.to(device), b.double(), indices.to(device),
                            bounds)
     assert relative_error(out, want.float()) < 1e-5
+
+
+def test_expand_refuses_bounds_it_cannot_take(device):
+    _, _, b, indices, _ = random_case(4, 16, (8, 8), 8, 2, torch.float32, device)
+    batch = make_batch(indices, 2, device)
+    h = torch.zeros(1, 4, 16, device=device)
+    with pytest.raises(ValueError, match="bounds"):
+        lora_expand(torch.zeros(4, 16, device=device), h, b, batch, (0, 4, 8, 12, 16))

@@ -140,15 +140,12 @@ def lora_bmm_ref(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor,
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
              batch: LoraBatch, bounds: tuple[int, ...],
-             bounds_tensor: torch.Tensor | None = None,
              config: LoraKernelConfig | None = None) -> torch.Tensor:
-    """out += the LoRA deltas of every token (in place; returns out). `bounds_tensor` is
-    `bounds` as an int32 tensor on out's device (the Triton kernels read it)."""
+    """out += the LoRA deltas of every token (in place; returns out)."""
     if out.is_cuda:
         from tllm.kernels.triton import lora as triton_lora
         h = triton_lora.lora_shrink(x, a_stack, batch, config=config)
-        return triton_lora.lora_expand(out, h, b_stack, batch, bounds_tensor, len(bounds) - 1,
-                                       config=config)
+        return triton_lora.lora_expand(out, h, b_stack, batch, bounds, config=config)
     indices = batch.indices[:x.shape[0]]
     return lora_expand_ref(out, lora_shrink_ref(x, a_stack, indices), b_stack, indices, bounds)
 

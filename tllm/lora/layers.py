@@ -84,7 +84,6 @@ class LoraLinearMethod(QuantMethod):
                                    device=device)
         self.bounds = tuple([p.out_start for p in projections]
                             + [projections[-1].out_start + projections[-1].out_rows])
-        self.bounds_tensor = torch.tensor(self.bounds, dtype=torch.int32, device=device)
 
     def create_weights(self, layer, in_features, out_features, num_shards) -> None:
         self.base.create_weights(layer, in_features, out_features, num_shards)
@@ -100,7 +99,7 @@ class LoraLinearMethod(QuantMethod):
         if not self.token_slots.is_active:
             return out
         return add_lora(out, x.to(self.a_stack.dtype), self.a_stack, self.b_stack,
-                        self.token_slots.batch, self.bounds, self.bounds_tensor)
+                        self.token_slots.batch, self.bounds)
 
     def load(self, slot: int, adapter: Adapter, module: str) -> None:
         """This rank's shard of the adapter's projections of this layer into `slot`."""

@@ -78,11 +78,13 @@ def _load_h(h_ptr, tokens, valid, col0, rank, num_splits, stride_hs, stride_ht,
 
 
 @triton.jit
-def _expand_kernel(out_ptr, h_ptr, b_ptr, slots_ptr, tokens_ptr, bounds_ptr, n, rank,
-                   num_splits, stride_ot, stride_hs, stride_ht, stride_bl, stride_bn,
-                   NUM_SLICES: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, PRECISION: tl.constexpr,
-                   DOT_FP32: tl.constexpr):
+def _expand_kernel(out_ptr, h_ptr, b_ptr, slots_ptr, tokens_ptr, n, rank, num_splits,
+                   stride_ot, stride_hs, stride_ht, stride_bl, stride_bn,
+                   NUM_SLICES: tl.constexpr, SLICE_1: tl.constexpr, SLICE_2: tl.constexpr,
+                   BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_S: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """SLICE_1, SLICE_2: where the second and third slices begin (compile-time: a layer's
+    slices never change, and a runtime bound would cost a load and a wait)."""
     pid_n = tl.program_id(1)
     slot, tokens, valid = _tile(slots_ptr, tokens_ptr, BLOCK_T)
     if slot < 0:  # past the step's tiles
@@ -90,11 +92,14 @@ def _expand_kernel(out_ptr, h_ptr, b_ptr, slots_ptr, tokens_ptr, bounds_ptr, n, 
     n0 = pid_n * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_R)
+    mask = valid[:, None] & (offs_n < n)[None, :]
+    ptrs = out_ptr + tokens[:, None] * stride_ot + offs_n[None, :]
+    prev = tl.load(ptrs, mask=mask, other=0.0)  # in flight while the deltas are computed
     b_base = b_ptr + slot.to(tl.int64) * stride_bl
     acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
     for s in tl.static_range(NUM_SLICES):
-        start = tl.load(bounds_ptr + s)
-        end = tl.load(bounds_ptr + s + 1)
+        start = 0 if s == 0 else (SLICE_1 if s == 1 else SLICE_2)
+        end = n if s == NUM_SLICES - 1 else (SLICE_1 if s == 0 else SLICE_2)
         if (start < n0 + BLOCK_N) & (end > n0):  # the column block meets this slice
             cols = (offs_n >= start) & (offs_n < end) & (offs_n < n)
             h = _load_h(h_ptr, tokens, valid, s * rank, rank, num_splits, stride_hs,
@@ -106,9 +111,6 @@ def _expand_kernel(out_ptr, h_ptr, b_ptr, slots_ptr, tokens_ptr, bounds_ptr, n, 
             else:
                 h = h.to(b.dtype)
             acc += tl.dot(h, b, input_precision=PRECISION)
-    mask = valid[:, None] & (offs_n < n)[None, :]
-    ptrs = out_ptr + tokens[:, None] * stride_ot + offs_n[None, :]
-    prev = tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, (prev.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -145,22 +147,27 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, batch: LoraBatch,
 
 
 def lora_expand(out: torch.Tensor, partial: torch.Tensor, b_stack: torch.Tensor,
-                batch: LoraBatch, bounds: torch.Tensor, num_slices: int,
+                batch: LoraBatch, bounds: tuple[int, ...],
                 config: LoraKernelConfig | None = None) -> torch.Tensor:
     """out [T, N] += (sum of the shrink's partials) slice s @ B[slot, slice s rows].T, for
-    each slice (in place). `partial` [splits, T, slices * R] float32 (h itself: h[None])."""
+    each slice (in place). `partial` [splits, T, slices * R] float32 (h itself: h[None]);
+    `bounds` the slices' output offsets, [0, ..., N] (at most 3 slices)."""
     config = config or _DEFAULT
     num_tokens, n = out.shape
+    num_slices = len(bounds) - 1
+    if not 1 <= num_slices <= 3 or bounds[0] != 0 or bounds[-1] != n:
+        raise ValueError(f"bounds {bounds}: 1 to 3 slices from 0 to {n} expected")
+    starts = list(bounds[1:-1]) + [n] * (3 - num_slices)
     rank = b_stack.shape[2]
     block_n = config.expand_block_n
     if num_tokens:
         grid = (batch.tile_bound(num_tokens), cdiv(n, block_n))
         _expand_kernel[grid](
-            out, partial, b_stack, batch.tile_slots, batch.tile_tokens, bounds, n, rank,
+            out, partial, b_stack, batch.tile_slots, batch.tile_tokens, n, rank,
             partial.shape[0], out.stride(0), partial.stride(0), partial.stride(1),
-            b_stack.stride(0), b_stack.stride(1), NUM_SLICES=num_slices,
-            BLOCK_T=LORA_BLOCK_T, BLOCK_N=block_n, BLOCK_R=max(16, next_pow2(rank)),
-            BLOCK_S=next_pow2(partial.shape[0]),
+            b_stack.stride(0), b_stack.stride(1), NUM_SLICES=num_slices, SLICE_1=starts[0],
+            SLICE_2=starts[1], BLOCK_T=LORA_BLOCK_T, BLOCK_N=block_n,
+            BLOCK_R=max(16, next_pow2(rank)), BLOCK_S=next_pow2(partial.shape[0]),
             PRECISION=dot_precision(b_stack.dtype),
             DOT_FP32=needs_fp32_dot(_expand_kernel, b_stack.dtype), num_warps=config.num_warps)
     return out

@@ -115,12 +115,13 @@ def test_tiles_cover_each_token_once_within_the_graph_bound(seed):
         indices = indices.sort().values  # long runs, as prefills bring
     batch = LoraBatch(num_tokens, max_loras, torch.device("cpu"))
     tile_slots, tile_tokens = group_tokens(indices, batch.max_tiles)
+    tile_slots, tile_tokens = torch.from_numpy(tile_slots), torch.from_numpy(tile_tokens)
     num_used = int((tile_slots >= 0).sum())
     assert num_used == tile_tokens.shape[0] <= batch.tile_bound(num_tokens)
     assert torch.all(tile_slots[num_used:] == -1)  # used tiles first
     seen = []
     for slot, tokens in zip(tile_slots[:num_used].tolist(), tile_tokens):
-        tokens = tokens[tokens >= 0]
+        tokens = tokens[tokens >= 0].long()
         assert 1 <= tokens.shape[0] <= LORA_BLOCK_T
         assert torch.all(indices[tokens] == slot)
         seen += tokens.tolist()

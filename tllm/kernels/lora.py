@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 LORA_BLOCK_T = 16  # tokens of a tile: tl.dot's minimum M
@@ -64,40 +65,45 @@ class LoraBatch:
         most one partly filled tile per slot beyond the full ones."""
         return min(self.max_tiles, _cdiv(num_tokens, LORA_BLOCK_T) + self.max_loras)
 
-    def fill(self, per_token: torch.Tensor) -> None:
-        """This step's grouping from each token's slot (a host int tensor)."""
+    def fill(self, per_token) -> None:
+        """This step's grouping from each token's slot (host ints: a list, array or CPU
+        tensor)."""
+        per_token = np.asarray(per_token, dtype=np.int32)
         n = per_token.shape[0]
         if n > self.max_tokens:
             raise RuntimeError(f"a step of {n} tokens is larger than LoRA's token buffer "
                                f"({self.max_tokens})")
         slots, tokens = group_tokens(per_token, self.max_tiles)
-        packed = torch.cat([slots, tokens.flatten()])  # rows past `tokens` stay unread
-        self._table[:packed.shape[0]].copy_(packed, non_blocking=True)
-        self.indices[:n].copy_(per_token, non_blocking=True)
+        packed = np.concatenate([slots, tokens.ravel()])  # rows past `tokens` stay unread
+        self._table[:packed.shape[0]].copy_(torch.from_numpy(packed), non_blocking=True)
+        self.indices[:n].copy_(torch.from_numpy(per_token), non_blocking=True)
         self.num_tokens = n
         self.has_adapters = tokens.shape[0] > 0
 
 
-def group_tokens(per_token: torch.Tensor, max_tiles: int, block_t: int = LORA_BLOCK_T
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def group_tokens(per_token, max_tiles: int, block_t: int = LORA_BLOCK_T
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """(tile slots [max_tiles] int32, -1 past the used tiles; tile tokens [used, block_t]
-    int32, -1 padded): the tokens with a slot, grouped by slot into tiles of one slot."""
-    per_token = per_token.to(torch.int64)
-    order = torch.argsort(per_token, stable=True)
+    int32, -1 padded): the tokens with a slot, grouped by slot into tiles of one slot.
+    numpy: this runs on the host every step, and torch's small CPU ops cost far more."""
+    per_token = np.asarray(per_token, dtype=np.int64)
+    order = np.argsort(per_token, kind="stable")
     order = order[int((per_token < 0).sum()):]
-    slots, counts = torch.unique_consecutive(per_token[order], return_counts=True)
+    sorted_slots = per_token[order]
+    seg_start = np.flatnonzero(np.diff(sorted_slots, prepend=-2))   # each slot's first
+    counts = np.diff(np.append(seg_start, order.shape[0]))
     tiles_per_slot = (counts + block_t - 1) // block_t
-    seg = torch.repeat_interleave(torch.arange(slots.shape[0]), tiles_per_slot)
-    first_tile = torch.cumsum(tiles_per_slot, 0) - tiles_per_slot
-    offset = (torch.arange(seg.shape[0]) - first_tile[seg]) * block_t   # within the slot
-    start = (torch.cumsum(counts, 0) - counts)[seg] + offset            # within `order`
-    lanes = torch.arange(block_t)
+    seg = np.repeat(np.arange(seg_start.shape[0]), tiles_per_slot)
+    first_tile = np.cumsum(tiles_per_slot) - tiles_per_slot
+    offset = (np.arange(seg.shape[0]) - first_tile[seg]) * block_t  # within the slot
+    lanes = np.arange(block_t)
     has_token = lanes[None, :] < (counts[seg] - offset)[:, None]
-    positions = (start[:, None] + lanes[None, :]).clamp(max=max(order.shape[0] - 1, 0))
-    tokens = torch.where(has_token, order[positions] if order.numel() else positions, -1)
-    tile_slots = torch.full((max_tiles,), -1, dtype=torch.int32)
-    tile_slots[:seg.shape[0]] = slots[seg].to(torch.int32)
-    return tile_slots, tokens.to(torch.int32)
+    positions = np.minimum((seg_start[seg] + offset)[:, None] + lanes[None, :],
+                           max(order.shape[0] - 1, 0))
+    tokens = np.where(has_token, order[positions] if order.size else positions, -1)
+    tile_slots = np.full(max_tiles, -1, dtype=np.int32)
+    tile_slots[:seg.shape[0]] = sorted_slots[seg_start[seg]]
+    return tile_slots, tokens.astype(np.int32)
 
 
 def lora_shrink_ref(x: torch.Tensor, a_stack: torch.Tensor,

@@ -19,6 +19,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -39,11 +40,11 @@ class TokenSlots:
         self.is_active = False  # some token of this step has an adapter
 
     def set(self, slots_per_request: list[int], query_lens: list[int]) -> None:
-        slots = torch.tensor(slots_per_request, dtype=torch.int32)
-        self.is_active = bool((slots >= 0).any())
+        self.is_active = any(slot >= 0 for slot in slots_per_request)
         if not self.is_active and not self.batch.has_adapters:
             return  # the table already says "no adapter" (a graph replay exits at once)
-        self.batch.fill(slots.repeat_interleave(torch.tensor(query_lens)))
+        self.batch.fill(np.repeat(np.asarray(slots_per_request, dtype=np.int32),
+                                  query_lens))
 
 
 @dataclass

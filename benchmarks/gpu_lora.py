@@ -341,6 +341,8 @@ def main() -> None:
                "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     kernel_part(args, SMOKE_OP_SHAPES if args.smoke else config, results)
+    if args.device == "cuda":
+        torch.cuda.empty_cache()  # the op's inputs and graphs, before the engines' memory
     with tempfile.TemporaryDirectory() as root:
         adapters = []
         for i in range(args.num_adapters):

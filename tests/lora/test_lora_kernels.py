@@ -160,3 +160,46 @@ def test_expand_refuses_bounds_it_cannot_take(device):
     h = torch.zeros(1, 4, 16, device=device)
     with pytest.raises(ValueError, match="bounds"):
         lora_expand(torch.zeros(4, 16, device=device), h, b, batch, (0, 4, 8, 12, 16))
+
+
+def test_step_slots_through_the_kernels(device):
+    """A mixed step as the engine sets it (per request: adapter slot and query length)."""
+    from tllm.lora.layers import TokenSlots
+    slots = TokenSlots(max_tokens=64, max_loras=3, device=device)
+    slots.set([2, -1, 0, 2, 1, 0], [20, 3, 1, 1, 5, 1])
+    assert slots.is_active
+    x, a, b, _, bounds = random_case(31, 48, (32, 16), 8, 3, torch.float32, device, seed=7)
+    indices = slots.batch.indices[:31]
+    base = torch.randn(31, 48, device=device)
+    out = lora_expand(base.clone(), lora_shrink(x, a, slots.batch), b, slots.batch, bounds)
+    want = lora_expand_ref(base.double(), lora_shrink_ref(x.double(), a.double(), indices),
+                           b.double(), indices, bounds)
+    assert relative_error(out, want.float()) < 1e-5
+    slots.set([-1, -1], [1, 1])  # no adapter: the table is emptied once, then left alone
+    assert not slots.is_active and not slots.batch.has_adapters
+    assert torch.all(slots.batch.tile_slots == -1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_replays_read_each_steps_table():
+    """One capture, replayed after the table changes (8 adapters, 1, none), as decode does."""
+    device = torch.device("cuda")
+    x, a, b, _, bounds = random_case(32, 256, (128, 64, 64), 16, 8, torch.bfloat16, device)
+    batch = LoraBatch(64, 8, device)
+    batch.fill(torch.arange(32, dtype=torch.int32) % 8)
+    base = torch.randn(32, 256, device=device, dtype=torch.bfloat16)
+    out = base.clone()
+    for _ in range(2):  # compile outside the capture
+        lora_expand(out, lora_shrink(x, a, batch), b, batch, bounds)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lora_expand(out, lora_shrink(x, a, batch), b, batch, bounds)
+    for per_token in (torch.arange(32) % 8, torch.zeros(32), torch.full((32,), -1)):
+        per_token = per_token.to(torch.int32)
+        batch.fill(per_token)
+        out.copy_(base)
+        graph.replay()
+        idx = per_token.to(device)
+        want = lora_expand_ref(base.double(), lora_shrink_ref(x.double(), a.double(), idx),
+                               b.double(), idx, bounds)
+        assert relative_error(out, want) < 1e-2

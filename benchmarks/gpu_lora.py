@@ -142,7 +142,7 @@ def engine_part(args, adapters: list, results: dict) -> None:
 
 def op_cases(args, config: dict) -> dict:
     """Inputs of each merged projection's LoRA op: 8 adapters, 1 adapter, none."""
-    from tllm.kernels.lora import LoraBatch
+    from tllm.kernels.lora_batch import LoraBatch
     device, dtype, rank, slots = torch.device(args.device), torch.bfloat16, args.rank, 8
     shapes = projection_shapes(config)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -228,7 +228,7 @@ def total_op_time(cases: dict, device, kernel_config) -> float:
 def sweep(cases: dict, device, smoke: bool) -> dict:
     """Coordinate search over the launch settings (shrink first, then expand), within
     SWEEP_BUDGET_S; the default is always measured."""
-    from tllm.kernels.lora import LoraKernelConfig
+    from tllm.kernels.lora_batch import LoraKernelConfig
     default = LoraKernelConfig()
     shrink_options = [dict(shrink_block_k=bk, shrink_programs_per_sm=p)
                       for bk in (64, 128, 256) for p in (1, 2, 4, 8)]
@@ -260,7 +260,8 @@ def sweep(cases: dict, device, smoke: bool) -> dict:
 
 
 def kernel_part(args, config: dict, results: dict) -> None:
-    from tllm.kernels.lora import LoraKernelConfig, lora_bmm_ref
+    from tllm.kernels.lora import lora_bmm_ref
+    from tllm.kernels.lora_batch import LoraKernelConfig
     device = torch.device(args.device)
     cases = op_cases(args, config)
     found = sweep(cases, device, args.smoke)

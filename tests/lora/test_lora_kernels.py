@@ -7,8 +7,9 @@ import torch
 pytest.importorskip("triton")
 
 from tllm.attention.testing import relative_error  # noqa: E402
-from tllm.kernels.lora import (LORA_BLOCK_T, LoraBatch, LoraKernelConfig,  # noqa: E402
-                               group_tokens, lora_bmm_ref, lora_expand_ref, lora_shrink_ref)
+from tllm.kernels.lora import lora_bmm_ref, lora_expand_ref, lora_shrink_ref  # noqa: E402
+from tllm.kernels.lora_batch import (LORA_BLOCK_T, LoraBatch, LoraKernelConfig,  # noqa: E402
+                                     group_tokens)
 from tllm.kernels.triton.lora import lora_expand, lora_shrink  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from tllm.kernels.lora import LoraBatch, add_lora
+from tllm.kernels.lora import add_lora
+from tllm.kernels.lora_batch import LoraBatch
 from tllm.layers.linear import (ColumnParallelLinear, Linear, MergedLinear, QKVLinear,
                                 RowParallelLinear)
 from tllm.layers.quant.base import QuantMethod

@@ -1,5 +1,6 @@
-"""Triton kernels of the batched LoRA op (see tllm.kernels.lora for the maths, the step's
-token grouping `LoraBatch` and the torch references `lora_shrink_ref` / `lora_expand_ref`).
+"""Triton kernels of the batched LoRA op (see tllm.kernels.lora for the maths and the torch
+references `lora_shrink_ref` / `lora_expand_ref`, tllm.kernels.lora_batch for the step's
+token grouping `LoraBatch`).
 
 Both kernels take one program per (tile, column block): a tile is up to LORA_BLOCK_T tokens
 of one adapter slot (grouped once per step, shared by every layer), so a program reads one
@@ -18,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tllm.kernels.lora import LORA_BLOCK_T, LoraBatch, LoraKernelConfig
+from tllm.kernels.lora_batch import LORA_BLOCK_T, LoraBatch, LoraKernelConfig
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot, next_pow2, num_sms
 
 _DEFAULT = LoraKernelConfig()
@@ -139,7 +140,8 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, batch: LoraBatch,
     partial = torch.empty(splits, num_tokens, n, dtype=torch.float32, device=x.device)
     if num_tokens:
         _shrink_kernel[(grid_tiles, n_blocks, splits)](
-            x, a_stack, batch.tile_slots, batch.tile_tokens, partial, n, k, k_per_split, x.stride(0), a_stack.stride(0), a_stack.stride(1), partial.stride(0),
+            x, a_stack, batch.tile_slots, batch.tile_tokens, partial, n, k, k_per_split,
+            x.stride(0), a_stack.stride(0), a_stack.stride(1), partial.stride(0),
             partial.stride(1), BLOCK_T=LORA_BLOCK_T, BLOCK_N=block_n, BLOCK_K=block_k,
             PRECISION=dot_precision(x.dtype), DOT_FP32=needs_fp32_dot(_shrink_kernel, x.dtype),
             num_warps=config.num_warps)

@@ -151,3 +151,18 @@ def test_bad_shapes_are_refused(device):
     with pytest.raises(ValueError, match="takes one row"):
         woq_mm(torch.randn(2, 128, device=device), qweight, scales, zeros, layout,
                config=WoqConfig(1, 16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the packed PTX math runs on a GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group", [(100, 4096, 128), (64, 14336, 128), (40, 384, 384),
+                                       (24, 256, 64)])
+def test_packed_gemv_on_gpu(dtype, n, k, group):
+    # group 64: shorter than a chunk, the fp32 math; the others the packed 16-bit PTX
+    (qweight, scales, zeros), layout, _ = packed_weight(n, k, 4, group, "cuda", torch.float16)
+    x = torch.randn(1, k, device="cuda").to(dtype)
+    ref = woq.woq_mm_ref(x, qweight, scales, zeros, layout)
+    for cfg in (None, WoqConfig(1, 16, 3, kind="gemv", chunks=2),
+                WoqConfig(1, 8, 1, kind="gemv", chunks=32, packed=False)):
+        out = woq_mm(x, qweight, scales, zeros, layout, config=cfg)
+        assert relative_error(out, ref) < 1e-2, cfg

@@ -405,3 +405,37 @@ def test_cuda_kernels_greedy_equals_cpu_reference(variant, checkpoints, source):
     path = checkpoints[variant]
     batch = prompts(source[1].config.vocab_size)
     assert tllm_greedy(path, batch, device="cuda", dtype="float32") == tllm_greedy(path, batch)
+
+
+def test_int8_lm_head_round_to_nearest(source):
+    """quantization="int4_awq_int8_head": the LM head is weight-only int8 (RTN, groups of the
+    64 hidden features here), the layers int4 as int4_awq; greedy tokens equal HF running
+    those weights."""
+    from tllm import loader
+    from tllm.attention import get_attention_backend
+    from tllm.layers.quant.woq_head import WoqLMHead
+    from tllm.kernels import woq
+    path = source[0]
+    src = loader.resolve_model(str(path))
+    config, checkpoint = loader.load_config(src)
+    quant = loader.quant_config(src, config, "int4_awq_int8_head")
+    model = loader.build_model(config, get_attention_backend("torch"), torch.float32,
+                               torch.device("cpu"), 256, quant)
+    loader.load_weights(model, src, checkpoint, 0)
+    head = model.lm_head
+    assert isinstance(head, WoqLMHead) and head.weight is None
+    assert head.qweight.dtype == torch.int32 and head.layout.bits == 8
+    w_head = source[2]["lm_head.weight"]
+    assert torch.equal(woq.dequantize(head.qweight, head.scales, head.zeros, head.layout),
+                       rtn_reference(w_head, 8))
+    import transformers
+    reference = transformers.LlamaForCausalLM(source[1].config).eval()
+    reference.load_state_dict(source[2])
+    for name, tensor in source[2].items():
+        if name.endswith(".weight") and name.removesuffix(".weight").endswith(LINEARS):
+            reference.get_submodule(name.removesuffix(".weight")).weight.data.copy_(
+                rtn_reference(tensor, 4))
+    reference.lm_head.weight.data.copy_(rtn_reference(w_head, 8))
+    batch = prompts(source[1].config.vocab_size)
+    ours = tllm_greedy(path, batch, quantization="int4_awq_int8_head")
+    assert ours == [hf_greedy(reference, p) for p in batch]

@@ -81,12 +81,14 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                        help="share of the free memory the KV cache takes, "
                             "kv_cache_config.free_memory_fraction (default 0.9)")
     group.add_argument("--quantization",
-                       choices=["fp8", "none", "gguf_int4", "int4_awq", "int8_wo"],
+                       choices=["fp8", "none", "gguf_int4", "int4_awq", "int8_wo",
+                                "int4_awq_int8_head"],
                        help="fp8: quantize the linear layers at load (per-channel weights, "
                             "per-token activations); a quantized checkpoint needs no flag. "
                             "GGUF files: gguf_int4 keeps 4-bit blocks exact (int4 kernel, "
                             "less memory), none dequantizes them. int4_awq / int8_wo: "
-                            "weight-only int4 / int8 at load (groups of 128)")
+                            "weight-only int4 / int8 at load (groups of 128); "
+                            "int4_awq_int8_head: and an int8 LM head")
     group.add_argument("--speculative-config", metavar="YAML",
                        help="speculative decoding: a YAML mapping with decoding_type "
                             "(NGram, DraftTarget, Eagle), max_draft_len and the kind's "

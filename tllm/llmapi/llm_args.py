@@ -164,7 +164,9 @@ class LlmArgs(BaseModel):
     # file's 4-bit types as exact int4 (less memory, slower once requests batch).
     # "int4_awq" / "int8_wo": weight-only int4 (AWQ-style zero points) / int8 at load,
     # round-to-nearest in groups of 128 (for benchmarks; AWQ/GPTQ checkpoints need no flag).
-    quantization: Literal["fp8", "none", "gguf_int4", "int4_awq", "int8_wo"] | None = None
+    # "int4_awq_int8_head": int4_awq with the LM head weight-only int8 too.
+    quantization: Literal["fp8", "none", "gguf_int4", "int4_awq", "int8_wo",
+                          "int4_awq_int8_head"] | None = None
     device: str | None = None
     max_batch_size: int = Field(256, ge=1)
     max_num_tokens: int = Field(8192, ge=1)

@@ -30,7 +30,7 @@ def resolve_quant_config(kind: str, path: Path | None, hf_config,
         return found
     if requested == "fp8":
         return Fp8Config(Fp8Scheme(checkpoint_is_fp8=False))
-    if requested in ("int4_awq", "int8_wo"):
+    if requested in ("int4_awq", "int8_wo", "int4_awq_int8_head"):
         from tllm.layers.quant.woq import online_config
         return online_config(requested)
     if requested == "gguf_int4":

@@ -43,6 +43,7 @@ from tllm.kernels.woq import WoqLayout
 DEQUANT_MIN_ROWS = 512     # from here a dequantized weight and cuBLAS (compute bound)
 _MIN_TILES_PER_SPLIT = 2   # K tiles a split at least: shorter ones cost more than they gain
 KINDS = ("gemv", "wx", "xw", "dequant")
+PACKED_GEMV = True         # the GEMV's packed 16-bit math (a switch for the benchmark's check)
 
 
 @dataclass(frozen=True)
@@ -241,7 +242,7 @@ def sweep_configs(m: int) -> list[WoqConfig]:
     """The launches benchmarks/gpu_int4.py times for an M bucket (1, <= 16, <= 64, more);
     the first is the default's kind and tiles. split_k 0: the default split for the shape."""
     if m == 1:
-        gemv = [(8, 32, 4, 0, True), (4, 32, 4, 0, True), (16, 32, 4, 0, True),
+        gemv = [(8, 32, 4, 0, True), (4, 32, 4, 0, True), (16, 16, 4, 0, True),
                 (8, 16, 4, 0, True), (16, 16, 8, 0, True), (8, 32, 4, 2, True),
                 (16, 8, 2, 0, True), (8, 32, 4, 0, False)]
         return [WoqConfig(1, bn, split, num_warps=w, num_stages=1, kind="gemv", chunks=ch,
@@ -296,13 +297,13 @@ def _launch_gemv(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConf
     per_split, splits = _splits(num_tiles, cfg.split_k)
     tiles_n = cdiv(n, cfg.block_n)
     part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    packed = (cfg.packed and layout.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
+    packed = (cfg.packed and PACKED_GEMV and layout.bits == 4 and x.dtype in (torch.bfloat16, torch.float16)
               and layout.group % layout.chunk == 0 and not _interpreted(_gemv_kernel))
     _gemv_kernel[(tiles_n, splits)](
         out, part, split_counters(x.device, tiles_n), x, qweight, scales, zeros, n,
         per_split, num_tiles, qweight.stride(0), scales.stride(0), BITS=layout.bits,
         GROUP=layout.group, BLOCK_N=cfg.block_n, KW=layout.chunk_words, CHUNKS=cfg.chunks,
-        SPLIT=splits, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        IS_SPLIT=splits > 1, PACKED=packed, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch_wx(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConfig) -> None:
@@ -310,14 +311,17 @@ def _launch_wx(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConfig
     num_tiles = k // layout.chunk
     per_split, splits = _splits(num_tiles, cfg.split_k)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
+    pairs = (cfg.packed and layout.bits == 4 and layout.group % layout.chunk == 0
+             and x.dtype in (torch.bfloat16, torch.float16))
     part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
             else out)
     _mm_wx_kernel[(tiles, splits)](
         out, part, split_counters(x.device, tiles), x, qweight, scales, zeros, m, n,
         per_split, num_tiles, x.stride(0), qweight.stride(0), scales.stride(0), m * n,
         BITS=layout.bits, GROUP=layout.group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        KW=layout.chunk_words, SPLIT=splits, DOT_FP32=needs_fp32_dot(_mm_wx_kernel, x.dtype),
-        PRECISION=dot_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        KW=layout.chunk_words, IS_SPLIT=splits > 1, DOT_FP32=needs_fp32_dot(_mm_wx_kernel, x.dtype),
+        PRECISION=dot_precision(x.dtype), PAIRS=pairs, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def _launch_xw(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConfig) -> None:

@@ -149,7 +149,7 @@ def _fp32_word_dot(words, z, s, x_ptr, x_offs, acc, k_col, BITS: tl.constexpr,
 def _gemv_kernel(out_ptr, part_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, N,
                  tiles_per_split, num_tiles, stride_qn, stride_sg,
                  BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                 KW: tl.constexpr, CHUNKS: tl.constexpr, SPLIT: tl.constexpr,
+                 KW: tl.constexpr, CHUNKS: tl.constexpr, IS_SPLIT: tl.constexpr,
                  PACKED: tl.constexpr):
     """Program (n tile, k split): BLOCK_N rows over its K tiles of CHUNKS chunks; the tile is
     [BLOCK_N, CHUNKS, KW] words, field j of word (c, w) meeting x[k0 + c * CHUNK + j*KW + w]."""
@@ -191,24 +191,24 @@ def _gemv_kernel(out_ptr, part_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, N,
         words = nxt
     out = tl.sum(tl.sum(acc, axis=2), axis=1)
     split_store(out_ptr, part_ptr, count_ptr, out, offs_n, offs_n < N, pid_n, pid_k,
-                N, SPLIT)
+                N, tl.num_programs(1), IS_SPLIT)
 
 
 @triton.jit
 def split_store(out_ptr, part_ptr, count_ptr, val, offs, mask, tile, pid_k, part_stride,
-                SPLIT: tl.constexpr):
+                splits, IS_SPLIT: tl.constexpr):
     """Store an fp32 tile `val` (at element offsets `offs` of out) directly, or as split
-    pid_k's partial: part[pid_k * part_stride + offs]; the last split of `tile` to arrive
-    sums the SPLIT partials in order into out and resets the tile's counter."""
-    if SPLIT == 1:
+    pid_k's partial: part[pid_k * part_stride + offs]; the last of the `splits` splits of
+    `tile` to arrive sums the partials in split order into out and resets the counter."""
+    if not IS_SPLIT:
         tl.store(out_ptr + offs, val.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(part_ptr + pid_k * part_stride + offs, val, mask=mask)
         tl.debug_barrier()              # every thread's partial is written before the count
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
-        if arrived == SPLIT - 1:
+        if arrived == splits - 1:
             total = tl.load(part_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")
-            for k in range(1, SPLIT):
+            for k in range(1, splits):
                 total += tl.load(part_ptr + k * part_stride + offs, mask=mask, other=0.0,
                                  cache_modifier=".cg")
             tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)

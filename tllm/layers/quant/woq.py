@@ -124,6 +124,15 @@ class WoqConfig(QuantConfig):
     name: str = "woq"
     make_method: Callable[[], QuantMethod] = field(default=lambda: OnlineWoqMethod(4, 128))
     is_ignored: Callable[[str], bool] = field(default=lambda name: False)
+    lm_head_bits: int | None = None     # 8: the LM head weight-only int8 too (online only)
+
+    def lm_head_layer(self, vocab_size: int, hidden_size: int, tied: bool) -> nn.Module | None:
+        """The int8 LM head where asked for (its own weight quantized; a tied embedding keeps
+        the float one), else None: the model dtype's."""
+        if self.lm_head_bits is None:
+            return None
+        from tllm.layers.quant.woq_head import WoqLMHead
+        return WoqLMHead(vocab_size, hidden_size, self.lm_head_bits)
 
     def linear_method(self, prefix: str, shard_names: tuple[str, ...] = ()) -> QuantMethod:
         names = checkpoint_names(prefix, shard_names)
@@ -143,7 +152,13 @@ def checkpoint_names(prefix: str, shard_names: tuple[str, ...]) -> list[str]:
     return [f"model.{parent}.{name}" if parent else f"model.{name}" for name in leaves]
 
 
+ONLINE_SCHEMES = {"int4_awq": (4, None), "int8_wo": (8, None), "int4_awq_int8_head": (4, 8)}
+
+
 def online_config(requested: str) -> WoqConfig:
-    """quantization="int4_awq" (4-bit, AWQ-style zero points) or "int8_wo" (8-bit)."""
-    bits = {"int4_awq": 4, "int8_wo": 8}[requested]
-    return WoqConfig(name=requested, make_method=lambda: OnlineWoqMethod(bits, ONLINE_GROUP))
+    """quantization="int4_awq" (4-bit, AWQ-style zero points), "int8_wo" (8-bit) or
+    "int4_awq_int8_head" (4-bit layers, int8 LM head: off by default, as TensorRT-LLM and
+    vLLM keep the head in the model dtype; greedy tokens may part from int4_awq's late)."""
+    bits, head_bits = ONLINE_SCHEMES[requested]
+    return WoqConfig(name=requested, make_method=lambda: OnlineWoqMethod(bits, ONLINE_GROUP),
+                     lm_head_bits=head_bits)

@@ -13,8 +13,9 @@ steps:
 
 The step's tokens are grouped by slot once per step (tllm.kernels.lora_batch.LoraBatch) into
 tiles of one slot; every layer's kernels read that one table, a program per (tile, column
-block), so each program reads one adapter's weights. On CUDA the Triton kernels of tllm.kernels.triton.lora run; elsewhere the grouped torch
-reference below (a matmul per adapter present)."""
+block), so each program reads one adapter's weights. On CUDA the Triton kernels of
+tllm.kernels.triton.lora run; elsewhere the grouped torch reference below (a matmul per
+adapter present)."""
 from __future__ import annotations
 
 import torch

@@ -21,7 +21,8 @@ step() {  # step NAME SECONDS COMMAND...
   echo "=== $name rc=$? $(date +%T)"
   tail -n 40 "$OUT/$name.log"
 }
-case ${1:-} in
+for section in "$@"; do
+case $section in
   quant)
     step gpu_tests 170 python3 -m pytest -q -m "not slow" -p no:cacheprovider \
       tests/kernels/test_w4a16_gemm.py tests/loader/test_awq_gptq_checkpoints.py \
@@ -44,12 +45,10 @@ case ${1:-} in
     step spec_tests 70 python3 -m pytest -q -x -p no:cacheprovider \
       tests/runner/test_verify_graphs.py tests/kernels/test_decode_attention.py \
       -k "verify or eight or several or large_on_gpu"
-    step spec_verify 50 python3 benchmarks/gpu_spec_verify.py --batches 1,32 --ks 0,1,4,7 \
-      --compare-context --repeats 30
     ;;
-  kernels)
+  kernels)  # run right after spec, in the same call: bash gpu_session.sh spec kernels
     step gpu_int4 120 python3 benchmarks/gpu_int4.py --budget 110
-    step gpu_lora 110 python3 benchmarks/gpu_lora.py
+    step gpu_lora 200 python3 benchmarks/gpu_lora.py
     ;;
   smollm2)  # the GGUF comes in two carried halves (it is over the carry limit)
     cat /tmp/smol_a .smol/b/part >/tmp/smollm2.gguf
@@ -62,5 +61,6 @@ case ${1:-} in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|stage|smollm2"; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|stage|smollm2 ..."; exit 2 ;;
 esac
+done

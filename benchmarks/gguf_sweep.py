@@ -17,11 +17,11 @@ import torch
 GEMV_SHAPES = [("gate_up", 16384, 2048, "Q4_K"), ("down", 2048, 8192, "Q6_K"),
                ("head", 32000, 2048, "Q6_K"), ("qkv", 3072, 2048, "Q8_0"),
                ("o", 2048, 2048, "Q4_K"), ("8b qkv", 6144, 4096, "Q4_K")]
-GEMV_TILES = [(8, 16, 2), (4, 16, 1), (4, 32, 2), (8, 32, 4), (16, 16, 4)]
+GEMV_TILES = [(4, 16, 1), (8, 32, 2), (8, 16, 2), (4, 32, 2), (2, 16, 1), (16, 64, 4)]
 FUSED_ROWS = 32
 FUSED_SHAPES = GEMV_SHAPES[:2] + GEMV_SHAPES[3:4]
-FUSED_TILES = [(64, 2, 4, 3, False), (128, 2, 4, 3, False), (64, 4, 4, 3, False),
-               (64, 4, 4, 2, True)]
+FUSED_TILES = [(64, 4, 4, 2, True), (128, 4, 8, 2, True), (64, 8, 4, 2, True),
+               (64, 2, 4, 3, False), (128, 2, 4, 3, False)]
 
 
 def _splits(rule: int, steps: int) -> list[int]:
@@ -58,7 +58,7 @@ def sweep(results: dict, deadline: float, make_planes, time_calls, rel) -> dict:
                 default = cfgs.gemv_config(qtype, n, k, device)
                 candidates = [cfgs.GemvConfig(bn, bg, split, w)
                               for bn, bg, w in GEMV_TILES
-                              for split in _splits(_rule_gemv(cfgs, qtype, n, k, bn, bg, device),
+                              for split in _splits(_rule_gemv(cfgs, qtype, n, k, bn, bg, w, device),
                                                    k // 32 // bg)]
                 run = lambda cfg: (lambda p: gguf_gemv(x, p, cfg))  # noqa: E731
             else:
@@ -87,10 +87,11 @@ def sweep(results: dict, deadline: float, make_planes, time_calls, rel) -> dict:
     return best
 
 
-def _rule_gemv(cfgs, qtype, n, k, block_n, block_g, device) -> int:
+def _rule_gemv(cfgs, qtype, n, k, block_n, block_g, warps, device) -> int:
     """The default rule's K split for this tile."""
     steps = -(-(k // 32) // block_g)
-    return cfgs.split_for(-(-n // block_n), steps, cfgs.GEMV_PROGRAMS_PER_SM, device, 2)
+    return cfgs.split_for(-(-n // block_n), steps, max(1, cfgs.GEMV_WARPS_PER_SM // warps),
+                          device, 2)
 
 
 def tile_ranking(gemv: dict) -> dict:

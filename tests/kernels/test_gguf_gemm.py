@@ -121,10 +121,11 @@ def test_configs_split_narrow_layers():
     cpu = torch.device("cpu")  # counts as 8 SMs
     assert gemv_config("Q4_K", 4096, 4096, cpu).split_k == 1
     narrow = gemv_config("Q4_K", 64, 4096, cpu)
-    assert narrow.block_n == 8 and narrow.block_g == 16 and narrow.split_k == 4
+    assert narrow.block_n == 4 and narrow.block_g == 16 and narrow.split_k == 4
     assert gemv_config("Q8_0", 64, 256, cpu).block_g == 8
     assert fused_mm_config("Q4_K", 32, 64, 4096, cpu).split_k > 1
-    assert fused_mm_config("Q4_K", 100, 4096, 4096, cpu) == FusedMmConfig(64, 64, 2, 1)
+    assert fused_mm_config("Q4_K", 100, 4096, 4096, cpu) == FusedMmConfig(
+        64, 64, 4, 1, num_stages=2, tile=True)
 
 
 def test_tuned_entries_override_and_round_trip(tmp_path, monkeypatch):

@@ -4,11 +4,15 @@ for an exact (type, N, K, rows) where a sweep found better (benchmarks/gpu_gguf.
 them and writes a JSON; `load_tuned` reads one; `TUNED` holds them in the process, and takes
 configs/gguf_<device name>.json beside this file, where there is one for the GPU in use).
 
-Evidence behind the defaults (H200, benchmarks/gpu_gguf.py, the first kernels, 6144 x 4096):
-at one row 8 weight rows x 512 values a step on 2 warps (21.7 us Q4_K, 19.6 us Q8_0) beat 16
-rows on 4 warps split twice (24.0 / 24.8 us): more small programs in flight hid more of the
-memory latency. The GEMV now keeps one float32 a (row, group) instead of a 16-value tile, so
-programs are smaller still in registers."""
+Evidence behind the defaults: on the H200 (benchmarks/gpu_gguf.py, the first kernels, 6144 x
+4096) at one row 8 weight rows x 512 values a step on 2 warps (21.7 us Q4_K, 19.6 us Q8_0)
+beat 16 rows on 4 warps split twice (24.0 / 24.8 us): more small programs in flight hid more
+of the memory latency. For the present GEMV, compiled for sm_90 without a GPU (instructions
+in the K loop a weight value, registers a thread): 4 rows x 16 groups on 1 warp, Q4_K 7.6 /
+94, Q6_K 10.0 / 95, Q8_0 6.9 / 94; 8 x 32 on 2 warps 7.1 / 252, 9.4 / 245, 6.5 / 164 (fewer
+instructions, a quarter of the programs an SM holds); 8 x 16 on 2 warps, the first sweep's
+best, needs x at the tile's full shape, 10.2 for Q4_K. Not yet timed: the sweep's JSON
+(configs/) replaces these guesses per shape."""
 from __future__ import annotations
 
 import functools
@@ -47,9 +51,9 @@ class FusedMmConfig:
 
 
 # (block_n, block_g, num_warps) at one row, by type
-GEMV_TILES = {"Q4_0": (8, 16, 2), "Q4_1": (8, 16, 2), "Q5_0": (8, 16, 2), "Q5_1": (8, 16, 2),
-              "Q8_0": (8, 16, 2), "Q4_K": (8, 16, 2), "Q5_K": (8, 16, 2), "Q6_K": (8, 16, 2)}
-GEMV_PROGRAMS_PER_SM = 8     # split K until about this many programs run on each SM
+GEMV_TILES = {qtype: (4, 16, 1) for qtype in
+              ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")}
+GEMV_WARPS_PER_SM = 16       # split K until about this many warps run on each SM
 FUSED_PROGRAMS_PER_SM = 2
 # (qtype, n, k, rows bucket) -> config, from a sweep; rows bucket: 1, or the fused block_m
 TUNED: dict[tuple[str, int, int, int], GemvConfig | FusedMmConfig] = {}
@@ -94,10 +98,11 @@ def gemv_config(qtype: str, n: int, k: int, device: torch.device) -> GemvConfig:
     tuned = _tuned((qtype, n, k, 1), device)
     if isinstance(tuned, GemvConfig):
         return tuned
-    block_n, block_g, warps = GEMV_TILES.get(qtype, (8, 16, 2))
+    block_n, block_g, warps = GEMV_TILES.get(qtype, (4, 16, 1))
     groups = k // GROUP
     block_g = min(block_g, next_pow2(groups))
-    split = split_for(cdiv(n, block_n), cdiv(groups, block_g), GEMV_PROGRAMS_PER_SM, device, 2)
+    split = split_for(cdiv(n, block_n), cdiv(groups, block_g),
+                      max(1, GEMV_WARPS_PER_SM // warps), device, 2)
     return GemvConfig(block_n, block_g, split, warps)
 
 
@@ -111,10 +116,13 @@ def fused_mm_config(qtype: str, m: int, n: int, k: int, device: torch.device) ->
     if isinstance(tuned, FusedMmConfig):
         return tuned
     groups = k // GROUP
-    block_n, block_g = 64, min(2, next_pow2(groups))
+    block_n, block_g = 64, min(4, next_pow2(groups))
     tiles = cdiv(n, block_n) * cdiv(m, block_m)
     split = split_for(tiles, cdiv(groups, block_g), FUSED_PROGRAMS_PER_SM, device, 4)
-    return FusedMmConfig(block_m, block_n, block_g, split)
+    # the tile kernel: 10.3 instructions a weight value in its K loop for Q4_K at 32 x 64 x 4
+    # groups (sm_90, compiled here), the per-half-group dots 13 at 2 groups (their operand
+    # goes through shared memory each depth-16 dot); the sweep times both
+    return FusedMmConfig(block_m, block_n, block_g, split, num_stages=2, tile=True)
 
 
 def tuned_to_json(table: dict) -> str:

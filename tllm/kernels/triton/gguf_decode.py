@@ -28,65 +28,91 @@ def as_float(q, offset: tl.constexpr):
 
 
 @triton.jit
-def values(qs_ptr, qh_ptr, r, g, j, mask, s_qs, s_qh, QTYPE: tl.constexpr):
-    """float32 (q - offset) of values 32g + j and 32g + 16 + j of rows r (int64)."""
+def values(qs_ptr, qh_ptr, r, g, jb, jt, mask, s_qs, s_qh, QTYPE: tl.constexpr):
+    """float32 (q - offset) of values 32g + j and 32g + 16 + j of rows r (int64); for the
+    4-bit types (Q4_0, Q4_1, Q4_K) the high half is 16 (q - offset), its nibble decoded where
+    it lies (one AND-OR, no shift: `scales` gives that half a scale / 16, exact). One return
+    at the end: the compiler visits code after a return inside a constexpr branch.
+    Positions j = jb + jt: jt the positions a thread holds (an arange: its shifts become
+    constants), jb what varies between threads (or 0)."""
+    j = jb + jt
     if QTYPE == 4:  # Q8_0: int8 values, shifted to 0..255 for as_float
         base = qs_ptr + r * s_qs + g * 32 + j
         lo = tl.load(base, mask=mask, other=0).to(tl.int32) + 128
         hi = tl.load(base + 16, mask=mask, other=0).to(tl.int32) + 128
-        return as_float(lo, 128), as_float(hi, 128)
-    byte = tl.load(qs_ptr + r * s_qs + g * 16 + j, mask=mask, other=0).to(tl.int32)
-    lo = byte & 15
-    hi = byte >> 4
-    if QTYPE == 2 or QTYPE == 3 or QTYPE == 6:  # Q5_0, Q5_1, Q5_K: bit j of the group's word
-        h = tl.load(qh_ptr + r * s_qh + g, mask=mask, other=0)
-        lo = lo | (((h >> j) & 1) << 4)
-        hi = hi | (((h >> (j + 16)) & 1) << 4)
-    if QTYPE == 7:  # Q6_K: 2 bits each, values 0-15 in one word, 16-31 in the next
-        h_lo = tl.load(qh_ptr + r * s_qh + 2 * g, mask=mask, other=0)
-        h_hi = tl.load(qh_ptr + r * s_qh + 2 * g + 1, mask=mask, other=0)
-        lo = lo | (((h_lo >> (2 * j)) & 3) << 4)
-        hi = hi | (((h_hi >> (2 * j)) & 3) << 4)
+    else:
+        byte = tl.load(qs_ptr + r * s_qs + g * 16 + j, mask=mask, other=0).to(tl.int32)
+        lo = byte & 15
+        if QTYPE == 0 or QTYPE == 1 or QTYPE == 5:  # 4-bit: the high nibble left in place
+            hi = byte & 0xF0
+        else:
+            hi = byte >> 4
+        if QTYPE == 2 or QTYPE == 3 or QTYPE == 6:  # Q5_0, Q5_1, Q5_K: bit j of the word
+            h = tl.load(qh_ptr + r * s_qh + g, mask=mask, other=0) >> jb
+            lo = lo | (((h >> jt) & 1) << 4)
+            hi = hi | (((h >> (jt + 16)) & 1) << 4)
+        if QTYPE == 7:  # Q6_K: 2 bits each, values 0-15 in one word, 16-31 in the next
+            h_lo = tl.load(qh_ptr + r * s_qh + 2 * g, mask=mask, other=0) >> (2 * jb)
+            h_hi = tl.load(qh_ptr + r * s_qh + 2 * g + 1, mask=mask, other=0) >> (2 * jb)
+            lo = lo | (((h_lo >> (2 * jt)) & 3) << 4)
+            hi = hi | (((h_hi >> (2 * jt)) & 3) << 4)
     if QTYPE == 0:
-        return as_float(lo, 8), as_float(hi, 8)
-    if QTYPE == 2:
-        return as_float(lo, 16), as_float(hi, 16)
-    if QTYPE == 7:
-        return as_float(lo, 32), as_float(hi, 32)
-    return as_float(lo, 0), as_float(hi, 0)
+        q_lo, q_hi = as_float(lo, 8), as_float(hi, 128)
+    elif QTYPE == 2:
+        q_lo, q_hi = as_float(lo, 16), as_float(hi, 16)
+    elif QTYPE == 4:
+        q_lo, q_hi = as_float(lo, 128), as_float(hi, 128)
+    elif QTYPE == 7:
+        q_lo, q_hi = as_float(lo, 32), as_float(hi, 32)
+    else:
+        q_lo, q_hi = as_float(lo, 0), as_float(hi, 0)
+    return q_lo, q_hi
 
 
 @triton.jit
 def scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, mask, s_d, s_dmin, s_sc, s_m,
            QTYPE: tl.constexpr):
     """(scale of the low half, scale of the high half, low) of groups g of rows r: w = scale
-    * (q - offset) + low. The halves' scales differ only for Q6_K; low is 0.0 where the
-    type has none."""
+    * (q - offset) + low. The halves' scales differ for Q6_K, and by the 16 of `values` for
+    the 4-bit types; low is zeros (unused, so
+    compiled away) where the type has none."""
     if QTYPE == 5 or QTYPE == 6:  # Q4_K, Q5_K: (d * sc) * q - dmin * m per 32
         d = tl.load(d_ptr + r * s_d + g // 8, mask=mask, other=0).to(tl.float32)
         dmin = tl.load(dmin_ptr + r * s_dmin + g // 8, mask=mask, other=0).to(tl.float32)
-        scale = d * tl.load(sc_ptr + r * s_sc + g, mask=mask, other=0).to(tl.float32)
+        s_lo = d * tl.load(sc_ptr + r * s_sc + g, mask=mask, other=0).to(tl.float32)
+        if QTYPE == 5:
+            s_hi = s_lo * 0.0625
+        else:
+            s_hi = s_lo
         low = -(dmin * tl.load(m_ptr + r * s_m + g, mask=mask, other=0).to(tl.float32))
-        return scale, scale, low
-    if QTYPE == 7:  # Q6_K: (d * sc) * (q - 32) per 16
+    elif QTYPE == 7:  # Q6_K: (d * sc) * (q - 32) per 16
         d = tl.load(d_ptr + r * s_d + g // 8, mask=mask, other=0).to(tl.float32)
-        sc_lo = tl.load(sc_ptr + r * s_sc + 2 * g, mask=mask, other=0).to(tl.float32)
-        sc_hi = tl.load(sc_ptr + r * s_sc + 2 * g + 1, mask=mask, other=0).to(tl.float32)
-        return d * sc_lo, d * sc_hi, 0.0
-    d = tl.load(d_ptr + r * s_d + g, mask=mask, other=0).to(tl.float32)
-    if QTYPE == 1 or QTYPE == 3:  # Q4_1, Q5_1: d * q + m
-        return d, d, tl.load(m_ptr + r * s_m + g, mask=mask, other=0).to(tl.float32)
-    return d, d, 0.0  # Q4_0, Q5_0, Q8_0: d * (q - offset)
+        s_lo = d * tl.load(sc_ptr + r * s_sc + 2 * g, mask=mask, other=0).to(tl.float32)
+        s_hi = d * tl.load(sc_ptr + r * s_sc + 2 * g + 1, mask=mask, other=0).to(tl.float32)
+        low = tl.zeros_like(s_lo)
+    else:
+        s_lo = tl.load(d_ptr + r * s_d + g, mask=mask, other=0).to(tl.float32)
+        if QTYPE == 0 or QTYPE == 1:
+            s_hi = s_lo * 0.0625
+        else:
+            s_hi = s_lo
+        if QTYPE == 1 or QTYPE == 3:  # Q4_1, Q5_1: d * q + m
+            low = tl.load(m_ptr + r * s_m + g, mask=mask, other=0).to(tl.float32)
+        else:  # Q4_0, Q5_0, Q8_0: d * (q - offset)
+            low = tl.zeros_like(s_lo)
+    return s_lo, s_hi, low
 
 
 @triton.jit
 def dequant_halves(qs_ptr, qh_ptr, d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, j, mask,
                    s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE: tl.constexpr):
     """float32 weights (values 32g + j, values 32g + 16 + j), as gguf's dequantize computes
-    them."""
-    q_lo, q_hi = values(qs_ptr, qh_ptr, r, g, j, mask, s_qs, s_qh, QTYPE)
+    them (j: positions every thread holds alike)."""
+    q_lo, q_hi = values(qs_ptr, qh_ptr, r, g, 0, j, mask, s_qs, s_qh, QTYPE)
     s_lo, s_hi, low = scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, mask, s_d, s_dmin, s_sc,
                              s_m, QTYPE)
     if QTYPE == 1 or QTYPE == 3 or QTYPE == 5 or QTYPE == 6:
-        return s_lo * q_lo + low, s_hi * q_hi + low
-    return s_lo * q_lo, s_hi * q_hi
+        w_lo, w_hi = s_lo * q_lo + low, s_hi * q_hi + low
+    else:
+        w_lo, w_hi = s_lo * q_lo, s_hi * q_hi
+    return w_lo, w_hi

@@ -65,26 +65,39 @@ def _finish(acc, out_ptrs, part_ptrs, lock_ptr, mask, stride_ps, SPLIT: tl.const
 def _gguf_gemv_kernel(out_ptr, part_ptr, lock_ptr, x_ptr, qs_ptr, qh_ptr, d_ptr, dmin_ptr,
                       sc_ptr, m_ptr, N, G, groups_per_split, stride_ps,
                       s_qs, s_qh, s_d, s_dmin, s_sc, s_m, QTYPE: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, SPLIT: tl.constexpr,
+                      BROADCAST_X: tl.constexpr):
     """Program (n tile, k split): one activation row against BLOCK_N weight rows over its
     share of the K groups."""
     pid_n = tl.program_id(0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     r = (offs_n % N).to(tl.int64)[:, None, None]   # rows past N are computed, not stored
-    j = tl.arange(0, 16)[None, None, :]
-    offs_g = tl.arange(0, BLOCK_G)[None, :, None]
+    # a group's 16 bytes as two rows of 8 (c even: bytes 0-7, odd: 8-15): its qs and x loads
+    # then share one register layout (8 bytes a thread, 8 bf16 a thread), sums stay in-thread
+    c = tl.arange(0, 2 * BLOCK_G)[None, :, None]
+    jb = (c % 2) * 8
+    jt = tl.arange(0, 8)[None, None, :]
+    j = jb + jt
     g_lo = tl.program_id(1) * groups_per_split
     g_hi = tl.minimum(g_lo + groups_per_split, G)
-    acc = tl.zeros([BLOCK_N, BLOCK_G, 1], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, 2 * BLOCK_G, 1], dtype=tl.float32)
     for g0 in range(g_lo, g_hi, BLOCK_G):
-        g = g0 + offs_g
+        g = g0 + c // 2
         mask = g < g_hi
-        q_lo, q_hi = values(qs_ptr, qh_ptr, r, g, j, mask, s_qs, s_qh, QTYPE)
-        x_lo = tl.load(x_ptr + g * 32 + j, mask=mask, other=0.0).to(tl.float32)
-        x_hi = tl.load(x_ptr + g * 32 + 16 + j, mask=mask, other=0.0).to(tl.float32)
+        q_lo, q_hi = values(qs_ptr, qh_ptr, r, g, jb, jt, mask, s_qs, s_qh, QTYPE)
+        # x's [1, 2 BLOCK_G, 8] tile takes the weights' layout (8 a thread, every row of the
+        # tile in each thread: x converted once for all of them) when it has 8 values for
+        # each thread; a smaller one would spread thinner, and the decoded weights would be
+        # converted to its layout (through shared memory) instead: then x is loaded at the
+        # tile's full shape, each row's copy from L1.
+        x_at = x_ptr + g * 32 + j
+        if BROADCAST_X:
+            x_at = tl.broadcast_to(x_at, [BLOCK_N, 2 * BLOCK_G, 8])
+        x_lo = tl.load(x_at, mask=mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_at + 16, mask=mask, other=0.0).to(tl.float32)
         s_lo, s_hi, low = scales(d_ptr, dmin_ptr, sc_ptr, m_ptr, r, g, mask, s_d, s_dmin,
                                  s_sc, s_m, QTYPE)
-        if QTYPE == 7:  # Q6_K: a scale a half-group
+        if QTYPE == 0 or QTYPE == 1 or QTYPE == 5 or QTYPE == 7:  # the halves' own scales
             acc += (s_lo * tl.sum(q_lo * x_lo, axis=2, keep_dims=True)
                     + s_hi * tl.sum(q_hi * x_hi, axis=2, keep_dims=True))
         else:
@@ -292,7 +305,8 @@ def gguf_gemv(x: torch.Tensor, planes: GgufPlanes,
     _gguf_gemv_kernel[(tiles, num_splits)](
         out, part, locks, x, *pointers, n, groups, per_split, part.stride(0), *strides,
         QTYPE=QTYPE_CODES[planes.qtype], BLOCK_N=cfg.block_n, BLOCK_G=cfg.block_g,
-        SPLIT=mode, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SPLIT=mode, BROADCAST_X=16 * cfg.block_g < 8 * 32 * cfg.num_warps,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if mode == TWO_PASS:
         _sum_splits(out, part)
     return out

@@ -6,7 +6,7 @@ weight value a thread handles (SASS in /tmp/c2b/asm). A static count, not a timi
     python benchmarks/gguf_sass_count.py mm 0,5,7
 """
 import sys
-sys.path.insert(0, "/work/main")
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -48,7 +48,7 @@ def compile_one(kernel, constexprs, num_warps, num_stages, qtype):
 
 TILES = [tuple(map(int, t.split("x"))) for t in (sys.argv[3] if len(sys.argv) > 3 else "8x16x2").split(",")]
 import subprocess, os, re, collections
-BIN = "/work/main/.venv/lib/python3.11/site-packages/triton/backends/nvidia/bin/"
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin") + "/"
 
 def stats(k, tag):
     os.makedirs("/tmp/c2b/asm", exist_ok=True)

@@ -22,7 +22,7 @@ tile to arrive ("gemv", "wx"), or by a second kernel ("xw").
 The first H200 run (2026-12-01, benchmarks/gpu_int4.py) measured the first GEMV at 1-1.5 TB/s
 and the "xw" kernel at 0.3x bf16 at M = 64; the defaults below follow the instruction-count
 analysis in w4a16_gemv.py and w4a16_mm.py (SASS for sm_90 compiled on the CPU) until the
-benchmark's sweep (`--sweep`) has measured them.
+benchmark's sweep over `sweep_configs` has measured them on the device.
 
 Reference: tllm.kernels.woq.woq_mm_ref / dequantize."""
 from __future__ import annotations
@@ -43,7 +43,8 @@ from tllm.kernels.woq import WoqLayout
 DEQUANT_MIN_ROWS = 512     # from here a dequantized weight and cuBLAS (compute bound)
 _MIN_TILES_PER_SPLIT = 2   # K tiles a split at least: shorter ones cost more than they gain
 KINDS = ("gemv", "wx", "xw", "dequant")
-PACKED_GEMV = True         # the GEMV's packed 16-bit math (a switch for the benchmark's check)
+PACKED_GEMV = True         # the GEMV's packed 16-bit math (switches for the benchmark's check)
+PACKED_DOT = True          # the wx kernel's paired 16-bit dequantization
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,7 @@ def _launch_wx(out, x, qweight, scales, zeros, layout: WoqLayout, cfg: WoqConfig
     num_tiles = k // layout.chunk
     per_split, splits = _splits(num_tiles, cfg.split_k)
     tiles = cdiv(m, cfg.block_m) * cdiv(n, cfg.block_n)
-    pairs = (cfg.packed and layout.bits == 4 and layout.group % layout.chunk == 0
+    pairs = (cfg.packed and PACKED_DOT and layout.bits == 4 and layout.group % layout.chunk == 0
              and x.dtype in (torch.bfloat16, torch.float16))
     part = (torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1
             else out)

@@ -28,15 +28,19 @@ import triton
 import triton.language as tl
 
 _counters: dict[torch.device, torch.Tensor] = {}
+_retired: list[torch.Tensor] = []   # outgrown counter buffers: a captured CUDA graph may hold one
 
 
 def split_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """int32 zeros, one per output tile of a split-K launch; each launch leaves them zero
     (its last program resets its tile's). Kept per device: launches on one stream are
-    ordered, and the kernels of one model run on one stream."""
+    ordered, and the kernels of one model run on one stream. Default launches split only
+    narrow products (fewer tiles than 2 an SM), so the first buffer is never outgrown."""
     buf = _counters.get(device)
     if buf is None or buf.numel() < tiles:
-        buf = torch.zeros(max(tiles, 1 << 14), dtype=torch.int32, device=device)
+        if buf is not None:
+            _retired.append(buf)
+        buf = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
         _counters[device] = buf
     return buf
 
@@ -170,7 +174,8 @@ def _gemv_kernel(out_ptr, part_ptr, count_ptr, x_ptr, qw_ptr, s_ptr, z_ptr, N,
     words = tl.load(w_ptrs + t_lo * (CHUNKS * KW), eviction_policy="evict_first")
     for t in range(t_lo, t_hi):
         k0 = t * (CHUNKS * CHUNK)
-        # the next tile's words are in flight while this one is multiplied
+        # the next tile's words are in flight while this one is multiplied; the last
+        # iteration reloads its own tile (an L1 hit: cheaper than a masked load's zeroing)
         t_next = tl.minimum(t + 1, t_hi - 1)
         nxt = tl.load(w_ptrs + t_next * (CHUNKS * KW), eviction_policy="evict_first")
         g = (k0 + cols_c * CHUNK) // GROUP                # [1, CHUNKS, 1]

@@ -175,8 +175,8 @@ def default_config(m: int, n: int, k: int, layout: WoqLayout,
     M = 1: 8 rows a program, every thread on a different 16 bytes of K and all 8 rows in its
     registers (one x value serves 8 weights), 32 chunks (2 KB of each row at 4 bits) an
     iteration: 16 KB in flight a program, ~2.8 SASS instructions a weight in the packed math.
-    Small M: one 16..64-row x^T tile against 64 weight rows, K split until the SMs are full
-    twice over. Larger M: 128 x 128 tiles; from DEQUANT_MIN_ROWS, dequantize + cuBLAS."""
+    Small M: one 16..64-row x^T tile against 128 weight rows (3.9 instructions a weight at
+    16 rows, 4.8 with 64 weight rows), K split until the SMs are full twice over. Larger M: 128 x 128 tiles; from DEQUANT_MIN_ROWS, dequantize + cuBLAS."""
     sms = num_sms(device)
     if m >= DEQUANT_MIN_ROWS:
         return WoqConfig(0, 0, kind="dequant")
@@ -185,7 +185,7 @@ def default_config(m: int, n: int, k: int, layout: WoqLayout,
     if layout.chunk_words < 16:       # the dot kernels need 16-deep fields
         return WoqConfig(0, 0, kind="dequant")
     if m <= 64:
-        cfg = WoqConfig(max(16, next_pow2(m)), 64, num_warps=4, num_stages=3, kind="wx")
+        cfg = WoqConfig(max(16, next_pow2(m)), 128, num_warps=4, num_stages=3, kind="wx")
         return _with_split(cfg, n, k, layout, sms)
     return _with_split(WoqConfig(128, 128, num_warps=8, num_stages=3, kind="wx"), n, k,
                        layout, sms, tiles_m=cdiv(m, 128))
@@ -249,14 +249,14 @@ def sweep_configs(m: int) -> list[WoqConfig]:
         return [WoqConfig(1, bn, split, num_warps=w, num_stages=1, kind="gemv", chunks=ch,
                           packed=packed) for bn, ch, w, split, packed in gemv]
     if m <= 16:
-        dots = [("wx", 16, 64, 4, 3, 0), ("wx", 16, 32, 4, 3, 0), ("wx", 16, 128, 4, 3, 0),
-                ("wx", 16, 64, 4, 3, 1), ("wx", 16, 128, 8, 3, 0), ("xw", 16, 64, 4, 4, 0)]
+        dots = [("wx", 16, 128, 4, 3, 0), ("wx", 16, 64, 4, 3, 0), ("wx", 16, 128, 4, 4, 0),
+                ("wx", 16, 128, 4, 3, 1), ("wx", 16, 128, 8, 3, 0), ("xw", 16, 64, 4, 4, 0)]
     elif m <= 64:
-        dots = [("wx", 64, 64, 4, 3, 0), ("wx", 64, 128, 8, 3, 0), ("wx", 64, 32, 4, 3, 0),
-                ("wx", 32, 64, 4, 3, 0), ("wx", 64, 128, 4, 4, 0), ("xw", 64, 64, 4, 4, 0)]
+        dots = [("wx", 64, 128, 4, 3, 0), ("wx", 64, 64, 4, 3, 0), ("wx", 64, 128, 4, 4, 0),
+                ("wx", 32, 128, 4, 3, 0), ("wx", 64, 128, 8, 3, 0), ("xw", 64, 64, 4, 4, 0)]
     else:
-        dots = [("wx", 128, 128, 8, 3, 0), ("wx", 64, 128, 4, 3, 0), ("wx", 128, 64, 4, 3, 0),
-                ("wx", 256, 64, 8, 3, 0), ("xw", 128, 128, 8, 3, 0)]
+        dots = [("wx", 128, 128, 8, 3, 0), ("wx", 64, 128, 4, 3, 0), ("wx", 64, 128, 4, 4, 0),
+                ("wx", 128, 64, 4, 3, 0), ("xw", 128, 128, 8, 3, 0)]
     configs = [WoqConfig(bm, bn, split, num_warps=w, num_stages=st, kind=kind)
                for kind, bm, bn, w, st, split in dots]
     return configs + ([WoqConfig(0, 0, kind="dequant")] if m > 64 else [])

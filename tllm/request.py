@@ -11,8 +11,8 @@ from tllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from tllm.lora.request import LoRARequest
     from tllm.kv_cache.transfer import ImportedKV
+    from tllm.lora.request import LoRARequest
     from tllm.outputs import PositionLogprobs
     from tllm.sampling.beam import BeamGroup
     from tllm.tokenizer import IncrementalDetokenizer

@@ -199,7 +199,6 @@ class LlmArgs(BaseModel):
     # Disaggregated prefill/decode serving: this engine's role (None: it does both).
     disaggregation: DisaggConfig | None = None
 
-
     # Multi-LoRA serving: requests name a PEFT adapter (lora_request); up to max_loras
     # adapters of rank <= max_lora_rank sit in device slots at once (LRU), the max_cpu_loras
     # most recently used stay read in host memory (default: max_loras).

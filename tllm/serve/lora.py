@@ -91,8 +91,8 @@ def lora_routes(registry: LoraRegistry, with_body: list) -> APIRouter:
     """The load/unload routes (under the /v1 router: behind the API key)."""
     routes = APIRouter()
 
+    # No response_class: it would document the JSON error bodies as text/plain too.
     @routes.post("/load_lora_adapter", dependencies=with_body, summary="Load a LoRA adapter",
-                 response_class=PlainTextResponse,
                  responses={200: {"description": "The adapter is served under lora_name",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
                             **error_responses(400, 415)})
@@ -105,7 +105,7 @@ def lora_routes(registry: LoraRegistry, with_body: list) -> APIRouter:
                                  "successfully.")
 
     @routes.post("/unload_lora_adapter", dependencies=with_body,
-                 summary="Unload a LoRA adapter", response_class=PlainTextResponse,
+                 summary="Unload a LoRA adapter",
                  responses={200: {"description": "The adapter is no longer served",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
                             **error_responses(400, 404, 415)})

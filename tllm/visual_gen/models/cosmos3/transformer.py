@@ -11,7 +11,6 @@ checkpoints and names, fusing Q/K/V and gate/up as it loads."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tllm.layers.norm import RMSNorm
-from tllm.loader.hf import CheckpointError, iter_safetensors, safetensors_files
+from tllm.loader.hf import CheckpointError
+from tllm.visual_gen.models.checkpoint import load_named, transformer_from_folder
 from tllm.visual_gen.models.cosmos3.layers import MoTLayer
 from tllm.visual_gen.models.cosmos3.rope import JointLayout
 
@@ -184,26 +184,10 @@ class Cosmos3Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
                         device: str | torch.device = "cpu") -> Cosmos3Transformer:
-        path = Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"{path} has no config.json; expected a diffusers "
-                                  "transformer folder")
-        config = Cosmos3Config.from_dict(json.loads(config_file.read_text()))
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype=dtype).to_empty(device=device)
-        loader = WeightLoader(model)
-        for name, tensor in iter_safetensors(safetensors_files(path), str(torch.device(device))):
-            loader.load(name, tensor)
-        loader.finish()
-        return model.eval()
+        return transformer_from_folder(cls, Cosmos3Config, WeightLoader, path, dtype, device)
 
     def load_diffusers_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in state_dict.items():
-            loader.load(name, tensor)
-        loader.finish()
+        load_named(WeightLoader(self), state_dict.items())
 
 
 # diffusers module -> ours, outside the layers

@@ -5,7 +5,6 @@ values come from `encode_text`, computed once per generation. Loads diffusers' c
 and names, fusing Q/K/V (self-attention) and K/V (cross attention) as it loads."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tllm.loader.hf import CheckpointError, iter_safetensors, safetensors_files
+from tllm.loader.hf import CheckpointError
+from tllm.visual_gen.models.checkpoint import load_named, transformer_from_folder
 from tllm.visual_gen.models.ltx2 import blocks
 from tllm.visual_gen.models.ltx2.blocks import LTX2Block, StreamState
 from tllm.visual_gen.models.ltx2.config import LTX2Config
@@ -176,26 +176,10 @@ class LTX2Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,
                         device: str | torch.device = "cpu") -> LTX2Transformer:
-        path = Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"{path} has no config.json; expected a diffusers "
-                                  "transformer folder")
-        config = LTX2Config.from_dict(json.loads(config_file.read_text()))
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype=dtype).to_empty(device=device)
-        loader = WeightLoader(model)
-        for name, tensor in iter_safetensors(safetensors_files(path), str(torch.device(device))):
-            loader.load(name, tensor)
-        loader.finish()
-        return model.eval()
+        return transformer_from_folder(cls, LTX2Config, WeightLoader, path, dtype, device)
 
     def load_diffusers_state_dict(self, state_dict) -> None:
-        loader = WeightLoader(self)
-        for name, tensor in state_dict.items():
-            loader.load(name, tensor)
-        loader.finish()
+        load_named(WeightLoader(self), state_dict.items())
 
 
 # diffusers' attention leaves -> (our module, slot): self-attention fuses q, k, v; cross k, v

@@ -10,7 +10,6 @@ result is that of the row run alone."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -21,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tllm.layers.norm import RMSNorm
-from tllm.loader.hf import CheckpointError, iter_safetensors, safetensors_files
+from tllm.loader.hf import CheckpointError
+from tllm.visual_gen.models.checkpoint import load_named, transformer_from_folder
 from tllm.visual_gen.models.qwen_image.blocks import KeyPadding, QwenImageBlock, modulated_norm
 from tllm.visual_gen.models.qwen_image.rope import ImageShapes, QwenRope
 
@@ -195,27 +195,11 @@ class QwenImageTransformer(nn.Module):
                         device: str | torch.device = "cpu") -> QwenImageTransformer:
         """A diffusers `transformer/` folder: config.json and (sharded) safetensors. Weights are
         read shard by shard straight onto `device`; no full copy passes through the host."""
-        path = Path(path)
-        config_file = path / "config.json"
-        if not config_file.is_file():
-            raise CheckpointError(f"{path} has no config.json; expected a diffusers "
-                                  "transformer folder")
-        config = QwenImageTransformerConfig.from_dict(json.loads(config_file.read_text()))
-        with torch.device("meta"):
-            model = cls(config)
-        model = model.to(dtype=dtype).to_empty(device=device)
-        loader = DiffusersWeightLoader(model)
-        for name, tensor in iter_safetensors(safetensors_files(path), str(torch.device(device))):
-            loader.load(name, tensor)
-        loader.finish()
-        return model.eval()
+        return transformer_from_folder(cls, QwenImageTransformerConfig, DiffusersWeightLoader, path, dtype, device)
 
     def load_diffusers_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Loads a diffusers state dict (its parameter names), checking every weight is there."""
-        loader = DiffusersWeightLoader(self)
-        for name, tensor in state_dict.items():
-            loader.load(name, tensor)
-        loader.finish()
+        load_named(DiffusersWeightLoader(self), state_dict.items())
 
     def diffusers_state_dict(self) -> dict[str, torch.Tensor]:
         """Our weights under diffusers' names, as views of our (fused) parameters: no copies."""

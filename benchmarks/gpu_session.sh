@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_session.sh spec     # verify graphs: tests, verify cost, replay speed-up
 #   bash benchmarks/gpu_session.sh kernels  # INT4 and LoRA again after tuning
 #   bash benchmarks/gpu_session.sh smollm2  # n-gram speculation and guided JSON on SmolLM2, GGUF
+#   bash benchmarks/gpu_session.sh window   # spec replay, guided (carry .smol/tok), LoRA, INT4
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
 # $OUT/<step>.log (and each script's JSON to $OUT).
 set -u
@@ -61,8 +62,17 @@ case $section in
       tests/kernels/test_gguf_gemm.py tests/layers/test_gguf_cuda.py
     step gpu_gguf 100 python3 benchmarks/gpu_gguf.py --budget 90
     ;;
+  window)  # 2026-12-02's one call (790 s of device time left): speculation, guided, LoRA, INT4
+    export PYTHONUNBUFFERED=1
+    step spec_replay_bf16 140 python3 benchmarks/gpu_spec_replay.py --planted \
+      --corrupt 0,0.245,0.4 --profile
+    step guided 110 python3 benchmarks/guided_decoding.py --model dummy:llama-3.1-8b \
+      --tokenizer .smol/tok --repeats 2 --out "$OUT"
+    step gpu_lora 150 python3 benchmarks/gpu_lora.py --repeats 1
+    step gpu_int4 95 python3 benchmarks/gpu_int4.py --budget 80
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|stage|smollm2 ..."; exit 2 ;;
 esac
 done

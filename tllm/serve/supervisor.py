@@ -56,7 +56,10 @@ class EngineSupervisor:
         return callable(getattr(self.llm, "restart", None))
 
     def status(self) -> str | None:
-        """While the engine is down: what the supervisor is doing about it."""
+        """While the engine is down: what the supervisor is doing about it (or, in the
+        moment before its watcher notices, how the engine died)."""
+        if self._status is None and not self.llm.is_alive:
+            return _death_note(self.llm)
         return self._status
 
     def start(self) -> None:

@@ -120,17 +120,18 @@ def test_dequantize_kernel(device, bits):
 def test_config_choice():
     cpu = torch.device("cpu")  # counts as 8 SMs
     layout = woq.WoqLayout(4, 128, 16)
-    wide = default_config(1, 4096, 4096, layout, cpu)
-    assert wide.kind == "gemv" and wide.block_n == 8 and wide.chunks == 32
-    assert wide.split_k == 1 and wide.packed
-    assert default_config(1, 4096, 14336, layout, cpu).chunks == 16     # 112 chunks
+    wide = default_config(1, 4096, 4096, layout, cpu)   # 256 programs of 16 rows
+    assert wide.kind == "gemv" and wide.block_n == 16 and wide.chunks == 8
+    assert wide.num_warps == 2 and wide.split_k == 1 and wide.packed
+    middle = default_config(1, 160, 14336, layout, cpu)  # 10 of 16 rows: 8 rows a program
+    assert middle.block_n == 8 and middle.chunks == 16 and middle.split_k == 1  # 112 chunks
     narrow = default_config(1, 32, 4096, layout, cpu)
     assert narrow.split_k > 1
     small = default_config(8, 4096, 4096, layout, cpu)
-    assert small.kind == "wx" and small.block_m == 16
+    assert small.kind == "wx" and small.block_m == 16 and small.num_warps == 8
     assert default_config(40, 4096, 4096, layout, cpu).block_m == 64
     assert default_config(100, 4096, 4096, layout, cpu).block_m == 128
-    assert default_config(4096, 4096, 4096, layout, cpu).kind == "dequant"
+    assert default_config(128, 4096, 4096, layout, cpu).kind == "dequant"
 
 
 def test_narrow_chunks_take_the_dequantized_path(device):

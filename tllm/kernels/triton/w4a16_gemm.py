@@ -40,7 +40,9 @@ from tllm.kernels.triton.w4a16_gemv import _field_minus_zero, _gemv_kernel, spli
 from tllm.kernels.triton.w4a16_mm import _mm_wx_kernel
 from tllm.kernels.woq import WoqLayout
 
-DEQUANT_MIN_ROWS = 512     # from here a dequantized weight and cuBLAS (compute bound)
+# From here a dequantized weight and cuBLAS: at M = 256 on the H200 it was 1.3-1.9x faster
+# than the 128 x 128 tiles (2026-12-02 sweep); the tiles grow ~linearly from M = 64.
+DEQUANT_MIN_ROWS = 128
 _MIN_TILES_PER_SPLIT = 2   # K tiles a split at least: shorter ones cost more than they gain
 KINDS = ("gemv", "wx", "xw", "dequant")
 PACKED_GEMV = True         # the GEMV's packed 16-bit math (switches for the benchmark's check)
@@ -172,11 +174,14 @@ def _dequant_kernel(w_ptr, qw_ptr, s_ptr, z_ptr, N, stride_wn, stride_qn, stride
 def default_config(m: int, n: int, k: int, layout: WoqLayout,
                    device: torch.device) -> WoqConfig:
     """The launch for an [m, k] x [k, n] product (see the module docstring for the kinds).
-    M = 1: 8 rows a program, every thread on a different 16 bytes of K and all 8 rows in its
-    registers (one x value serves 8 weights), 32 chunks (2 KB of each row at 4 bits) an
-    iteration: 16 KB in flight a program, ~2.8 SASS instructions a weight in the packed math.
-    Small M: one 16..64-row x^T tile against 128 weight rows (3.9 instructions a weight at
-    16 rows, 4.8 with 64 weight rows), K split until the SMs are full twice over. Larger M: 128 x 128 tiles; from DEQUANT_MIN_ROWS, dequantize + cuBLAS."""
+    M = 1: 8 (or 16) rows a program, every thread on a different 16 bytes of K and all the
+    rows in its registers (one x value serves 8 or 16 weights), ~2.8 SASS instructions a
+    weight in the packed math; the H200 sweep of 2026-12-02 chose 16 rows, 8 chunks, 2 warps
+    where that still leaves 2 programs an SM (qkv, gate_up: 12-13% faster than 8 rows and 32
+    chunks) and 8 rows, 16 chunks, 4 warps otherwise (o, down). Small M: one 16..64-row x^T
+    tile against 128 weight rows (3.9 instructions a weight at 16 rows, 4.8 with 64), 8 warps
+    up to 16 rows (the sweep: 5-9% faster), K split until the SMs are full twice over.
+    Larger M: 128 x 128 tiles; from DEQUANT_MIN_ROWS, dequantize + cuBLAS."""
     sms = num_sms(device)
     if m >= DEQUANT_MIN_ROWS:
         return WoqConfig(0, 0, kind="dequant")
@@ -185,19 +190,24 @@ def default_config(m: int, n: int, k: int, layout: WoqLayout,
     if layout.chunk_words < 16:       # the dot kernels need 16-deep fields
         return WoqConfig(0, 0, kind="dequant")
     if m <= 64:
-        cfg = WoqConfig(max(16, next_pow2(m)), 128, num_warps=4, num_stages=3, kind="wx")
+        cfg = WoqConfig(max(16, next_pow2(m)), 128, num_warps=8 if m <= 16 else 4,
+                        num_stages=3, kind="wx")
         return _with_split(cfg, n, k, layout, sms)
     return _with_split(WoqConfig(128, 128, num_warps=8, num_stages=3, kind="wx"), n, k,
                        layout, sms, tiles_m=cdiv(m, 128))
 
 
 def _gemv_default(n: int, k: int, layout: WoqLayout, sms: int) -> WoqConfig:
-    """8 rows a program; a narrow layer (fewer than 2 programs an SM) splits K, with shorter
-    iterations where K holds too few of 32 chunks for the splits."""
+    """16 rows a program where that leaves 2 programs an SM, else 8; a narrow layer (fewer
+    than 2 programs an SM at 8 rows) splits K, with shorter iterations where K holds too few
+    chunks for the splits."""
+    if cdiv(n, 16) >= 2 * sms:
+        return WoqConfig(1, 16, 1, num_warps=2, num_stages=1, kind="gemv",
+                         chunks=_gemv_chunks(k, layout, 8))
     tiles = cdiv(n, 8)
     want = cdiv(2 * sms, tiles) if tiles < 2 * sms else 1
     total = k // layout.chunk
-    chunks = _gemv_chunks(k, layout, max(1, min(32, total // want)))
+    chunks = _gemv_chunks(k, layout, max(1, min(16, total // want)))
     split = max(1, min(want, total // chunks))
     return WoqConfig(1, 8, split, num_warps=4, num_stages=1, kind="gemv", chunks=chunks)
 

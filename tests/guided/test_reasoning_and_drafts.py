@@ -182,3 +182,25 @@ def test_threaded_fill_equals_the_loop(think_llm, monkeypatch):
                      .isfinite())
         assert manager.fill_seconds > 0
     assert torch.equal(*masks)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_mixed_rows_and_padded_columns_are_masked_exactly(llm_without_tags, device):
+    # logits wider than the tokenizer (a padded LM head), a guided row between unguided ones:
+    # the guided row keeps only the grammar's tokens, the padding is -inf there only, and
+    # the unguided rows are untouched
+    manager = _manager(llm_without_tags)
+    vocab = manager.cache.vocab_size
+    guided = _request([1, 2, 3], GuidedDecodingParams(regex="[0-9]+"))
+    plain = [Request(f"p{i}", [1, 2], SamplingParams(max_tokens=8), 8) for i in range(2)]
+    manager.prepare(SimpleNamespace(requests=[guided]))
+    logits = torch.randn(3, vocab + 40, device=device)
+    out = manager.mask_logits(logits, [plain[0], guided, plain[1]])
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
+    assert torch.isinf(out[1, vocab:]).all()
+    allowed = set(torch.nonzero(out[1].isfinite()).flatten().tolist())
+    digits = set(_ids(llm_without_tags, "0123456789"))
+    assert allowed and allowed <= set(range(vocab)) and allowed & digits
+    assert torch.equal(out[1][out[1].isfinite()], logits[1][out[1].isfinite()])
+    every = manager.mask_logits(logits[1:2], [guided])     # all rows guided: the slice path
+    assert torch.equal(every.isfinite(), out[1:2].isfinite())

@@ -167,15 +167,25 @@ class GuidedDecoding(ResourceManager):
     def _masked(self, logits: torch.Tensor, rows: list[int],
                 bitmask: torch.Tensor) -> torch.Tensor:
         """A copy of `logits` (the step's stay raw) with `rows` masked by the same rows of
-        `bitmask`: one copy, one masking pass over the guided rows only."""
+        `bitmask` (every other row of it allows everything): one copy, one masking pass.
+        On a GPU nothing here waits for the device: the host tensors go over pinned, and
+        no Python list becomes a device index (either would wait for the step's forward and
+        cost the loop its overlap)."""
         import xgrammar as xgr
         out = logits.clone()
         vocab = self.cache.vocab_size
-        xgr.apply_token_bitmask_inplace(out, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=min(vocab, out.shape[1]),
-                                        indices=rows if len(rows) < out.shape[0] else None)
+        on_host = logits.device.type == "cpu"
+        xgr.apply_token_bitmask_inplace(
+            out, _to_device(bitmask, logits.device), vocab_size=min(vocab, out.shape[1]),
+            indices=rows if on_host and len(rows) < out.shape[0] else None)
         if out.shape[1] > vocab:  # padded columns past the tokenizer
-            out[rows, vocab:] = float("-inf")
+            if len(rows) == out.shape[0]:
+                out[:, vocab:] = float("-inf")
+            else:
+                guided = torch.zeros(out.shape[0], dtype=torch.bool)
+                guided[rows] = True
+                out[:, vocab:].masked_fill_(_to_device(guided, logits.device)[:, None],
+                                            float("-inf"))
         return out
 
     def mask_verify_logits(self, target: torch.Tensor,
@@ -233,6 +243,15 @@ class GuidedDecoding(ResourceManager):
 # loop's own thread and the device's launches need some): a GPU host, not a 2-core CPU box.
 _NUM_FILL_THREADS = min(8, (os.cpu_count() or 1) // 2) if (os.cpu_count() or 1) >= 8 else 1
 _MIN_ROWS_FOR_THREADS = 8
+
+
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`host` on `device` without a wait: a copy from pageable memory would first wait for
+    the stream's queued work; from pinned memory (torch's caching host allocator keeps the
+    buffer until the copy is done) it is queued like a kernel."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _allow(bitmask: torch.Tensor, row: int, token: int) -> None:

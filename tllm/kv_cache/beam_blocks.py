@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tllm.kv_cache.manager import _BlockTable
+    from tllm.kv_cache.block_table import BlockTable
     from tllm.request import Request
 
 
@@ -36,7 +36,7 @@ class BeamBlockSharing:
                 self._set_reserved(table, self._future_need(target, table,
                                                             target.num_computed_tokens))
 
-    def _needs_copy(self, request: Request, table: _BlockTable) -> bool:
+    def _needs_copy(self, request: Request, table: BlockTable) -> bool:
         """Whether the block the request writes next is shared (and not promised a copy)."""
         index = request.num_computed_tokens // self.tokens_per_block
         if table.copy_index is not None or index >= len(table.groups[0]):
@@ -44,7 +44,7 @@ class BeamBlockSharing:
         return any(self.pool.blocks[blocks[index]].ref_count > 1 for blocks in table.groups
                    if blocks[index] != self.null_block)
 
-    def _copy_on_write(self, table: _BlockTable) -> None:
+    def _copy_on_write(self, table: BlockTable) -> None:
         """The promised copy: the shared block replaced by a fresh one with its contents."""
         index, table.copy_index = table.copy_index, None
         for g, blocks in enumerate(table.groups):

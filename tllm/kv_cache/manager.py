@@ -10,28 +10,29 @@ reads requests and never writes them.
 A model with sliding-window layers has several KV cache groups (tllm.kv_cache.groups): each
 request holds one block table per group, and a window group's table gives the blocks its
 window has passed back to the pool, leaving the null block (never written, never read: the
-attention mask hides those positions) in their place."""
+attention mask hides those positions) in their place.
+
+Two parts are mixed in from modules of their own: beams sharing blocks with copy-on-write
+(tllm.kv_cache.beam_blocks) and disaggregated serving's KV import and export
+(tllm.kv_cache.transfer)."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 
 from tllm.kv_cache.beam_blocks import BeamBlockSharing
 from tllm.kv_cache.block_pool import BlockPool
+from tllm.kv_cache.block_table import Admission, BlockTable, cdiv
 from tllm.kv_cache.groups import (KVCacheLayout, first_live_block, plan_layout,
                                   window_peak_blocks)
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
 from tllm.kv_cache.prefix import PrefixHit, PrefixIndex, chain_hash, group_key
-from tllm.kv_cache.transfer import read_blocks, write_blocks
+from tllm.kv_cache.transfer import DisaggBlockTransfer
 from tllm.request import PLACEHOLDER, Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
 _NO_NULL_BLOCK = -1  # the null block's id when no group has a window (never in a table)
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -51,28 +52,6 @@ class KVCacheStats:
         return self.blocks_reused / self.blocks_needed if self.blocks_needed else 0.0
 
 
-@dataclass(frozen=True)
-class Admission:
-    """What admitting a request decided: how many of its tokens already have their keys and
-    values in the blocks it now holds (a cached prefix, or what it had before a swap)."""
-    num_computed_tokens: int
-
-
-@dataclass
-class _BlockTable:
-    """One admitted request's blocks: a table per KV cache group, all of one length (the
-    tokens they cover); a window group's first `num_null` entries are the null block."""
-    groups: list[list[int]]
-    num_null: list[int]
-    block_hashes: list[int] = field(default_factory=list)  # of its first published blocks
-    reserved: int = 0      # blocks promised to it and not allocated yet
-    num_pending: int = 0   # blocks per group this step's prepare() allocates
-    copy_index: int | None = None  # a shared block prepare() copies before it is written
-
-    def num_live(self, group: int) -> int:
-        return len(self.groups[group]) - self.num_null[group]
-
-
 @dataclass
 class _Swapped:
     data: list[list[torch.Tensor | None]]  # per group, block contents in host memory
@@ -83,7 +62,7 @@ class _Swapped:
         return sum(d is not None for group in self.data for d in group)
 
 
-class KVCacheManager(BeamBlockSharing, ResourceManager):
+class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
     """Owns the (key, value) tensors, each shaped [num_blocks, tokens_per_block,
     num_kv_heads, head_dim]: one pair per layer, or with several groups one pair per slot
     (`kv_caches` lists each layer's pair either way).
@@ -133,7 +112,7 @@ class KVCacheManager(BeamBlockSharing, ResourceManager):
                 k[self.null_block].zero_()
                 v[self.null_block].zero_()
         self.stats = KVCacheStats()
-        self._tables: dict[str, _BlockTable] = {}
+        self._tables: dict[str, BlockTable] = {}
         self._num_reserved = 0
         self._swapped: dict[str, _Swapped] = {}
         self._group_blocks = [0] * self.layout.num_groups  # distinct blocks each group holds
@@ -203,30 +182,12 @@ class KVCacheManager(BeamBlockSharing, ResourceManager):
             return None
         self.stats.blocks_needed += (request.num_tokens - 1) // self.tokens_per_block
         self.stats.blocks_reused += len(prefix.block_hashes)
-        table = _BlockTable(self._attach_prefix(prefix.hits),
+        table = BlockTable(self._attach_prefix(prefix.hits),
                             [self._first_live(g, num_computed) for g in range(self.num_groups)],
                             prefix.block_hashes)
         self._tables[request.request_id] = table
         if self.reserve_full_generation:
             self._set_reserved(table, self._future_need(request, table, num_computed))
-        return Admission(num_computed)
-
-    def _admit_imported(self, request: Request) -> Admission | None:
-        """Admit a request whose prompt KV came from another engine (disaggregated serving):
-        fresh blocks, the KV written into them and published for reuse. Its last prompt
-        token is computed again all the same: its logits give the first output token."""
-        imported = request.kv_import
-        num_blocks = cdiv(imported.num_tokens, self.tokens_per_block)
-        if self._available() < max(num_blocks, self._admission_need(request, 0, 0)):
-            return None
-        table = _BlockTable([self._allocate(0, num_blocks)], [0])
-        imported.write_into(self, table.groups[0])
-        self._tables[request.request_id] = table
-        num_computed = min(imported.num_tokens, request.num_tokens - 1)
-        if self.reserve_full_generation:
-            self._set_reserved(table, self._future_need(request, table, num_computed))
-        self._publish(request, num_computed)
-        self.stats.blocks_imported += num_blocks
         return Admission(num_computed)
 
     def try_grow(self, request: Request, num_new_tokens: int) -> bool:
@@ -301,28 +262,6 @@ class KVCacheManager(BeamBlockSharing, ResourceManager):
             self._release(g, [b for b in blocks if b != self.null_block])
         self._set_reserved(table, 0)
 
-    # ---- disaggregated serving: blocks that outlive their request ----
-
-    def retain(self, request: Request) -> list[int]:
-        """Take a reference on each of the request's blocks, so they outlive it (until
-        `release`): a context server keeps a prefilled prompt's KV for a generation server.
-        One KV cache group only (checked when the engine is built)."""
-        block_ids = list(self._tables[request.request_id].groups[0])
-        for block_id in block_ids:
-            self._take(0, block_id)
-        return block_ids
-
-    def release(self, block_ids: list[int]) -> None:
-        """Drop the references `retain` took."""
-        self._release(0, block_ids)
-
-    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """[num_blocks, num_slots, 2, tokens_per_block, kv_heads, head_dim]"""
-        return read_blocks(self.slot_caches, block_ids)
-
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        write_blocks(self.slot_caches, block_ids, data)
-
     # ---- preemption ----
 
     def swap_out(self, request: Request) -> bool:
@@ -358,7 +297,7 @@ class KVCacheManager(BeamBlockSharing, ResourceManager):
                 if contents is not None:
                     self._write_block(block_id, contents)
         num_null = [sum(d is None for d in group) for group in swapped.data]
-        table = _BlockTable(groups, num_null)
+        table = BlockTable(groups, num_null)
         self._tables[request.request_id] = table
         if self.reserve_full_generation:
             self._set_reserved(table, self._future_need(request, table, num_computed))
@@ -394,12 +333,12 @@ class KVCacheManager(BeamBlockSharing, ResourceManager):
         return (cdiv(request.num_tokens, self.tokens_per_block)
                 - self._first_live(group, num_computed))
 
-    def _future_need(self, request: Request, table: _BlockTable, num_computed: int) -> int:
+    def _future_need(self, request: Request, table: BlockTable, num_computed: int) -> int:
         """What a reservation must still promise: each group's peak beyond what it holds."""
         return sum(max(0, self._peak_blocks(request, g, num_computed) - table.num_live(g))
                    for g in range(self.num_groups))
 
-    def _free_behind_windows(self, request: Request, table: _BlockTable) -> None:
+    def _free_behind_windows(self, request: Request, table: BlockTable) -> None:
         """Blocks wholly behind a window (as of the tokens computed, drafts not counted: a
         rollback may take those back) go back to the pool; a reservation shrinks to the peak
         still ahead."""
@@ -432,7 +371,7 @@ class KVCacheManager(BeamBlockSharing, ResourceManager):
     def _available(self) -> int:
         return self.pool.num_free_blocks - self._num_reserved
 
-    def _set_reserved(self, table: _BlockTable, num_blocks: int) -> None:
+    def _set_reserved(self, table: BlockTable, num_blocks: int) -> None:
         self._num_reserved += num_blocks - table.reserved
         table.reserved = num_blocks
 

@@ -1,14 +1,18 @@
-"""What the KV cache needs to know of disaggregated serving: a request's KV blocks read out
-as one tensor (to send), and KV that arrived from elsewhere written into fresh blocks when the
-request that carries it is admitted. The transports themselves live in tllm.disagg."""
+"""What the KV cache needs to know of disaggregated serving: a request's KV blocks held past
+its end and read out as one tensor (to send), and KV that arrived from elsewhere written into
+fresh blocks when the request that carries it is admitted. The transports themselves live in
+tllm.disagg."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from tllm.kv_cache.block_table import Admission, BlockTable, cdiv
+
 if TYPE_CHECKING:
     from tllm.kv_cache.manager import KVCacheManager
+    from tllm.request import Request
 
 
 class ImportedKV(Protocol):
@@ -53,3 +57,50 @@ def block_shape(kv_cache: KVCacheManager) -> tuple[int, ...]:
     """One block of every slot: [num_slots, 2, tokens_per_block, kv_heads, head_dim]."""
     k = kv_cache.slot_caches[0][0]
     return (len(kv_cache.slot_caches), 2, *k.shape[1:])
+
+
+class DisaggBlockTransfer:
+    """Mixed into KVCacheManager (which has _tables, stats, slot_caches, _allocate, _take,
+    _release, _available, _admission_need, _future_need, _set_reserved, _publish)."""
+
+    # ---- the generation side: blocks written from KV another engine computed ----
+
+    def _admit_imported(self, request: Request) -> Admission | None:
+        """Admit a request whose prompt KV came from another engine (disaggregated serving):
+        fresh blocks, the KV written into them and published for reuse. Its last prompt
+        token is computed again all the same: its logits give the first output token."""
+        imported = request.kv_import
+        num_blocks = cdiv(imported.num_tokens, self.tokens_per_block)
+        if self._available() < max(num_blocks, self._admission_need(request, 0, 0)):
+            return None
+        table = BlockTable([self._allocate(0, num_blocks)], [0])
+        imported.write_into(self, table.groups[0])
+        self._tables[request.request_id] = table
+        num_computed = min(imported.num_tokens, request.num_tokens - 1)
+        if self.reserve_full_generation:
+            self._set_reserved(table, self._future_need(request, table, num_computed))
+        self._publish(request, num_computed)
+        self.stats.blocks_imported += num_blocks
+        return Admission(num_computed)
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        write_blocks(self.slot_caches, block_ids, data)
+
+    # ---- the context side: blocks that outlive their request ----
+
+    def retain(self, request: Request) -> list[int]:
+        """Take a reference on each of the request's blocks, so they outlive it (until
+        `release`): a context server keeps a prefilled prompt's KV for a generation server.
+        One KV cache group only (checked when the engine is built)."""
+        block_ids = list(self._tables[request.request_id].groups[0])
+        for block_id in block_ids:
+            self._take(0, block_id)
+        return block_ids
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop the references `retain` took."""
+        self._release(0, block_ids)
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[num_blocks, num_slots, 2, tokens_per_block, kv_heads, head_dim]"""
+        return read_blocks(self.slot_caches, block_ids)

@@ -47,9 +47,11 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 def lm_head_argmax(hidden: torch.Tensor, weight: torch.Tensor,
-                   logits_dtype: torch.dtype | None = None, block_v: int = 64,
+                   logits_dtype: torch.dtype | None = None, block_v: int = 32,
                    block_k: int = 256) -> torch.Tensor:
-    """argmax(hidden @ weight.T, -1) for hidden [M, K] and weight [V, K]: int64 [M]."""
+    """argmax(hidden @ weight.T, -1) for hidden [M, K] and weight [V, K]: int64 [M].
+    block_v 32: on the H200 (2026-12-02, 128256 x 4096 bf16, M = 1) 275 us, against 411 at 64,
+    292 at 128, and 285 for cuBLAS's GEMV plus torch.argmax."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"lm_head_argmax: hidden [M, K] and weight [V, K], got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")

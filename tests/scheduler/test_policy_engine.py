@@ -35,6 +35,9 @@ def test_greedy_and_beam_outputs_equal_the_default_policy(tiny_llama):
     batch = prompts(model.config.vocab_size)
     default = generate(path, batch, SchedulerConfig(), beams=True)
     assert generate(path, batch, SchedulerConfig(step_token_budget=8), beams=True) == default
+    for whole_chunks in (True, False):
+        config = SchedulerConfig(prefill_token_budget=8, admit_whole_chunks=whole_chunks)
+        assert generate(path, batch, config, beams=True) == default
     by_priority = generate(path, batch, SchedulerConfig(scheduling_policy="priority"),
                            priority=[2, 0, 1, 0, 2, 1], beams=True)
     assert by_priority == default
@@ -63,6 +66,12 @@ def test_step_token_budget_is_checked_against_the_engine():
     with pytest.raises(ValueError, match="step_token_budget needs enable_chunked_prefill"):
         LlmArgs(model="x", enable_chunked_prefill=False,
                 scheduler_config=SchedulerConfig(step_token_budget=64))
+    with pytest.raises(ValueError, match="prefill_token_budget .*max_num_tokens"):
+        LlmArgs(model="x", max_num_tokens=64,
+                scheduler_config=SchedulerConfig(prefill_token_budget=128))
+    with pytest.raises(ValueError, match="not both"):
+        LlmArgs(model="x", scheduler_config=SchedulerConfig(step_token_budget=64,
+                                                            prefill_token_budget=64))
     with pytest.raises(ValueError, match="scheduling_policy"):
         SchedulerConfig(scheduling_policy="lifo")
 
@@ -77,6 +86,7 @@ def test_scheduler_flags_merge_over_the_config_file(tmp_path):
     add_engine_args(parser)
     args = parser.parse_args(["--config", str(path), "--step-token-budget", "256",
                               "--scheduling-policy", "priority"])
+    assert parser.parse_args(["--prefill-token-budget", "512"]).prefill_token_budget == 512
     kwargs = llm_kwargs(args, model="m")
     assert kwargs["scheduler_config"] == {"preemption_mode": "swap", "step_token_budget": 256,
                                           "scheduling_policy": "priority"}

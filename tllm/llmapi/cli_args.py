@@ -26,7 +26,8 @@ _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_dtype": "dtype"}
 # Flags that set a field of scheduler_config: dest -> field.
 _SCHEDULER_FLAGS = {"scheduling_policy": "scheduling_policy",
-                    "step_token_budget": "step_token_budget"}
+                    "step_token_budget": "step_token_budget",
+                    "prefill_token_budget": "prefill_token_budget"}
 
 
 class _ConfigFile(argparse.Action):
@@ -104,6 +105,10 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                             "first every step and fill up to N tokens with prefill chunks "
                             "(lower inter-token latency tails; default: max_num_tokens, "
                             "admission order)")
+    group.add_argument("--prefill-token-budget", type=positive_int, metavar="N",
+                       help="scheduler_config.prefill_token_budget: schedule every running "
+                            "decode first, uncounted, and at most N prefill tokens a step "
+                            "(keeps the batch full when N >= max_batch_size * ISL / OSL)")
 
 
 def llm_kwargs(args: argparse.Namespace, model: str | None = None,

@@ -105,15 +105,19 @@ def start_workers(args: LlmArgs, mapping: Mapping, device: torch.device) -> Work
     return launch_workers(args, mapping, device, WORKER)
 
 
+def scheduling_policy(args: LlmArgs) -> SchedulingPolicy:
+    config = args.scheduler_config
+    return SchedulingPolicy(config.scheduling_policy, config.step_token_budget,
+                            config.prefill_token_budget, config.admit_whole_chunks)
+
+
 def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
     pp_size = args.pipeline_parallel_size
     scheduler = Scheduler(parts.kv_cache, max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens,
                           enable_chunked_prefill=args.enable_chunked_prefill,
                           preemption_mode=args.scheduler_config.preemption_mode,
-                          num_micro_batches=pp_size, policy=SchedulingPolicy(
-                              args.scheduler_config.scheduling_policy,
-                              args.scheduler_config.step_token_budget))
+                          num_micro_batches=pp_size, policy=scheduling_policy(args))
     lora = LoraManager(parts.lora) if parts.lora is not None else None
     if lora is not None:
         scheduler.admission_gates.append(lora)  # a request waits for its adapter's slot

@@ -59,6 +59,14 @@ class SchedulerConfig(BaseModel):
     # this many tokens, so a step costs about a decode step (Sarathi-Serve's stall-free
     # batching; lower inter-token latency tails). Needs chunked prefill.
     step_token_budget: int | None = Field(None, ge=1)
+    # A number: every running decode is scheduled first and not counted, then at most this
+    # many prefill tokens a step (a step without decodes spends max_num_tokens). The batch
+    # fills as under the default when this is at least max_batch_size * ISL / OSL (twice
+    # that absorbs bursts); the step costs a decode step plus this many prompt tokens.
+    # With admit_whole_chunks, new prompts wait for enough free slots to fill the chunk
+    # (at most an eighth of the batch), leaving pure decode steps between mixed ones.
+    prefill_token_budget: int | None = Field(None, ge=1)
+    admit_whole_chunks: bool = True
 
 
 class CudaGraphConfig(BaseModel):
@@ -213,15 +221,19 @@ class LlmArgs(BaseModel):
 
     @model_validator(mode="after")
     def _check_scheduler(self) -> LlmArgs:
-        budget = self.scheduler_config.step_token_budget
-        if budget is None:
-            return self
-        if not self.enable_chunked_prefill:
-            raise ValueError("scheduler_config.step_token_budget needs "
-                             "enable_chunked_prefill=True")
-        if budget > self.max_num_tokens:
-            raise ValueError(f"scheduler_config.step_token_budget ({budget}) must not exceed "
-                             f"max_num_tokens ({self.max_num_tokens})")
+        config = self.scheduler_config
+        for name in ("step_token_budget", "prefill_token_budget"):
+            budget = getattr(config, name)
+            if budget is None:
+                continue
+            if not self.enable_chunked_prefill:
+                raise ValueError(f"scheduler_config.{name} needs enable_chunked_prefill=True")
+            if budget > self.max_num_tokens:
+                raise ValueError(f"scheduler_config.{name} ({budget}) must not exceed "
+                                 f"max_num_tokens ({self.max_num_tokens})")
+        if config.step_token_budget is not None and config.prefill_token_budget is not None:
+            raise ValueError("scheduler_config: set step_token_budget or "
+                             "prefill_token_budget, not both")
         return self
 
     @model_validator(mode="after")

@@ -1,6 +1,7 @@
 """Scheduling policies: the order of the waiting queue (FCFS or priority), which running
 request is preempted first, and the step's token budget (all of max_num_tokens, or a
-smaller budget that protects running decodes: Sarathi-Serve's stall-free batching)."""
+smaller budget that protects running decodes: Sarathi-Serve's stall-free batching, counted
+over the whole step or over its prefill chunks only)."""
 from __future__ import annotations
 
 import bisect
@@ -20,16 +21,33 @@ class SchedulingPolicy:
     `step_token_budget`: None spends max_num_tokens each step on running requests in
     admission order, then on new ones (best throughput; a long prefill chunk can make decodes
     wait a step); a number schedules every running decode first, each step, and lets prefill
-    chunks fill the rest of this many tokens, so a step costs about a decode step."""
+    chunks fill the rest of this many tokens, so a step costs about a decode step.
+    `prefill_token_budget`: every running decode first, uncounted (within max_num_tokens),
+    then at most this many prefill tokens a step; a step without decodes spends
+    max_num_tokens. With `admit_whole_chunks`, new requests join when enough slots are
+    free to fill the chunk (at most an eighth of the batch), so prompts join in fewer,
+    fuller steps and the steps between them are pure decode steps (CUDA graphs)."""
 
     order: SchedulingOrder = "fcfs"
     step_token_budget: int | None = None
+    prefill_token_budget: int | None = None
+    admit_whole_chunks: bool = True
 
     def __post_init__(self) -> None:
         if self.order not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy: 'fcfs' or 'priority', got {self.order!r}")
         if self.step_token_budget is not None and self.step_token_budget < 1:
             raise ValueError(f"step_token_budget must be >= 1, got {self.step_token_budget}")
+        if self.prefill_token_budget is not None and self.prefill_token_budget < 1:
+            raise ValueError("prefill_token_budget must be >= 1, got "
+                             f"{self.prefill_token_budget}")
+        if self.step_token_budget is not None and self.prefill_token_budget is not None:
+            raise ValueError("step_token_budget and prefill_token_budget: set one of them")
+
+    @property
+    def protects_decodes(self) -> bool:
+        """Whether running decodes are scheduled first, each step, under a budget."""
+        return self.step_token_budget is not None or self.prefill_token_budget is not None
 
     def new_waiting_queue(self) -> deque[Request] | PriorityWaitingQueue:
         return deque() if self.order == "fcfs" else PriorityWaitingQueue()

@@ -7,8 +7,8 @@ There are no prefill and decode phases. A request has `num_computed_tokens` and
 (`max_num_tokens`) and the batch size. Long prompts are chunked; waiting requests join the
 running batch as soon as budget and KV blocks allow (in-flight batching). The policy
 (scheduler/policy.py) orders the waiting queue (FCFS or priority), picks preemption
-victims, and may hold each step to a smaller token budget that serves decodes first
-(scheduler/decode_first.py)."""
+victims, and may hold each step (or its prefill chunks) to a smaller token budget that
+serves decodes first (scheduler/decode_first.py)."""
 from __future__ import annotations
 
 import time
@@ -37,9 +37,9 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
                  num_micro_batches: int = 1,
                  policy: SchedulingPolicy | None = None) -> None:
         self.policy = policy or SchedulingPolicy()
-        if self.policy.step_token_budget is not None and not enable_chunked_prefill:
-            raise ValueError("scheduler_config.step_token_budget needs chunked prefill "
-                             "(enable_chunked_prefill=True)")
+        if self.policy.protects_decodes and not enable_chunked_prefill:
+            raise ValueError("scheduler_config.step_token_budget / prefill_token_budget "
+                             "need chunked prefill (enable_chunked_prefill=True)")
         self.kv_cache = kv_cache
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
@@ -109,10 +109,12 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
         drafts shortened to the budget, or dropped), one left out keeps none."""
         batch = self._batch = ScheduledBatch()
         self._step_limit = self._micro_batch_limit()
-        if self.policy.step_token_budget is None:
-            budget = self._schedule_running(batch, self.max_num_tokens)
-        else:
+        if self.policy.step_token_budget is not None:
             budget = self._schedule_decodes_first(batch)
+        elif self.policy.prefill_token_budget is not None:
+            budget = self._schedule_prefill_capped(batch)
+        else:
+            budget = self._schedule_running(batch, self.max_num_tokens)
         self._admit_waiting(batch, budget)
         if len(batch) < len(self.running):
             scheduled = set(map(id, batch.requests))

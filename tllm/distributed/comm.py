@@ -24,6 +24,8 @@ class ParallelState:
     tp_group: object | None = None     # device-side groups (NCCL on CUDA, gloo on CPU)
     pp_group: object | None = None
     cpu_group: object | None = None    # gloo, all ranks: step plans and small host values
+    # the one-/two-shot all-reduce over peer memory (None: NCCL or gloo for every message)
+    custom_all_reduce: object | None = None
 
 
 _STATE: ParallelState | None = None
@@ -81,6 +83,8 @@ def destroy_distributed(timeout_s: float = 10.0) -> None:
     """Leave the process group. Bounded: NCCL's teardown can wait forever on a peer that
     has already exited, and shutting down must not hang."""
     global _STATE
+    if _STATE is not None:
+        _STATE.custom_all_reduce = None   # its peer buffer goes before the group does
     if _STATE is not None and dist.is_initialized():
         import threading
         thread = threading.Thread(target=dist.destroy_process_group, daemon=True)
@@ -92,10 +96,42 @@ def destroy_distributed(timeout_s: float = 10.0) -> None:
 # ---- collectives used by the layers (identity on one rank) ----
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of `x` over the tp group: the custom all-reduce for small messages where it
+    runs, else NCCL (gloo on the CPU) in place. Use the returned tensor."""
     if _STATE is None or _STATE.mapping.tp_size == 1:
         return x
+    custom = _STATE.custom_all_reduce
+    if custom is not None:
+        algorithm = custom.algorithm(x)
+        if algorithm != "nccl":
+            return custom.all_reduce(x, algorithm)
     dist.all_reduce(x, group=_STATE.tp_group)
     return x
+
+
+def setup_all_reduce(config) -> str | None:
+    """Build the custom all-reduce of this rank's tp group when it can run on every rank
+    (`config`: an AllReduceConfig). Collective: every rank calls it at the same point.
+    Returns why it is off (None: on)."""
+    from tllm.distributed import custom_allreduce as car
+    st = _STATE
+    if st is None:
+        return "one rank"
+    # every rank learns every tp peer's host and GPU, then all must agree to switch on
+    identities = [None] * st.mapping.world_size
+    dist.all_gather_object(identities, car.peer_identity(st.device), group=st.cpu_group)
+    peers = [identities[r] for r in st.mapping.tp_group]
+    reason = car.unavailable_reason(config, st.device, st.mapping.tp_size, peers)
+    if not all_reduce_min(int(reason is None)):
+        return reason or "another rank cannot run it"
+    try:
+        custom = car.CustomAllReduce(st.tp_group, st.device, config)
+    except RuntimeError as exc:   # e.g. no CUDA IPC in this container
+        reason, custom = f"symmetric memory failed: {exc}", None
+    if not all_reduce_min(int(custom is not None)):
+        return reason or "another rank could not map the peer buffers"
+    st.custom_all_reduce = custom
+    return None
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

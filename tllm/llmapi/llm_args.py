@@ -141,6 +141,28 @@ class DisaggConfig(BaseModel):
     max_staging_bytes: int = Field(1 << 30, ge=1)
 
 
+class AllReduceConfig(BaseModel):
+    """The tensor-parallel all-reduce (tllm.distributed.custom_allreduce). "auto": on CUDA
+    with peer access between the tp GPUs of one host, a one-shot all-reduce over symmetric
+    memory for messages up to `one_shot_max_bytes`, a two-shot one up to `custom_max_bytes`
+    (the size of the peer buffer each rank holds), NCCL above; NCCL (gloo on the CPU)
+    wherever the custom path cannot run. "nccl": never the custom path. "oneshot" /
+    "twoshot": that algorithm for every message up to `custom_max_bytes`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    strategy: Literal["auto", "nccl", "oneshot", "twoshot"] = "auto"
+    one_shot_max_bytes: int = Field(256 << 10, ge=0)
+    custom_max_bytes: int = Field(8 << 20, ge=0)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> AllReduceConfig:
+        if self.one_shot_max_bytes > self.custom_max_bytes:
+            raise ValueError(f"allreduce_config.one_shot_max_bytes ({self.one_shot_max_bytes}) "
+                             f"must not exceed custom_max_bytes ({self.custom_max_bytes})")
+        return self
+
+
 SpeculativeConfig = Union[NGramDecodingConfig, DraftTargetDecodingConfig, EagleDecodingConfig]
 
 
@@ -202,6 +224,9 @@ class LlmArgs(BaseModel):
     enable_expert_parallel: bool = False
     # Who starts the other ranks: local subprocesses ("mp") or Ray actors, across nodes ("ray").
     orchestrator: Literal["mp", "ray"] = "mp"
+    # The tensor-parallel all-reduce: custom one-/two-shot over peer memory for small
+    # messages on CUDA, NCCL for the rest (see AllReduceConfig).
+    allreduce_config: AllReduceConfig = Field(default_factory=AllReduceConfig)
     # Speculative decoding (off by default): who drafts, and how many tokens per step.
     speculative_config: SpeculativeConfig | None = Field(None, discriminator="decoding_type")
     # Disaggregated prefill/decode serving: this engine's role (None: it does both).

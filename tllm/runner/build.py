@@ -55,6 +55,10 @@ def pick_backend(name: str, device: torch.device) -> str:
 def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     """Model, weights, KV cache and graphs of this process's rank (all of them, alone)."""
     mapping = comm.mapping()
+    if comm.state() is not None and mapping.tp_size > 1:   # before the KV cache takes memory
+        off = comm.setup_all_reduce(args.allreduce_config)
+        logger.info("tensor-parallel all-reduce: %s", f"NCCL/gloo ({off})" if off else
+                    "custom one-/two-shot for small messages, NCCL for large")
     source = loader.resolve_model(args.model)
     config, checkpoint = loader.load_config(source)
     dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")

@@ -10,7 +10,7 @@ pipeline does not decode one), video-to-video and the action modes."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -21,21 +21,21 @@ from tllm.visual_gen.models.cosmos3.conditioning import preprocess_image
 from tllm.visual_gen.models.cosmos3.rope import (JointLayout, MultimodalRope, grid_positions,
                                                  text_positions)
 from tllm.visual_gen.models.cosmos3.transformer import GenTokens
-from tllm.visual_gen.params import VisualGenParams, check
+from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import (ClassifierFreeGuidance, DenoiseHook, DenoiseStep,
-                                      VisualGenOutput, VisualPipeline, denoise_streams,
-                                      image_seeds)
+                                      denoise_streams)
 from tllm.visual_gen.unipc import UniPCScheduler
+from tllm.visual_gen.video_pipeline import (VideoPipeline, VideoSample, to_uint8, vae_frames,
+                                            with_defaults)
 
 SYSTEM_PROMPT = "You are a helpful assistant who will generate {}s from a give prompt."
 DEFAULTS = dict(num_frames=189, height=720, width=1280, frame_rate=24.0, guidance_scale=6.0)
 
 
-class Cosmos3Pipeline(VisualPipeline):
+class Cosmos3Pipeline(VideoPipeline):
     """Cosmos 3: a video (or an image, num_frames=1) per seed."""
 
-    takes_image = False     # an image is optional: image-to-video
-    makes_video = True
+    defaults = DEFAULTS
 
     def __init__(self, components: Cosmos3Components) -> None:
         self.tokenizer = components.tokenizer
@@ -50,10 +50,6 @@ class Cosmos3Pipeline(VisualPipeline):
         self.temporal = int(self.vae.config.scale_factor_temporal)
         self.size_multiple = self.spatial
 
-    @property
-    def device(self) -> torch.device:
-        return next(self.vae.parameters()).device
-
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype, device, transformer_impl="auto"):
         return cls(load_components(path, dtype, device, transformer_impl))
@@ -64,44 +60,13 @@ class Cosmos3Pipeline(VisualPipeline):
 
     # ---- generation ----
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], params: VisualGenParams,
-                 images: Sequence[Any] | None = None,
-                 hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:
-        self.check_request(params, images, prompts)
-        request = VideoRequest.resolve(params)
-        seeds = image_seeds(params.seed, len(prompts) * params.num_images_per_prompt)
-        videos, latents = [], []
-        for index, seed in enumerate(seeds):
-            prompt = prompts[index // params.num_images_per_prompt]
-            image = None if images is None else images[min(index, len(images) - 1)]
-            final = self.denoise_video(prompt, request, seed, image, hooks)
-            latents.append(final)
-            if params.output_type != "latent":
-                videos.append(to_uint8(self.decode(final)))
-        keep = params.return_latents or params.output_type == "latent"
-        return VisualGenOutput([], torch.cat(latents) if keep else None, seeds, videos=videos,
-                               frame_rate=request.frame_rate)
+    def resolve(self, params: VisualGenParams) -> VideoRequest:
+        return VideoRequest.resolve(params)
 
-    def frames_for_duration(self, seconds: float, frame_rate: float | None) -> int:
-        """temporal * k + 1 frames lasting about `seconds` at the frame rate."""
-        rate = frame_rate or DEFAULTS["frame_rate"]
-        return self.temporal * max(1, round(seconds * rate / self.temporal)) + 1
-
-    def check_request(self, params: VisualGenParams, images, prompts) -> None:
-        if images is not None and len(images) not in (1, len(prompts)):
-            raise ValueError("image: give one input image, or one per prompt")
-        num_frames = params.num_frames
-        check(num_frames is None or num_frames % self.temporal == 1, "num_frames", num_frames,
-              f"must be {self.temporal} * k + 1 for this model (its VAE packs "
-              f"{self.temporal} frames into one latent frame)")
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            check(value is None or value % self.spatial == 0, name, value,
-                  f"must be a multiple of {self.spatial} for this model")
-        for name in ("layers", "resolution"):
-            check(getattr(params, name) is None, name, getattr(params, name),
-                  "is for layered models only")
+    def sample(self, prompt: str, request: VideoRequest, seed: int, image,
+               hooks: Sequence[DenoiseHook], decode: bool) -> VideoSample:
+        final = self.denoise_video(prompt, request, seed, image, hooks)
+        return VideoSample(final, to_uint8(self.decode(final)) if decode else None)
 
     def denoise_video(self, prompt: str, request: VideoRequest, seed: int, image,
                       hooks: Sequence[DenoiseHook] = ()) -> torch.Tensor:
@@ -127,8 +92,8 @@ class Cosmos3Pipeline(VisualPipeline):
     def initial_latents(self, request: VideoRequest, image, generator):
         """Noise (1, C, T, h, w) in float32, with frame 0 the encoded image for
         image-to-video; and the per-frame condition mask (1 = kept clean)."""
-        shape = (1, self.vae.config.z_dim, (request.num_frames - 1) // self.temporal + 1,
-                 request.height // self.spatial, request.width // self.spatial)
+        shape = (1, self.vae.config.z_dim,
+                 *self.latent_size(request.num_frames, request.height, request.width))
         mask = torch.zeros(shape[2])
         noise = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
         if image is None or request.num_frames == 1:
@@ -207,8 +172,7 @@ class Cosmos3Pipeline(VisualPipeline):
         """Latents (1, C, T, h, w) -> frames (F, H, W, 3) in [0, 1], float32."""
         mean, inv_std = self._latent_stats()
         z = latents.to(self.vae.dtype) / inv_std + mean
-        video = self.vae.decode(z).sample.float()
-        return (video[0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0)
+        return vae_frames(self.vae.decode(z).sample.float())
 
 
 class VideoRequest:
@@ -219,9 +183,7 @@ class VideoRequest:
 
     @classmethod
     def resolve(cls, params: VisualGenParams) -> VideoRequest:
-        values = {name: getattr(params, name) if getattr(params, name) is not None else default
-                  for name, default in DEFAULTS.items()}
-        return cls(**values, negative_prompt=params.negative_prompt,
+        return cls(**with_defaults(params, DEFAULTS), negative_prompt=params.negative_prompt,
                    num_inference_steps=params.num_inference_steps)
 
     def with_metadata(self, text: str, negated: bool) -> str:
@@ -238,7 +200,3 @@ class VideoRequest:
             text = f"{base}. {sentence}" if base else sentence
         return text
 
-
-def to_uint8(frames: torch.Tensor) -> np.ndarray:
-    """Frames in [0, 1] as uint8, rounded as diffusers rounds its PIL frames."""
-    return (frames.cpu().numpy() * 255).round().astype(np.uint8)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -27,10 +27,11 @@ from tllm.visual_gen.models.ltx2.components import (LTX2Components, dummy_compon
 from tllm.visual_gen.models.ltx2.guidance import LTX2Guidance, StreamScales
 from tllm.visual_gen.models.ltx2.rope import LTX2Rope, audio_positions, video_positions
 from tllm.visual_gen.models.ltx2.transformer import LTX2Inputs
-from tllm.visual_gen.params import VisualGenParams, check
-from tllm.visual_gen.pipeline import (DenoiseHook, DenoiseStep, VisualGenOutput, VisualPipeline,
-                                      denoise_streams, image_seeds)
+from tllm.visual_gen.params import VisualGenParams
+from tllm.visual_gen.pipeline import DenoiseHook, DenoiseStep, denoise_streams
 from tllm.visual_gen.schedulers import FlowMatchEulerScheduler, calculate_shift
+from tllm.visual_gen.video_pipeline import (VideoPipeline, VideoSample, to_uint8, vae_frames,
+                                            with_defaults)
 
 # diffusers' LTX2Pipeline defaults (its STG scale is moot: see guidance.py)
 DEFAULTS = dict(num_frames=121, height=512, width=768, frame_rate=24.0, guidance_scale=3.0,
@@ -54,9 +55,8 @@ class VideoRequest:
 
     @classmethod
     def resolve(cls, params: VisualGenParams) -> VideoRequest:
-        values = {name: getattr(params, name) if getattr(params, name) is not None else default
-                  for name, default in DEFAULTS.items()}
-        return cls(**values, num_inference_steps=params.num_inference_steps,
+        return cls(**with_defaults(params, DEFAULTS),
+                   num_inference_steps=params.num_inference_steps,
                    negative_prompt=params.negative_prompt)
 
     def scales(self) -> dict[str, StreamScales]:
@@ -76,11 +76,10 @@ class LatentGrid:
     mel_bins: int
 
 
-class LTX2Pipeline(VisualPipeline):
+class LTX2Pipeline(VideoPipeline):
     """LTX-2: a video and its soundtrack per seed."""
 
-    takes_image = False     # an image is optional: image-to-video
-    makes_video = True
+    defaults = DEFAULTS
     use_cross_timestep = True   # diffusers' default (LTX-2.3's rule; equal for text-to-video)
 
     def __init__(self, components: LTX2Components) -> None:
@@ -101,10 +100,6 @@ class LTX2Pipeline(VisualPipeline):
             self.tokenizer.pad_token = self.tokenizer.eos_token
 
     @property
-    def device(self) -> torch.device:
-        return next(self.vae.parameters()).device
-
-    @property
     def sample_rate(self) -> int:
         return int(self.vocoder.config.output_sampling_rate)
 
@@ -116,54 +111,19 @@ class LTX2Pipeline(VisualPipeline):
     def from_dummy(cls, name: str, dtype, device, seed: int = 0, transformer_impl="auto"):
         return cls(dummy_components(name, dtype, device, seed, transformer_impl))
 
-    # ---- requests ----
-
-    def check_request(self, params: VisualGenParams, images, prompts) -> None:
-        if images is not None and len(images) not in (1, len(prompts)):
-            raise ValueError("image: give one input image, or one per prompt")
-        if self.takes_image and images is None:
-            raise ValueError("image: this image-to-video model needs an input image")
-        num_frames = params.num_frames
-        check(num_frames is None or num_frames % self.temporal == 1, "num_frames", num_frames,
-              f"must be {self.temporal} * k + 1 for this model (its VAE packs "
-              f"{self.temporal} frames into one latent frame)")
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            check(value is None or value % self.size_multiple == 0, name, value,
-                  f"must be a multiple of {self.size_multiple} for this model")
-        for name in ("layers", "resolution"):
-            check(getattr(params, name) is None, name, getattr(params, name),
-                  "is for layered models only")
-
-    def frames_for_duration(self, seconds: float, frame_rate: float | None) -> int:
-        """temporal * k + 1 frames lasting about `seconds` at the frame rate."""
-        rate = frame_rate or DEFAULTS["frame_rate"]
-        return self.temporal * max(1, round(seconds * rate / self.temporal)) + 1
-
     # ---- generation ----
 
-    @torch.no_grad()
-    def generate(self, prompts: list[str], params: VisualGenParams,
-                 images: Sequence[Any] | None = None,
-                 hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:
-        self.check_request(params, images, prompts)
-        request = VideoRequest.resolve(params)
-        seeds = image_seeds(params.seed, len(prompts) * params.num_images_per_prompt)
-        videos, sounds, latents = [], [], []
-        for index, seed in enumerate(seeds):
-            prompt = prompts[index // params.num_images_per_prompt]
-            image = None if images is None else images[min(index // params.num_images_per_prompt,
-                                                            len(images) - 1)]
-            final = self.denoise_video(prompt, request, seed, hooks, image)
-            latents.append(final["video"])
-            if params.output_type != "latent":
-                grid = self.latent_grid(request)
-                videos.append(to_uint8(self.decode_video(final["video"], grid)))
-                sounds.append(self.decode_audio(final["audio"], grid)[0].float().cpu())
-        keep = params.return_latents or params.output_type == "latent"
-        return VisualGenOutput([], torch.cat(latents) if keep else None, seeds, videos=videos,
-                               frame_rate=request.frame_rate, audio=sounds or None,
-                               sample_rate=self.sample_rate)
+    def resolve(self, params: VisualGenParams) -> VideoRequest:
+        return VideoRequest.resolve(params)
+
+    def sample(self, prompt: str, request: VideoRequest, seed: int, image,
+               hooks: Sequence[DenoiseHook], decode: bool) -> VideoSample:
+        final = self.denoise_video(prompt, request, seed, hooks, image)
+        if not decode:
+            return VideoSample(final["video"])
+        grid = self.latent_grid(request)
+        return VideoSample(final["video"], to_uint8(self.decode_video(final["video"], grid)),
+                           self.decode_audio(final["audio"], grid)[0].float().cpu())
 
     def denoise_video(self, prompt: str, request: VideoRequest, seed: int,
                       hooks: Sequence[DenoiseHook] = (), image=None) -> dict[str, torch.Tensor]:
@@ -204,8 +164,7 @@ class LTX2Pipeline(VisualPipeline):
         audio_vae = self.audio_vae
         per_second = (audio_vae.config.sample_rate / audio_vae.config.mel_hop_length
                       / float(audio_vae.temporal_compression_ratio))
-        return LatentGrid((request.num_frames - 1) // self.temporal + 1,
-                          request.height // self.spatial, request.width // self.spatial,
+        return LatentGrid(*self.latent_size(request.num_frames, request.height, request.width),
                           round(request.num_frames / request.frame_rate * per_second),
                           audio_vae.config.mel_bins // audio_vae.mel_compression_ratio)
 
@@ -299,8 +258,7 @@ class LTX2Pipeline(VisualPipeline):
         mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
         std = vae.latents_std.view(1, -1, 1, 1, 1).to(z.device, z.dtype)
         z = z * std / vae.config.scaling_factor + mean
-        video = vae.decode(z.to(vae.dtype), timestep, return_dict=False)[0].float()
-        return (video[0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 3, 0)
+        return vae_frames(vae.decode(z.to(vae.dtype), timestep, return_dict=False)[0].float())
 
     @torch.no_grad()
     def decode_audio(self, latents: torch.Tensor, grid: LatentGrid) -> torch.Tensor:
@@ -318,7 +276,3 @@ class LTX2ImageToVideoPipeline(LTX2Pipeline):
 
     takes_image = True
 
-
-def to_uint8(frames: torch.Tensor) -> np.ndarray:
-    """Frames in [0, 1] as uint8, rounded as diffusers rounds its PIL frames."""
-    return (frames.cpu().numpy() * 255).round().astype(np.uint8)

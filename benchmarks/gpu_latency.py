@@ -8,13 +8,15 @@
               goes to $OUT
   lm_head     the LM head + argmax fused kernel vs cuBLAS GEMV + torch.argmax at M=1
   load        ISL/OSL 128/128, 1,000 requests at max load: output tok/s and ITL p50/p99
-              under the default step (max_num_tokens) and step_token_budget 512 and 256
+              under the default step (max_num_tokens), step_token_budget 512 and 256 and
+              prefill_token_budget 512, 1024, 2048, each with its steps' composition
   plain       the comparator: a plain-PyTorch Llama decode step (torch.compile'd layer,
               SDPA over a static cache), the whole step captured in one CUDA graph
 
 Prints each part as it finishes, a table last, and writes $OUT/gpu_latency.json.
 
     python benchmarks/gpu_latency.py [--parts floor,latency,...] [--budgets 512,256]
+        [--prefill-budgets 512,1024,2048]
 """
 from __future__ import annotations
 
@@ -206,23 +208,35 @@ def time_graphed(fn, repeats: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / repeats
 
 
-def part_load(budgets: list[int]) -> dict:
+def part_load(budgets: list[int], prefill_budgets: list[int]) -> dict:
     """One engine, the policy switched between runs while it is idle (the scheduler reads
-    it every step), so every run shares the build and its CUDA graphs."""
+    it every step), so every run shares the build and its CUDA graphs. Each run also records
+    its steps' composition (benchmarks/step_composition.py): mean running batch, mixed vs
+    pure decode steps (eager vs graphed) and the median interval between steps of each."""
+    from step_composition import StepRecorder, running_curve, summarize
     config = ThroughputConfig(isl=128, osl=128, num_requests=1000, warmup=256)
+    policies = {"default": SchedulingPolicy()}
+    policies.update({f"budget_{b}": SchedulingPolicy(step_token_budget=b) for b in budgets})
+    policies.update({f"prefill_{b}": SchedulingPolicy(prefill_token_budget=b)
+                     for b in prefill_budgets})
+    policies.update({f"prefill_{b}_every_step": SchedulingPolicy(
+        prefill_token_budget=b, admit_whole_chunks=False) for b in prefill_budgets[:1]})
     out = {}
     with build(256, 256, kv_cache_config=KvCacheConfig(tokens_per_block=32)) as llm:
         scheduler = llm._engine.executor.scheduler
-        for budget in [None, *budgets]:
-            scheduler.policy = SchedulingPolicy(step_token_budget=budget)
+        recorder = StepRecorder(scheduler)
+        for name, policy in policies.items():
+            scheduler.policy = policy
             run = run_throughput(llm, config)
-            name = "default" if budget is None else f"budget_{budget}"
+            steps = recorder.take()[-run["engine_steps"]:]  # the timed run's, not warm-up's
+            composition = {**summarize(steps), "running_every_32": running_curve(steps, 32)}
+            log(f"{name} steps: {json.dumps(composition)}")
             itl = run["itl_ms"]
             out[name] = {"output_tok_s": run["output_tokens_per_s"], "itl_ms": itl,
                          "ttft_ms": run["ttft_ms"], "tpot_ms": run["tpot_ms"],
                          "itl_p99_over_p50": itl["p99"] / itl["p50"] if itl.get("p50") else None,
                          "engine_steps": run["engine_steps"],
-                         "num_completed": run["num_completed"]}
+                         "num_completed": run["num_completed"], "steps": composition}
             log(f"{name}: {run['output_tokens_per_s']:.0f} tok/s, ITL p50 {itl['p50']:.2f} "
                 f"p99 {itl['p99']:.2f} ms")
     return out
@@ -270,17 +284,33 @@ def summary() -> str:
             lines.append(f"128/128 x1000 {name:<11} {r['output_tok_s']:8.0f} tok/s  ITL p50 "
                          f"{r['itl_ms']['p50']:.2f} p99 {r['itl_ms']['p99']:.2f} ms "
                          f"(p99/p50 {r['itl_p99_over_p50']:.1f}; goal 16000, <= 3)")
+            steps = r.get("steps", {})
+            if steps.get("num_steps"):
+                gap = steps["median_interval_ms"]
+                lines.append(f"    {steps['num_steps']} steps, running {steps['mean_running']:.0f}"
+                             f", mixed {steps['steps_by_kind']['mixed']} / pure decode "
+                             f"{steps['steps_by_kind']['pure_decode']}; step ms: mixed "
+                             f"{_ms(gap['mixed'])}, pure decode {_ms(gap['pure_decode'])}")
     return "\n".join(lines + ["=" * 78])
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--budgets", default="512,256", help="step_token_budget values")
+    parser.add_argument("--prefill-budgets", default="512,1024,2048",
+                        help="prefill_token_budget values (the first also without whole "
+                             "chunks)")
     args = parser.parse_args()
     budgets = [int(b) for b in args.budgets.split(",") if b]
+    prefill_budgets = [int(b) for b in args.prefill_budgets.split(",") if b]
     runs = {"floor": part_floor, "latency": part_latency, "compiled": part_compiled,
-            "lm_head": part_lm_head, "load": lambda: part_load(budgets), "plain": part_plain}
+            "lm_head": part_lm_head, "load": lambda: part_load(budgets, prefill_budgets),
+            "plain": part_plain}
     for name in args.parts.split(","):
         if name == "replay":
             continue  # measured inside `latency` (same engine)

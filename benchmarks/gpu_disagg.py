@@ -90,7 +90,7 @@ def fetch_tcp(endpoint: str, export_id: str) -> tuple[float, int]:
         send_message(sock, {"op": "fetch", "id": export_id, "transport": "tcp"})
         header = recv_header(sock)
         data = torch.empty(header["shape"], dtype=dtype_from_name(header["dtype"]),
-                           pin_memory=True)
+                           pin_memory=torch.cuda.is_available())
         recv_into(sock, tensor_bytes(data))
         seconds = time.perf_counter() - started
         release(sock, export_id)

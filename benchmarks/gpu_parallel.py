@@ -24,21 +24,34 @@ CONFIGS = {  # name: (model, tp, pp, throughput requests or None)
 
 
 def run_config(name: str, requests: int, osl_latency: int) -> dict:
+    model, tp, pp, num_requests = CONFIGS[name]
+    return run_engine(name, {"model": model, "tensor_parallel_size": tp,
+                             "pipeline_parallel_size": pp}, num_requests or requests,
+                      osl_latency)
+
+
+def run_engine(name: str, llm_kwargs: dict, requests: int, osl_latency: int,
+               latency_iterations: int = 3, time_limit_s: float | None = None,
+               on_built=None, isl: int = 128, osl: int = 128) -> dict:
+    """Build LLM(**llm_kwargs) (this script's defaults underneath), run batch-1 latency
+    (ISL `isl`) and, when `requests`, isl/osl max-load throughput; print the RESULT line.
+    `on_built(llm)` adds fields measured on the built engine (gpu_multi.py's weight bytes)."""
     from tllm import LLM
     from tllm.bench.offline import LatencyConfig, ThroughputConfig, run_latency, run_throughput
-    model, tp, pp, num_requests = CONFIGS[name]
-    requests = num_requests or requests
     start = time.perf_counter()
     graphs = {} if os.environ.get("TLLM_BENCH_GRAPHS", "1") == "1" else {"cuda_graph_config": None}
-    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_seq_len=1152,
-              max_batch_size=256, **graphs)
+    llm = LLM(**{"max_seq_len": 1152, "max_batch_size": 256, **graphs, **llm_kwargs})
     build_s = time.perf_counter() - start
-    latency = run_latency(llm, LatencyConfig(isl=128, osl=osl_latency, batch_size=1,
-                                             iterations=3))
-    throughput = run_throughput(llm, ThroughputConfig(isl=128, osl=128,
-                                                      num_requests=requests, warmup=8))
-    result = {"config": name, "model": model, "tp": tp, "pp": pp, "build_s": build_s,
-              "latency": latency, "throughput": throughput}
+    result = {"config": name, "model": llm_kwargs["model"],
+              "tp": llm_kwargs.get("tensor_parallel_size", 1),
+              "pp": llm_kwargs.get("pipeline_parallel_size", 1), "build_s": build_s,
+              **(on_built(llm) if on_built else {})}
+    result["latency"] = run_latency(llm, LatencyConfig(
+        isl=isl, osl=osl_latency, batch_size=1, iterations=latency_iterations,
+        time_limit_s=time_limit_s))
+    if requests:
+        result["throughput"] = run_throughput(llm, ThroughputConfig(
+            isl=isl, osl=osl, num_requests=requests, warmup=8, time_limit_s=time_limit_s))
     print("RESULT " + json.dumps(result), flush=True)  # before a shutdown that could hang
     llm.shutdown()
     return result
@@ -76,11 +89,12 @@ def summarise(results: list[dict]) -> str:
         if "error" in r:
             lines.append(f"| {r['config']} | failed: {r['error'][:80]} |")
             continue
-        lat, thr = r["latency"], r["throughput"]
+        lat, thr = r["latency"], r.get("throughput")
+        throughput = (f"{thr['output_tokens_per_s']:.0f} | {thr['ttft_ms']['p50']:.0f} | "
+                      f"{thr['peak_gpu_memory_gib']}" if thr else "- | - | -")
         lines.append(
             f"| {r['config']} | {r['build_s']:.0f} | {lat['output_tokens_per_s']:.1f}"
-            f" | {lat['itl_ms']['p50']:.2f} | {thr['output_tokens_per_s']:.0f} | "
-            f"{thr['ttft_ms']['p50']:.0f} | {thr['peak_gpu_memory_gib']} |")
+            f" | {lat['itl_ms']['p50']:.2f} | {throughput} |")
     return "\n".join(lines)
 
 
@@ -133,7 +147,10 @@ def run_stage(cmd: list[str], name: str, timeout: float) -> dict:
         os.killpg(proc.pid, signal.SIGABRT)
         out, err = proc.communicate()
         print(f"STAGE {name} HUNG; stacks:\n{err[-12000:]}", file=sys.stderr, flush=True)
-        return {"config": name, "error": "timed out"}
+        found = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        # figures printed before a hung teardown still count
+        return ({**json.loads(found[-1][7:]), "teardown": "hung"} if found
+                else {"config": name, "error": "timed out"})
     found = [l for l in out.splitlines() if l.startswith("RESULT ")]
     if not found:
         print(f"STAGE {name} FAILED:\n{err[-4000:]}", file=sys.stderr, flush=True)

@@ -9,6 +9,7 @@ import math
 import sys
 
 from tllm.bench.serve import BenchConfig, BenchRun, run_benchmark
+from tllm.bench.serve_breakdown import format_stages, scrape_stages, stage_percentiles
 from tllm.bench.serve_clients import run_in_processes
 from tllm.bench.serve_metrics import SLO_METRICS, format_summary, summarize
 from tllm.cli_types import positive_int
@@ -68,6 +69,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         range_ratio=args.random_range_ratio, vocab_size=args.random_vocab_size,
         request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
         timeout_s=args.timeout)
+    stages_before = scrape_stages(args.base_url, args.api_key)
     try:
         if args.num_clients > 1:
             run = run_in_processes(config, args.num_clients)
@@ -78,6 +80,11 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         return 1
     summary = summarize(run, percentiles, slos)
     print(format_summary(summary, percentiles))
+    stages = stage_percentiles(stages_before, scrape_stages(args.base_url, args.api_key),
+                               percentiles)
+    if stages is not None:
+        summary["server_ttft_stages"] = stages
+        print(format_stages(stages, percentiles))
     if args.result_file:
         write_result(run, summary, args.result_file)
     if args.plot_file:

@@ -250,4 +250,10 @@ def _metrics(request: Request) -> dict[str, float]:
         metrics["ttft_s"] = request.first_token_time - request.arrival_time
     if request.finish_time is not None:
         metrics["e2e_s"] = request.finish_time - request.arrival_time
+    # The readings themselves (time.monotonic, one clock for the host's processes): the
+    # server's TTFT breakdown subtracts its own readings from them.
+    metrics["arrival_time"] = request.arrival_time
+    for name in ("first_scheduled_time", "first_token_time"):
+        if getattr(request, name) is not None:
+            metrics[name] = getattr(request, name)
     return metrics

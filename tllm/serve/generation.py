@@ -234,6 +234,7 @@ class EngineClient:
                 raise APIError(400, "disaggregated_params: one prompt per request",
                                param="disaggregated_params")
             inputs[0]["disaggregated_params"] = disaggregated_params
+        submitted = time.monotonic()
         try:
             results = await self.llm.submit_batch(inputs, params, streaming=True)
         except ValueError as exc:
@@ -241,7 +242,8 @@ class EngineClient:
         except EngineDeadError as exc:     # it died since _check_alive
             raise self._unavailable() from exc
         num_samples = params[0].n
-        tracker = self.metrics.track([len(p.token_ids) for p in prompts], num_samples, arrival)
+        tracker = self.metrics.track([len(p.token_ids) for p in prompts], num_samples, arrival,
+                                     submitted)
         generation = Generation(results, num_samples, tracker, on_close=self._open.discard)
         self._open.add(generation)
         if self._watchdog is None or self._watchdog.done():

@@ -158,6 +158,9 @@ class ServerMetrics:
                                      "status.", ["endpoint", "status"], registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats, model_name))
         self.recent = RecentActivity()
+        # imported here: the breakdown's windows are this module's WindowedQuantiles
+        from tllm.serve.ttft_breakdown import TtftBreakdown
+        self.ttft_stages = TtftBreakdown(self.registry, model_name)
 
     def _counter(self, name: str, doc: str):
         return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
@@ -181,14 +184,17 @@ class ServerMetrics:
         return values
 
     def track(self, prompt_lengths: list[int], num_samples: int,
-              arrival: float | None = None) -> RequestTracker:
-        """Start tracking an API request: each prompt runs num_samples sequences."""
+              arrival: float | None = None, submitted: float | None = None) -> RequestTracker:
+        """Start tracking an API request: each prompt runs num_samples sequences (`arrival`:
+        its handler began; `submitted`: it was handed to the engine)."""
         for length in prompt_lengths:
             self.prompt_tokens.inc(length)
             self.request_prompt_tokens.observe(length)
         self.recent.prompt_tokens.add(sum(prompt_lengths))
-        return RequestTracker(self, len(prompt_lengths) * num_samples,
-                              arrival if arrival is not None else time.monotonic())
+        tracker = RequestTracker(self, len(prompt_lengths) * num_samples,
+                                 arrival if arrival is not None else time.monotonic())
+        tracker.times.submitted = submitted
+        return tracker
 
 
 class RequestTracker:
@@ -196,9 +202,12 @@ class RequestTracker:
     finish (the client went away, or the request failed) counts as aborted on close()."""
 
     def __init__(self, metrics: ServerMetrics, num_seqs: int, arrival: float) -> None:
+        from tllm.serve.ttft_breakdown import ServerTimes
         self._metrics = metrics
         self._arrival = arrival
+        self.times = ServerTimes(arrival)
         self._is_first_token = True
+        self._has_stages = False
         self._last_token_time: list[float | None] = [None] * num_seqs
         self._num_tokens = [0] * num_seqs
         self._unfinished = set(range(num_seqs))
@@ -210,6 +219,7 @@ class RequestTracker:
         last = self._last_token_time[seq]
         metrics, recent = self._metrics, self._metrics.recent
         if self._is_first_token:
+            self.times.first_token = now
             metrics.ttft.observe(now - self._arrival)
             recent.ttft.observe(now - self._arrival)
             self._is_first_token = False
@@ -238,6 +248,9 @@ class RequestTracker:
     def on_engine_metrics(self, engine_metrics: dict[str, float]) -> None:
         if "queue_s" in engine_metrics:
             self._metrics.queue_time.observe(engine_metrics["queue_s"])
+        if not self._has_stages:    # once per API request: its first prompt's times
+            self._has_stages = True
+            self._metrics.ttft_stages.observe(self.times, engine_metrics)
 
     def close(self) -> None:
         for seq in sorted(self._unfinished):

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tllm.bench.serve_breakdown import parse_stages, quantile, stage_percentiles
+from tllm.serve.metrics import WindowedQuantiles
 from tllm.serve.ttft_breakdown import STAGES, ServerTimes, TtftBreakdown, stage_seconds
 
 ENGINE = {"arrival_time": 10.004, "first_scheduled_time": 10.010,
@@ -27,7 +28,7 @@ def test_stages_add_up_to_the_server_ttft():
 
 def test_bench_percentiles_come_from_the_difference_of_two_scrapes():
     registry = CollectorRegistry()
-    breakdown = TtftBreakdown(registry, "m")
+    breakdown = TtftBreakdown(registry, "m", WindowedQuantiles)
     early = ServerTimes(arrival=10.0, submitted=10.001, first_token=12.0)
     breakdown.observe(early, ENGINE)           # before the run: a slow one, left out
     before = parse_stages(generate_latest(registry).decode())

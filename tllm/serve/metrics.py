@@ -15,6 +15,8 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tllm.serve.ttft_breakdown import ServerTimes, TtftBreakdown
+
 __all__ = ["CONTENT_TYPE_LATEST", "RequestTracker", "ServerMetrics", "WindowedCounter",
            "WindowedQuantiles"]
 
@@ -158,9 +160,7 @@ class ServerMetrics:
                                      "status.", ["endpoint", "status"], registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats, model_name))
         self.recent = RecentActivity()
-        # imported here: the breakdown's windows are this module's WindowedQuantiles
-        from tllm.serve.ttft_breakdown import TtftBreakdown
-        self.ttft_stages = TtftBreakdown(self.registry, model_name)
+        self.ttft_stages = TtftBreakdown(self.registry, model_name, WindowedQuantiles)
 
     def _counter(self, name: str, doc: str):
         return Counter(name, doc, ["model_name"], registry=self.registry).labels(self.model_name)
@@ -202,7 +202,6 @@ class RequestTracker:
     finish (the client went away, or the request failed) counts as aborted on close()."""
 
     def __init__(self, metrics: ServerMetrics, num_seqs: int, arrival: float) -> None:
-        from tllm.serve.ttft_breakdown import ServerTimes
         self._metrics = metrics
         self._arrival = arrival
         self.times = ServerTimes(arrival)

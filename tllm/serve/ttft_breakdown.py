@@ -15,10 +15,9 @@ CLOCK_MONOTONIC), so stages that cross the process boundary are differences of r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Histogram
-
-from tllm.serve.metrics import WindowedQuantiles
 
 STAGES = ("server", "handoff", "queue", "prefill", "return")
 STAGE_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
@@ -49,15 +48,17 @@ def stage_seconds(server: ServerTimes, engine: dict[str, float]) -> dict[str, fl
 
 
 class TtftBreakdown:
-    """The stage histograms (in `registry`) and a sliding window per stage."""
+    """The stage histograms (in `registry`) and a sliding window per stage (`new_window`:
+    metrics.WindowedQuantiles, passed in since that module builds this one)."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str,
+                 new_window: Callable[[], object]) -> None:
         histogram = Histogram(STAGE_METRIC, "Time to first token by stage: server, handoff "
                               "(to the engine process), queue, prefill, return (to the HTTP "
                               "handler).", ["model_name", "stage"], buckets=STAGE_BUCKETS,
                               registry=registry)
         self._histograms = {stage: histogram.labels(model_name, stage) for stage in STAGES}
-        self.recent = {stage: WindowedQuantiles() for stage in STAGES}
+        self.recent = {stage: new_window() for stage in STAGES}
 
     def observe(self, server: ServerTimes, engine: dict[str, float]) -> None:
         stages = stage_seconds(server, engine)

@@ -5,7 +5,8 @@ engine in the server's process (`--no-engine-process`), and the offline engine
 For each server mode: start `tllm serve MODEL`, wait for /health, send a short warm-up, then
 `tllm bench serve` once per --rates entry (ISL/OSL exact, streaming completions), then stop
 the server with SIGINT. Every figure is written to --out as JSON as soon as it exists; a
-markdown table is printed last.
+markdown table is printed last, then the server's TTFT by stage for each run (server,
+handoff to the engine process, queue, prefill, return to the HTTP handler).
 
 One `tllm bench serve` process parses about 10k streamed tokens/s on these hosts' cores, so
 --clients K runs it with --num-clients K: the same requests dealt over K processes that start
@@ -140,6 +141,20 @@ def print_table(results: dict) -> None:
             ratio = f"{tps / offline_tps:.2f}" if offline_tps else "-"
             print(f"| {mode} | {rate} | {run.get('request_throughput', 0):.1f} | {tps:,.0f} | "
                   f"{ratio} | {_pct(run, 'ttft')} | {_pct(run, 'tpot')} |")
+    print_stages(results)
+
+
+def print_stages(results: dict) -> None:
+    """The server's TTFT by stage (tllm/serve/ttft_breakdown.py), p50 / p99 ms per run."""
+    stages = ("server", "handoff", "queue", "prefill", "return")
+    print("\n| mode | rate | " + " | ".join(f"{s} p50 / p99 ms" for s in stages) + " |")
+    print("| --- | --- |" + " --- |" * len(stages))
+    for mode in ("engine-process", "in-process"):
+        for rate, run in results.get(mode, {}).get("runs", {}).items():
+            figures = run.get("server_ttft_stages") or {}
+            cells = [f"{figures[s]['p50_ms']:.1f} / {figures[s]['p99_ms']:.1f}"
+                     if s in figures else "-" for s in stages]
+            print(f"| {mode} | {rate} | " + " | ".join(cells) + " |")
 
 
 def _pct(run: dict, name: str) -> str:

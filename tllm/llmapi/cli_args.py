@@ -68,15 +68,7 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--model-impl", choices=["auto", "tllm", "transformers"],
                        help="whose modeling code runs (default auto: tllm's where it has the "
                             "architecture, else transformers' with tllm's KV cache)")
-    group.add_argument("--enable-lora", action="store_true", default=None,
-                       help="serve LoRA adapters (requests name one: lora_request, or the "
-                            "server's --lora-modules names)")
-    group.add_argument("--max-loras", type=positive_int,
-                       help="adapters on the device at once (default 4)")
-    group.add_argument("--max-lora-rank", type=positive_int,
-                       help="largest adapter rank served (default 16)")
-    group.add_argument("--max-cpu-loras", type=positive_int,
-                       help="adapters kept read in host memory (default: --max-loras)")
+    _add_lora_args(group)
     group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
                        help="share of the free memory the KV cache takes, "
@@ -97,6 +89,21 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--kv-cache-dtype", choices=["auto", "fp8"],
                        help="KV cache storage, kv_cache_config.dtype (default auto: the "
                             "model's dtype; fp8 halves its bytes)")
+    _add_scheduling_args(group)
+
+def _add_lora_args(group) -> None:
+    group.add_argument("--enable-lora", action="store_true", default=None,
+                       help="serve LoRA adapters (requests name one: lora_request, or the "
+                            "server's --lora-modules names)")
+    group.add_argument("--max-loras", type=positive_int,
+                       help="adapters on the device at once (default 4)")
+    group.add_argument("--max-lora-rank", type=positive_int,
+                       help="largest adapter rank served (default 16)")
+    group.add_argument("--max-cpu-loras", type=positive_int,
+                       help="adapters kept read in host memory (default: --max-loras)")
+
+
+def _add_scheduling_args(group) -> None:
     group.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
                        help="scheduler_config.scheduling_policy: admission by arrival (fcfs, "
                             "the default) or by each request's priority (lower first)")

@@ -131,6 +131,21 @@ def fetch_ipc(endpoint: str, export_id: str, opened: dict) -> tuple[float, int, 
     return seconds, nbytes, pool.slot_caches
 
 
+def time_fetch(ctx_url: str, endpoint: str, prompt: list[int], transport: str, repeats: int,
+               opened: dict) -> tuple[float, int]:
+    """Median seconds of `repeats` prefills' KV fetched over `transport` ("tcp" or
+    "cuda_ipc"; the first run warms up and opens the IPC handles), and the bytes of one."""
+    times, nbytes = [], 0
+    for _ in range(repeats + 1):
+        export_id = prefill(ctx_url, prompt)
+        if transport == "tcp":
+            seconds, nbytes = fetch_tcp(endpoint, export_id)
+        else:
+            seconds, nbytes, _ = fetch_ipc(endpoint, export_id, opened)
+        times.append(seconds)
+    return sorted(times[1:])[len(times[1:]) // 2], nbytes
+
+
 def copy_bandwidth(nbytes: int) -> float:
     """Device-to-device copy bandwidth (bytes/s) of one buffer of `nbytes`, best of 10."""
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
@@ -185,15 +200,8 @@ def main() -> int:
         for length in PROMPT_TOKENS:
             prompt = [(13 * i + 5) % 30000 + 100 for i in range(length)]
             for transport in ("cuda_ipc", "tcp"):
-                times, nbytes = [], 0
-                for _ in range(REPEATS + 1):    # the first warms up (and opens IPC handles)
-                    export_id = prefill(ctx_url, prompt)
-                    if transport == "tcp":
-                        seconds, nbytes = fetch_tcp(endpoint, export_id)
-                    else:
-                        seconds, nbytes, _ = fetch_ipc(endpoint, export_id, opened)
-                    times.append(seconds)
-                median = sorted(times[1:])[len(times[1:]) // 2]
+                median, nbytes = time_fetch(ctx_url, endpoint, prompt, transport, REPEATS,
+                                            opened)
                 bandwidth = copy_bandwidth(nbytes)
                 rows.append({"prompt_tokens": length, "transport": transport, "bytes": nbytes,
                              "median_s": median, "ms_per_1k_tokens": median * 1e3 * 1024 / length,

@@ -136,21 +136,13 @@ def _probe(plan: DisaggPlan, ctx_url: str, deadline: float) -> list[dict] | dict
 def probe_main(ctx_url: str, transport: str, lengths: list[int], vocab_size: int,
                repeats: int = 3) -> None:
     import httpx
-    from gpu_disagg import fetch_ipc, fetch_tcp, prefill
+    from gpu_disagg import time_fetch
     endpoint = httpx.get(ctx_url + "/disagg/info").json()["kv_endpoint"]
     opened: dict = {}
     rows = []
     for length in lengths:
         prompt = [(13 * i + 5) % (vocab_size - 10) + 10 for i in range(length)]
-        times, nbytes = [], 0
-        for _ in range(repeats + 1):     # the first warms up (and opens the IPC handles)
-            export_id = prefill(ctx_url, prompt)
-            if transport == "tcp":
-                seconds, nbytes = fetch_tcp(endpoint, export_id)
-            else:
-                seconds, nbytes, _ = fetch_ipc(endpoint, export_id, opened)
-            times.append(seconds)
-        median = sorted(times[1:])[len(times[1:]) // 2]
+        median, nbytes = time_fetch(ctx_url, endpoint, prompt, transport, repeats, opened)
         rows.append({"prompt_tokens": length, "transport": transport, "bytes": nbytes,
                      "median_s": median, "GB_per_s": nbytes / median / 1e9})
     print("PROBE " + json.dumps(rows), flush=True)

@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from tllm.kernels.triton import activation, decode_attention, kv_cache, rmsnorm
+from tllm.kernels.triton import activation, decode_attention, dense_gemv, kv_cache, rmsnorm
+from tllm.kernels.triton.dense_gemv_configs import DenseGemvConfig
 
 
 @custom_op("tllm::rms_norm", mutates_args=())
@@ -98,3 +99,29 @@ def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_seq_len,
       max_query_len=1, sliding_window=None, k_scale=1.0, v_scale=1.0,
       logits_soft_cap=None) -> Tensor:
     return torch.empty_like(q)
+
+
+@custom_op("tllm::dense_gemv", mutates_args=())
+def dense_gemv_op(x: Tensor, weight: Tensor, block_n: int, block_k: int, num_warps: int,
+                  num_stages: int) -> Tensor:
+    """x @ weight.T by the small-M GEMV (tllm/kernels/triton/dense_gemv.py)."""
+    return dense_gemv.dense_gemv(x, weight, DenseGemvConfig(block_n, block_k, num_warps,
+                                                            num_stages))
+
+
+@dense_gemv_op.register_fake
+def _(x, weight, block_n, block_k, num_warps, num_stages) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@custom_op("tllm::dense_gemv_silu_mul", mutates_args=())
+def dense_gemv_silu_mul_op(x: Tensor, weight: Tensor, block_n: int, block_k: int,
+                           num_warps: int, num_stages: int) -> Tensor:
+    """silu(gate) * up of x times a merged [gate | up] weight, in one GEMV launch."""
+    return dense_gemv.dense_gemv_silu_mul(x, weight, DenseGemvConfig(block_n, block_k,
+                                                                     num_warps, num_stages))
+
+
+@dense_gemv_silu_mul_op.register_fake
+def _(x, weight, block_n, block_k, num_warps, num_stages) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)

@@ -16,6 +16,7 @@ from torch import nn
 from tllm.attention.interface import (AttentionBackend, AttentionMetadata, AttentionOptions,
                                       KVCache, KVCacheSpec)
 from tllm.layers.activation import SiluAndMul
+from tllm.layers.dense_gemv_dispatch import gate_up_silu_mul
 from tllm.distributed import comm
 from tllm.layers.linear import MergedLinear, QKVLinear, RowParallelLinear, _copy_checked
 from tllm.layers.norm import RMSNorm
@@ -100,6 +101,9 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = gate_up_silu_mul(self.gate_up_proj, self.act, self.down_proj, x)
+        if fused is not None:  # batch-1 decode: gate_up and SiLU-and-mul in one GEMV
+            return self.down_proj(fused)
         h = self.gate_up_proj(x)
         return self.down_proj(self.act(h, quantize_to=input_quantization(self.down_proj, h)))
 

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tllm.layers import dense_gemv_dispatch
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -72,7 +74,8 @@ class UnquantizedMethod(QuantMethod):
         add_param(layer, "weight", torch.empty(out_features, in_features), WEIGHT)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight)
+        out = dense_gemv_dispatch.dense_linear(layer, x)   # batch-1 decode, where it wins
+        return F.linear(x, layer.weight) if out is None else out
 
 
 UNQUANTIZED = UnquantizedMethod()

@@ -1,0 +1,118 @@
+"""When a layer multiplies by the dense small-M GEMV (tllm.kernels.triton.dense_gemv) instead
+of cuBLAS: batch-1 decode (one flattened token), CUDA, bf16/fp16, a plain row-major weight,
+no bias, and a shape the device's table says the GEMV wins (`"use": true`). The two
+environment switches are read here and nowhere else:
+
+  TLLM_DENSE_GEMV=auto (default) | 1 | 0   auto: the table decides; 1: every eligible call
+                                           takes the GEMV (the table's launch, else the
+                                           default); 0: never (cuBLAS, as before)
+  TLLM_DENSE_GEMV_CONFIGS=/path.json       a table (benchmarks/gpu_gemv.py --write-table)
+                                           in place of configs/dense_gemv_<device>.json
+
+Eager code calls the kernels directly; under torch.compile the same calls go through the
+torch custom ops tllm::dense_gemv / tllm::dense_gemv_silu_mul (tllm.kernels.custom_ops), so
+the compiler keeps each launch whole. The decision is made at trace time (shapes are static
+there) and so is baked into the compiled graph, as it is into a captured CUDA graph."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import nn
+
+from tllm.kernels.triton.dense_gemv_configs import (DEFAULT_CONFIGS, DenseGemvConfig,
+                                                    table_entry)
+
+MODE_ENV = "TLLM_DENSE_GEMV"
+TABLE_ENV = "TLLM_DENSE_GEMV_CONFIGS"
+MODES = ("auto", "0", "1")
+_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def gemv_mode() -> str:
+    mode = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def decide(kind: str, n: int, k: int, device: torch.device) -> DenseGemvConfig | None:
+    """The GEMV's launch for a [n, k] weight of `kind` ("plain", "silu_mul") on `device`,
+    or None: keep cuBLAS."""
+    launch = _decided_launch(kind, n, k, device.type, device.index)
+    return None if launch is None else DenseGemvConfig(*launch)
+
+
+# Dynamo cannot trace the table's file reads: under torch.compile this runs at trace time
+# and its answer (ints, or None) goes into the graph as a constant
+@torch.compiler.assume_constant_result
+def _decided_launch(kind: str, n: int, k: int, device_type: str,
+                    device_index: int | None) -> tuple[int, int, int, int] | None:
+    return _launch_for(gemv_mode(), os.environ.get(TABLE_ENV) or None, kind, n, k,
+                       device_type, device_index)
+
+
+@functools.lru_cache(maxsize=4096)   # eager decode asks once a layer a step
+def _launch_for(mode: str, table: str | None, kind: str, n: int, k: int, device_type: str,
+                device_index: int | None) -> tuple[int, int, int, int] | None:
+    if mode == "0":
+        return None
+    entry = table_entry(kind, n, k, torch.device(device_type, device_index), table)
+    if mode == "1":
+        return _launch_args(entry.config if entry is not None else DEFAULT_CONFIGS[kind])
+    return _launch_args(entry.config) if entry is not None and entry.use else None
+
+
+def _runs_kernels(x: torch.Tensor) -> bool:
+    return x.is_cuda
+
+
+def eligible(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    """One flattened token, the GEMV's dtypes, a plain row-major weight, no bias."""
+    return (_runs_kernels(x) and bias is None and x.dtype in _DTYPES
+            and x.numel() == x.shape[-1] and isinstance(weight, torch.Tensor)
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
+
+
+def dense_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """x @ layer.weight.T by the GEMV where it is eligible and enabled; None: the caller
+    runs F.linear."""
+    weight = layer.weight
+    if not eligible(x, weight, getattr(layer, "bias", None)):
+        return None
+    config = decide("plain", weight.shape[0], weight.shape[1], x.device)
+    if config is None:
+        return None
+    if torch.compiler.is_compiling():
+        from tllm.kernels import custom_ops
+        return custom_ops.dense_gemv_op(x, weight, *_launch_args(config))
+    from tllm.kernels.triton.dense_gemv import dense_gemv
+    return dense_gemv(x, weight, config)
+
+
+def gate_up_silu_mul(gate_up: nn.Module, act: nn.Module, down: nn.Module,
+                     x: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of a merged gate/up layer in one GEMV launch, where the layer is
+    plain (no LoRA, no quantization, no bias), `act` is SiLU-and-mul and the down
+    projection takes its input as it is (not fp8); None: the caller runs the unfused path."""
+    from tllm.layers.activation import SiluAndMul
+    from tllm.layers.quant.base import UnquantizedMethod
+    from tllm.layers.quant.fp8 import input_quantization
+    if (type(getattr(gate_up, "quant", None)) is not UnquantizedMethod
+            or type(act) is not SiluAndMul
+            or not eligible(x, gate_up.weight, gate_up.bias)):
+        return None
+    weight = gate_up.weight
+    config = decide("silu_mul", weight.shape[0], weight.shape[1], x.device)
+    if config is None or input_quantization(down, x) is not None:
+        return None
+    if torch.compiler.is_compiling():
+        from tllm.kernels import custom_ops
+        return custom_ops.dense_gemv_silu_mul_op(x, weight, *_launch_args(config))
+    from tllm.kernels.triton.dense_gemv import dense_gemv_silu_mul
+    return dense_gemv_silu_mul(x, weight, config)
+
+
+def _launch_args(config: DenseGemvConfig) -> tuple[int, int, int, int]:
+    return config.block_n, config.block_k, config.num_warps, config.num_stages

@@ -21,6 +21,8 @@ import os
 import torch
 from torch import nn
 
+from tllm.layers.activation import SiluAndMul
+
 from tllm.kernels.triton.dense_gemv_configs import (DEFAULT_CONFIGS, DenseGemvConfig,
                                                     table_entry)
 
@@ -93,25 +95,29 @@ def dense_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
 
 def gate_up_silu_mul(gate_up: nn.Module, act: nn.Module, down: nn.Module,
                      x: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of a merged gate/up layer in one GEMV launch, where the layer is
-    plain (no LoRA, no quantization, no bias), `act` is SiLU-and-mul and the down
+    """silu(gate) * up of a merged gate/up layer in one GEMV launch, where the layer's weight
+    is plain (no LoRA, no quantization, no bias), `act` is SiLU-and-mul and the down
     projection takes its input as it is (not fp8); None: the caller runs the unfused path."""
-    from tllm.layers.activation import SiluAndMul
-    from tllm.layers.quant.base import UnquantizedMethod
-    from tllm.layers.quant.fp8 import input_quantization
-    if (type(getattr(gate_up, "quant", None)) is not UnquantizedMethod
-            or type(act) is not SiluAndMul
-            or not eligible(x, gate_up.weight, gate_up.bias)):
+    if (not getattr(gate_up.quant, "plain_weight", False) or type(act) is not SiluAndMul
+            or not eligible(x, gate_up.weight, gate_up.bias) or _wants_fp8_input(down, x)):
         return None
     weight = gate_up.weight
     config = decide("silu_mul", weight.shape[0], weight.shape[1], x.device)
-    if config is None or input_quantization(down, x) is not None:
+    if config is None:
         return None
     if torch.compiler.is_compiling():
         from tllm.kernels import custom_ops
         return custom_ops.dense_gemv_silu_mul_op(x, weight, *_launch_args(config))
     from tllm.kernels.triton.dense_gemv import dense_gemv_silu_mul
     return dense_gemv_silu_mul(x, weight, config)
+
+
+def _wants_fp8_input(down: nn.Module, x: torch.Tensor) -> bool:
+    """Whether the down projection asks for its input quantized by the activation's kernel
+    (tllm.layers.quant.fp8.input_quantization; looked up on the method, not imported:
+    the quantization methods import this module)."""
+    asks = getattr(down.quant, "input_quantization", None)
+    return asks is not None and asks(down, x) is not None
 
 
 def _launch_args(config: DenseGemvConfig) -> tuple[int, int, int, int]:

@@ -46,6 +46,9 @@ class QuantMethod(ABC):
     """How one linear layer stores and multiplies its weight."""
 
     name = "none"
+    # the weight is layer.weight as it is, [out, in] in the model's dtype (the dense GEMV of
+    # tllm.layers.dense_gemv_dispatch may multiply by it in place of `apply`)
+    plain_weight = False
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
@@ -68,6 +71,8 @@ class QuantMethod(ABC):
 
 class UnquantizedMethod(QuantMethod):
     """The weight in the model's dtype."""
+
+    plain_weight = True
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int,
                        num_shards: int) -> None:

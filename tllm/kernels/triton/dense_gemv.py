@@ -132,7 +132,8 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, gated: bool,
         _dense_gemv_kernel[grid](
             out, x2, w, m, n_out, k, x2.stride(0), w.stride(0), out.stride(0),
             BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GATED=gated,
-            EVEN_K=k % block_k == 0, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps)
+            EVEN_K=k % block_k == 0, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], n_out)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import signal
 import socket
 import subprocess
@@ -45,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--modes", default="offline,engine-process,in-process")
     p.add_argument("--startup-timeout", type=float, default=300)
+    p.add_argument("--server-args", default="",
+                   help="extra `tllm serve` flags, e.g. '--prefill-token-budget 1024'")
     p.add_argument("--out", required=True)
     return p.parse_args()
 
@@ -64,6 +67,7 @@ def run_server_mode(args, mode: str, results: dict, log_dir: Path) -> None:
            str(args.max_seq_len), "--log-level", "warning"]
     if mode == "in-process":
         cmd.append("--no-engine-process")
+    cmd += shlex.split(args.server_args)
     log = open(log_dir / f"server-{mode}.log", "w")
     start = time.monotonic()
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)

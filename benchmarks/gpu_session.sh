@@ -71,8 +71,21 @@ case $section in
     step gpu_lora 150 python3 benchmarks/gpu_lora.py --repeats 1
     step gpu_int4 95 python3 benchmarks/gpu_int4.py --budget 80
     ;;
+  video_serve)  # issue 24's Cosmos 3 at its default size; issue 21's server at 40 req/s
+    export PYTHONUNBUFFERED=1
+    step cosmos 330 python3 benchmarks/gpu_video.py --out "$OUT/cosmos.json"
+    step serving40 200 python3 benchmarks/gpu_serving.py --modes engine-process --rates 40,40 \
+      --clients 4 --num-prompts 800 --out "$OUT/serving40.json"
+    ;;
+  load)  # issue 21: max load under the prefill budgets; GPU tests of the eager warm-up
+    export PYTHONUNBUFFERED=1
+    step graph_tests 80 python3 -m pytest -q -p no:cacheprovider tests/runner \
+      tests/kernels/test_context_attention.py -k "cuda or gpu or graph"
+    step load 420 python3 benchmarks/gpu_latency.py --parts floor,load --budgets 512 \
+      --prefill-budgets 512,1024,2048
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|stage|smollm2 ..."; exit 2 ;;
 esac
 done

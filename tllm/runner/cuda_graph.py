@@ -30,6 +30,12 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 2
 MAX_VERIFY_BATCH_SIZE = 64
 
 
+# Query lengths of the eager warm-up steps (warm_up_eager): the Triton attention kernels pick
+# their tiles by the longest query (the decode kernel's rows: GQA group x queries, up to 8
+# queries; the context kernel's: <= 16, <= 64, longer), each pick a compile of its own.
+WARM_UP_QUERY_LENS = (2, 4, 8, 16, 64, 128)
+
+
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, batch_sizes: list[int],
                  max_seq_len: int, device: torch.device,
@@ -66,18 +72,23 @@ class CudaGraphRunner:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def _metadata(self, batch_size: int, query_len: int) -> AttentionMetadata:
+    def _metadata(self, batch_size: int, query_len: int,
+                  eager: bool = False) -> AttentionMetadata:
         # max_seq_len is the static upper bound: the decode kernel sizes its split-K launch
         # from it, and a replay must work for any sequence length. max_query_len sizes the
-        # kernel's tile rows: the longest query a replay may bring.
+        # kernel's tile rows: the longest query a replay may bring. An eager step (the
+        # warm-up) has the real lengths, as the engine's eager steps do.
         num_tokens = batch_size * query_len
         query_start_loc = (self.query_start_loc if query_len == 1
                            else self.verify_query_start_loc)
+        if eager:
+            query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32,
+                                           device=self.device)
         metadata = AttentionMetadata(
             positions=self.positions[:num_tokens], slot_mapping=self.slot_mapping[:num_tokens],
             query_start_loc=query_start_loc[:batch_size + 1],
             seq_lens=self.seq_lens[:batch_size], block_tables=self.block_tables[:batch_size],
-            max_query_len=query_len, max_seq_len=self.max_seq_len,
+            max_query_len=query_len, max_seq_len=query_len if eager else self.max_seq_len,
             tokens_per_block=self.kv_cache.tokens_per_block,
             query_lens_cpu=[query_len] * batch_size, seq_lens_cpu=[query_len] * batch_size)
         if self.group_slot_mappings:
@@ -93,9 +104,26 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
+    def warm_up_eager(self) -> None:
+        """Run one eager step per tile choice of the attention kernels (WARM_UP_QUERY_LENS,
+        one sequence each) so that the first prefills and mixed steps do not stall the
+        running decodes behind a Triton compile (seconds each on a fresh machine: a 2 s TTFT
+        tail in the first minute of serving on an H200). Slots -1 write no KV; the output
+        is dropped."""
+        capacity = self.input_ids.shape[0]
+        for query_len in sorted({min(q, capacity) for q in WARM_UP_QUERY_LENS}):
+            self.seq_lens[:1].fill_(query_len)
+            metadata = self._metadata(1, query_len, eager=True)
+            hidden = self.model(self.input_ids[:query_len], self.kv_cache.kv_caches, metadata)
+            self.model.compute_logits(hidden)
+        self.seq_lens.zero_()
+        torch.cuda.synchronize()
+
+    @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size, largest first, all sharing one memory pool: decode
         graphs, then verify graphs when a verify query length was given."""
+        self.warm_up_eager()
         pool = torch.cuda.graph_pool_handle()
         shapes = [(1, self.batch_sizes, self.graphs)]
         if self.verify_query_len is not None:

@@ -42,7 +42,9 @@ def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# num_seqs changes every step: without do_not_specialize, Triton compiles a variant for
+# counts divisible by 16 (and for 1) the first time each occurs, seconds each mid-serving.
+@triton.jit(do_not_specialize=["num_seqs"])
 def _context_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, qk_scale, soft_cap, window, num_seqs, k_scale, v_scale,

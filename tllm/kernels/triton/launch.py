@@ -6,6 +6,10 @@ import functools
 import torch
 import triton
 
+from tllm.kernels.triton import compile_log
+
+compile_log.install_from_env()
+
 _FALLBACK_NUM_SMS = 8  # the interpreter (CPU tensors): small, so tests exercise split paths
 
 

@@ -84,8 +84,21 @@ case $section in
     step load 420 python3 benchmarks/gpu_latency.py --parts floor,load --budgets 512 \
       --prefill-budgets 512,1024,2048
     ;;
+  gemv)  # issue 21: GPU tests, the dense GEMV sweep, batch-1 latency with and without it
+    export PYTHONUNBUFFERED=1
+    step gpu_tests3 110 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py \
+      tests/attention/test_triton_backend.py tests/runner -k "not cpu"
+    step gpu_gemv 140 python3 benchmarks/gpu_gemv.py --budget 110 \
+      --write-table "$OUT/dense_gemv_NVIDIA_H200.json" --json "$OUT/gpu_gemv.json"
+    mkdir -p "$OUT/cublas" "$OUT/gemv"
+    step latency_cublas 170 env OUT="$OUT/cublas" TLLM_DENSE_GEMV=0 \
+      python3 benchmarks/gpu_latency.py --parts floor,latency,plain
+    step latency_gemv 90 env OUT="$OUT/gemv" \
+      TLLM_DENSE_GEMV_CONFIGS="$OUT/dense_gemv_NVIDIA_H200.json" \
+      python3 benchmarks/gpu_latency.py --parts latency
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|stage|smollm2 ..."; exit 2 ;;
 esac
 done

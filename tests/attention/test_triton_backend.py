@@ -36,6 +36,30 @@ def test_mixed_prefill_and_decode_with_cached_prefix(device, dtype):
         assert torch.equal(ours, theirs)  # same dtype: the cache write is an exact copy
 
 
+@pytest.mark.parametrize("window, cap", [(None, None), (16, 1.0)])
+def test_mixed_step_with_leading_decodes(device, window, cap):
+    # three decodes first (the decode kernel), then a prefill, a decode and a chunk (the
+    # context kernel, its query starts counted from row 3)
+    query_lens, prefix_lens = [1, 1, 1, 12, 1, 20], [70, 3, 40, 0, 33, 50]
+    outs, caches = run_both(device, query_lens, prefix_lens, 4, 2, 64, torch.float32,
+                            sliding_window=window, logits_soft_cap=cap)
+    assert relative_error(outs["triton"], outs["torch"]) < 1e-5
+    for ours, theirs in zip(caches["triton"], caches["torch"]):
+        assert torch.equal(ours, theirs)
+
+
+def test_decode_prefix_of_a_step(device):
+    batch = make_paged_batch([1, 1, 12, 1], [5, 9, 0, 3], 2, 1, 16, 16, torch.float32, device)
+    split = batch.metadata.decode_prefix()
+    assert (split.num_seqs, split.max_seq_len, split.rest_max_query_len) == (2, 10, 12)
+    assert split.rest_query_start_loc.tolist() == [0, 12, 13]
+    assert batch.metadata.decode_prefix() is split  # once a step
+    for lens in ([1, 1], [12, 1], [3]):  # all decodes, none first, one request
+        meta = make_paged_batch(lens, [4] * len(lens), 2, 1, 16, 16, torch.float32,
+                                device).metadata
+        assert meta.decode_prefix() is None
+
+
 @pytest.mark.parametrize("num_kv_heads", [4, 1])
 def test_decode_only_step(device, num_kv_heads):
     outs, _ = run_both(device, [1, 1, 1], [300, 0, 64], 4, num_kv_heads, 128, torch.float32)

@@ -83,7 +83,8 @@ def test_verify_graph_buffers_replay_a_mixed_step_like_eager(tiny_llama):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         # the padding rows and the padding request wrote no KV slot
         for before, now in zip(cache_after_eager, [t for pair in kv.kv_caches for t in pair]):
-            assert torch.equal(before, now)
+            # (the same values, to rounding: a GPU's GEMMs may round differently at another M)
+            torch.testing.assert_close(before, now, rtol=1e-5, atol=1e-5)
 
 
 def prompts(vocab: int) -> list[list[int]]:

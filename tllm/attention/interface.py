@@ -32,6 +32,8 @@ class AttentionMetadata:
     # which differ from it only in slot_mapping and block_tables. Empty: one group.
     layer_groups: tuple[int, ...] = ()
     group_views: list[AttentionMetadata] = field(default_factory=list)
+    # decode_prefix()'s answer once asked (False: none)
+    _decode_prefix: DecodePrefix | bool | None = field(default=None, repr=False, compare=False)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` (model-wide index) attends with."""
@@ -46,8 +48,17 @@ class AttentionMetadata:
         is this object's."""
         self.layer_groups = layer_groups
         self.group_views = [dataclasses.replace(self, slot_mapping=slots, block_tables=table,
-                                                layer_groups=(), group_views=[])
+                                                layer_groups=(), group_views=[],
+                                                _decode_prefix=None)
                             for slots, table in tables]
+
+    def decode_prefix(self) -> DecodePrefix | None:
+        """A mixed step's leading run of one-token requests (decodes), which a backend may
+        attend with its decode kernel and the rest with its prefill kernel; None when the
+        step has no such run or nothing after it. Computed once per step (and group view)."""
+        if self._decode_prefix is None:
+            self._decode_prefix = DecodePrefix.of(self)
+        return self._decode_prefix or None
 
     @property
     def num_seqs(self) -> int:
@@ -60,6 +71,25 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class DecodePrefix:
+    """The first `num_seqs` requests of a step each compute one token (rows 0..num_seqs-1);
+    the others start at row num_seqs, with `rest_query_start_loc` counted from there."""
+    num_seqs: int
+    max_seq_len: int                    # the longest context among the decodes
+    rest_query_start_loc: torch.Tensor  # [num_rest + 1] int32, from 0
+    rest_max_query_len: int
+
+    @staticmethod
+    def of(metadata: AttentionMetadata) -> DecodePrefix | bool:
+        lens = metadata.query_lens_cpu
+        count = next((i for i, q in enumerate(lens) if q != 1), len(lens))
+        if count == 0 or count == len(lens):
+            return False
+        return DecodePrefix(count, max(metadata.seq_lens_cpu[:count]),
+                            metadata.query_start_loc[count:] - count, max(lens[count:]))
 
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, tokens_per_block, kv_heads, head_dim]

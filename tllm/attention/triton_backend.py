@@ -1,6 +1,7 @@
 """Attention with Triton kernels over the paged cache: the CUDA path. Decode-only steps use the
 GQA-grouped split-K decode kernel; any step with a longer query (prefill, chunked prefill,
-mixed prefill + decode) uses the paged context kernel, except that steps whose queries are
+mixed prefill + decode) uses the paged context kernel (a mixed step's leading decodes go to
+the decode kernel), except that steps whose queries are
 all short (speculative verification: the last token plus up to 7 drafts) stay on the decode
 kernel, whose grid does not depend on the query lengths, so a CUDA graph captured at the
 longest verify query replays any shorter mix. An fp8 cache stores k / k_scale and
@@ -55,21 +56,41 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                 scales: tuple[float, float]) -> torch.Tensor:
-        k_cache, v_cache = kv_cache
         out = torch.empty_like(q)
         if metadata.num_tokens == 0:
             return out
-        common = (q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
-                  metadata.seq_lens)
+        tables, starts, seq_lens = (metadata.block_tables, metadata.query_start_loc,
+                                    metadata.seq_lens)
         if metadata.max_query_len <= MAX_DECODE_QUERIES:
-            return paged_decode_attention(*common, max_seq_len=metadata.max_seq_len,
-                                          scale=self.scale, max_query_len=metadata.max_query_len,
-                                          sliding_window=self.sliding_window,
-                                          out=out, k_scale=scales[0], v_scale=scales[1],
-                                          logits_soft_cap=self.logits_soft_cap)
-        return paged_context_attention(*common, max_query_len=metadata.max_query_len,
-                                       scale=self.scale, sliding_window=self.sliding_window,
-                                       out=out, k_scale=scales[0], v_scale=scales[1],
+            return self._decode(q, kv_cache, tables, starts, seq_lens, metadata.max_seq_len,
+                                metadata.max_query_len, out, scales)
+        split = metadata.decode_prefix()
+        if split is None:
+            return self._context(q, kv_cache, tables, starts, seq_lens,
+                                 metadata.max_query_len, out, scales)
+        # A mixed step: the context kernel would give each decode a tile of BLOCK_M query
+        # rows (one used), the decode kernel splits its context over the SMs instead.
+        d = split.num_seqs
+        self._decode(q[:d], kv_cache, tables[:d], starts[:d + 1], seq_lens[:d],
+                     split.max_seq_len, 1, out[:d], scales)
+        self._context(q[d:], kv_cache, tables[d:], split.rest_query_start_loc, seq_lens[d:],
+                      split.rest_max_query_len, out[d:], scales)
+        return out
+
+    def _decode(self, q, kv_cache, tables, starts, seq_lens, max_seq_len, max_query_len, out,
+                scales):
+        return paged_decode_attention(q, *kv_cache, tables, starts, seq_lens,
+                                      max_seq_len=max_seq_len, scale=self.scale,
+                                      max_query_len=max_query_len,
+                                      sliding_window=self.sliding_window, out=out,
+                                      k_scale=scales[0], v_scale=scales[1],
+                                      logits_soft_cap=self.logits_soft_cap)
+
+    def _context(self, q, kv_cache, tables, starts, seq_lens, max_query_len, out, scales):
+        return paged_context_attention(q, *kv_cache, tables, starts, seq_lens,
+                                       max_query_len=max_query_len, scale=self.scale,
+                                       sliding_window=self.sliding_window, out=out,
+                                       k_scale=scales[0], v_scale=scales[1],
                                        logits_soft_cap=self.logits_soft_cap)
 
 

@@ -106,12 +106,14 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
         return None
     limit = min(config.max_batch_size, args.max_batch_size)
     sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s <= limit] or [limit]
+    eager_model = model
     if config.torch_compile:
         from tllm.runner.compiled import CompiledDecodeModel
         model = CompiledDecodeModel(model)
     graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device,
                              verify_query_len(args))
     try:
+        graphs.warm_up_eager(eager_model)
         graphs.capture()
     except RuntimeError as exc:  # e.g. transformers' modeling code syncing with the host
         torch.cuda.synchronize(device)

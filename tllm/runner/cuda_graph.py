@@ -104,18 +104,18 @@ class CudaGraphRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def warm_up_eager(self) -> None:
+    def warm_up_eager(self, model: nn.Module) -> None:
         """Run one eager step per tile choice of the attention kernels (WARM_UP_QUERY_LENS,
         one sequence each) so that the first prefills and mixed steps do not stall the
         running decodes behind a Triton compile (seconds each on a fresh machine: a 2 s TTFT
-        tail in the first minute of serving on an H200). Slots -1 write no KV; the output
-        is dropped."""
+        tail in the first minute of serving on an H200). `model` is the one eager steps run
+        (not a torch.compile'd decode model). Slots -1 write no KV; the output is dropped."""
         capacity = self.input_ids.shape[0]
         for query_len in sorted({min(q, capacity) for q in WARM_UP_QUERY_LENS}):
             self.seq_lens[:1].fill_(query_len)
             metadata = self._metadata(1, query_len, eager=True)
-            hidden = self.model(self.input_ids[:query_len], self.kv_cache.kv_caches, metadata)
-            self.model.compute_logits(hidden)
+            hidden = model(self.input_ids[:query_len], self.kv_cache.kv_caches, metadata)
+            model.compute_logits(hidden)
         self.seq_lens.zero_()
         torch.cuda.synchronize()
 
@@ -123,7 +123,6 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every batch size, largest first, all sharing one memory pool: decode
         graphs, then verify graphs when a verify query length was given."""
-        self.warm_up_eager()
         pool = torch.cuda.graph_pool_handle()
         shapes = [(1, self.batch_sizes, self.graphs)]
         if self.verify_query_len is not None:

@@ -97,8 +97,19 @@ case $section in
       TLLM_DENSE_GEMV_CONFIGS="$OUT/dense_gemv_NVIDIA_H200.json" \
       python3 benchmarks/gpu_latency.py --parts latency
     ;;
+  after)  # issue 21 after the GEMV table and the mixed-step attention: load, server, tests
+    export PYTHONUNBUFFERED=1
+    step load2 150 python3 benchmarks/gpu_latency.py --parts load --budgets "" \
+      --prefill-budgets 1024
+    step serving40b 130 env TLLM_LOG_TRITON_COMPILES=1 python3 benchmarks/gpu_serving.py \
+      --modes engine-process --rates 40,40 --clients 4 --num-prompts 800 \
+      --out "$OUT/serving40b.json"
+    step serving2 100 python3 benchmarks/gpu_serving.py --modes engine-process --rates 2 \
+      --isl 467 --osl 256 --max-seq-len 1024 --num-prompts 40 --out "$OUT/serving2.json"
+    step gemv_tests 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stage|smollm2 ..."; exit 2 ;;
 esac
 done

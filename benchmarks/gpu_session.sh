@@ -108,8 +108,16 @@ case $section in
       --isl 467 --osl 256 --max-seq-len 1024 --num-prompts 40 --out "$OUT/serving2.json"
     step gemv_tests 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_dense_gemv.py
     ;;
+  stalls)  # issue 21: the first run's TTFT tail, with slow iterations and compiles logged
+    export PYTHONUNBUFFERED=1 TLLM_LOG_SLOW_STEPS_MS=100 TLLM_LOG_TRITON_COMPILES=$OUT/compiles.log
+    step stall2 90 python3 benchmarks/gpu_serving.py --modes engine-process --rates 2 \
+      --isl 467 --osl 256 --max-seq-len 1024 --num-prompts 40 --out "$OUT/stall2.json"
+    step stall40 100 python3 benchmarks/gpu_serving.py --modes engine-process --rates 40 \
+      --clients 4 --num-prompts 800 --out "$OUT/stall40.json"
+    grep -h "slow executor\|triton compiled" "$OUT"/*.log "$OUT"/*/*.log 2>/dev/null | cut -c1-260 | head -60
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -19,6 +19,7 @@ from typing import Callable
 
 from tllm.executor.beam_search import BeamSearch, check_beam_support, end_beams_with
 from tllm.executor.postprocess import Postprocessor
+from tllm.executor.slow_steps import SlowIterationLog
 from tllm.executor.speculation import Speculation, VerifiedBatch
 from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
@@ -92,6 +93,7 @@ class PyExecutor:
         self._stopped = False
         self._is_shutdown_taken = False     # the inbox gave _SHUTDOWN: the loop ends
         self.num_steps = 0
+        self._slow_log = SlowIterationLog()
         self._num_pending_adds = 0  # submitted, not yet taken from the inbox
         self._pending_lock = threading.Lock()
         # With worker ranks: set from the watcher thread when one dies; the loop stops and
@@ -204,18 +206,25 @@ class PyExecutor:
         """Launch what the strategy allows, bring the oldest step's tokens to the host when
         it must, then sample what was launched (with overlap, after the host has seen the
         previous step's tokens: penalties and stop checks need them)."""
+        clock = self._slow_log.start()
         try:
             num_launched = self._launch_steps()
+            clock.mark("launch")
             # Aborts that came while the step ran apply now, before its rows are sampled and
             # its predecessor's tokens processed: a client that left costs no more host work.
             self._fetch_requests(block=False)
+            clock.mark("fetch")
             keep = self.strategy.max_in_flight - 1
             if self._in_flight and (num_launched == 0 or len(self._in_flight) > keep):
                 self._complete_oldest()
+            clock.mark("complete")
             if self.strategy.samples_at_launch:
                 for step in self._in_flight:
                     if step.sampled is None:
                         self._sample(step)
+            clock.mark("sample")
+            clock.done(launched=num_launched, running=len(self.scheduler.running),
+                       waiting=len(self.scheduler.waiting))
         except Exception as exc:  # a failed step fails its requests, not the loop
             logger.exception("executor step failed")
             self._fail_in_flight(self.health_check() or exc)

@@ -1,6 +1,7 @@
 """`TLLM_LOG_TRITON_COMPILES=1`: log every Triton kernel compile with its duration, to find
 compiles that land in the middle of serving (each one stalls the whole batch for its
-duration). Off by default; installed on first import of the launch helpers."""
+duration); a value other than 0/1 is a file the lines are appended to as well. Off by
+default; installed on first import of the launch helpers."""
 from __future__ import annotations
 
 import logging
@@ -27,12 +28,15 @@ def _after(**hook_kwargs) -> None:
 def install_from_env() -> bool:
     """Install the hooks when TLLM_LOG_TRITON_COMPILES is set; whether they were installed
     (False also on a Triton without runtime hooks)."""
-    if os.environ.get("TLLM_LOG_TRITON_COMPILES", "0") in ("", "0"):
+    value = os.environ.get("TLLM_LOG_TRITON_COMPILES", "0")
+    if value in ("", "0"):
         return False
     try:
         from triton import knobs
     except ImportError:
         return False
+    if value != "1" and not logger.handlers:
+        logger.addHandler(logging.FileHandler(value))
     knobs.runtime.jit_cache_hook = _before
     knobs.runtime.jit_post_compile_hook = _after
     return True

@@ -93,3 +93,26 @@ def test_rejects_bad_shapes():
     with pytest.raises(ValueError, match="head_dim"):
         cls(4, 4, 512, 0.125)
     assert cls is not TorchAttentionBackend
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counts GPU compiles")
+def test_steps_of_new_shapes_compile_no_attention_kernel(monkeypatch):
+    """Request counts, block-table widths and the request offset of a mixed step's prefills
+    change every step; none of them may trigger a Triton compile once each tile choice was
+    compiled (a compile mid-serving stalls the whole batch for 1-2 s)."""
+    from triton import knobs
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook",
+                        lambda **kw: compiled.append(str(kw.get("repr"))))
+
+    def step(query_lens, prefix_lens):
+        run_both("cuda", query_lens, prefix_lens, 8, 2, 64, torch.bfloat16)
+
+    step([1, 1, 1, 40], [200, 5, 60, 0])            # each kernel's first compile
+    step([1] * 17 + [40], [300] * 17 + [0])        # split decodes: <= 16 partitions
+    step([1, 40], [8000, 0])                        # > 16 partitions (the other merge tile)
+    compiled.clear()
+    for decodes, prefix in ((1, 3), (2, 700), (4, 16), (5, 1000), (16, 33), (31, 250)):
+        step([1] * decodes + [40, 24], [prefix] * decodes + [0, prefix])
+    attention = [c for c in compiled if "attention" in c or "merge" in c]
+    assert not attention, attention

@@ -42,9 +42,13 @@ def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M: tl.constexpr):
     return lo - 1
 
 
-# num_seqs changes every step: without do_not_specialize, Triton compiles a variant for
-# counts divisible by 16 (and for 1) the first time each occurs, seconds each mid-serving.
-@triton.jit(do_not_specialize=["num_seqs"])
+# The step's counts, its block tables' width and the request-indexed pointers (a mixed
+# step's prefills start at request d: seq_lens + d) change every step. Triton would compile
+# a variant for each new class of them (divisible by 16, equal to 1, 16-byte aligned or not)
+# the first time it occurs: 1-2 s each, mid-serving (seen as 2 s TTFT stalls on an H200).
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
 def _context_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, qk_scale, soft_cap, window, num_seqs, k_scale, v_scale,

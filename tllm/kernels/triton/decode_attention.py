@@ -32,7 +32,11 @@ _MAX_SPLITS = 64
 _WAVES = 4                # programs per SM to aim for: enough loads in flight for HBM
 
 
-@triton.jit
+# As the context kernel: what changes every step is not specialized on (eager mixed steps
+# pass request-offset tables and lengths), so no compile lands mid-serving.
+@triton.jit(do_not_specialize=["stride_table"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
+                                            "seq_lens_ptr"])
 def _decode_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
         query_start_loc_ptr, seq_lens_ptr, qk_scale, soft_cap, window, partition,
@@ -109,7 +113,7 @@ def _decode_attention_kernel(
                  (acc / l_i[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr"])
 def _merge_partitions_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr, partition,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
@@ -134,6 +138,12 @@ def _merge_partitions_kernel(
         out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
         tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d,
                  out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def _merge_block(num_splits: int) -> int:
+    """Two tile sizes, not one per power of two: each is a compile, and eager steps meet new
+    split counts as their contexts grow."""
+    return 16 if num_splits <= 16 else next_pow2(max(num_splits, _MAX_SPLITS))
 
 
 @dataclass(frozen=True)
@@ -211,7 +221,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             out, part_out, part_lse, query_start_loc, seq_lens, partition,
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=dot_block_d(head_dim), BLOCK_S=next_pow2(num_splits),
+            HEAD_DIM=head_dim, BLOCK_D=dot_block_d(head_dim), BLOCK_S=_merge_block(num_splits),
             num_warps=4)
     return out
 

@@ -83,14 +83,7 @@ def dense_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     weight = layer.weight
     if not eligible(x, weight, getattr(layer, "bias", None)):
         return None
-    config = decide("plain", weight.shape[0], weight.shape[1], x.device)
-    if config is None:
-        return None
-    if torch.compiler.is_compiling():
-        from tllm.kernels import custom_ops
-        return custom_ops.dense_gemv_op(x, weight, *_launch_args(config))
-    from tllm.kernels.triton.dense_gemv import dense_gemv
-    return dense_gemv(x, weight, config)
+    return _multiply("plain", x, weight)
 
 
 def gate_up_silu_mul(gate_up: nn.Module, act: nn.Module, down: nn.Module,
@@ -101,15 +94,23 @@ def gate_up_silu_mul(gate_up: nn.Module, act: nn.Module, down: nn.Module,
     if (not getattr(gate_up.quant, "plain_weight", False) or type(act) is not SiluAndMul
             or not eligible(x, gate_up.weight, gate_up.bias) or _wants_fp8_input(down, x)):
         return None
-    weight = gate_up.weight
-    config = decide("silu_mul", weight.shape[0], weight.shape[1], x.device)
+    return _multiply("silu_mul", x, gate_up.weight)
+
+
+def _multiply(kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The GEMV of `kind` where the table enables it (None: the caller's cuBLAS path); the
+    custom op while torch.compile traces, the kernel otherwise."""
+    config = decide(kind, weight.shape[0], weight.shape[1], x.device)
     if config is None:
         return None
     if torch.compiler.is_compiling():
         from tllm.kernels import custom_ops
-        return custom_ops.dense_gemv_silu_mul_op(x, weight, *_launch_args(config))
-    from tllm.kernels.triton.dense_gemv import dense_gemv_silu_mul
-    return dense_gemv_silu_mul(x, weight, config)
+        op = (custom_ops.dense_gemv_op if kind == "plain"
+              else custom_ops.dense_gemv_silu_mul_op)
+        return op(x, weight, *_launch_args(config))
+    from tllm.kernels.triton import dense_gemv as kernels
+    run = kernels.dense_gemv if kind == "plain" else kernels.dense_gemv_silu_mul
+    return run(x, weight, config)
 
 
 def _wants_fp8_input(down: nn.Module, x: torch.Tensor) -> bool:

@@ -87,6 +87,28 @@ def test_verify_graph_buffers_replay_a_mixed_step_like_eager(tiny_llama):
             torch.testing.assert_close(before, now, rtol=1e-5, atol=1e-5)
 
 
+def test_eager_warm_up_runs_each_tile_choice_and_writes_no_kv(tiny_llama, monkeypatch):
+    path, hf = tiny_llama
+    with LLM(str(path), attn_backend="triton", dtype="float32", device=str(DEVICE),
+             max_batch_size=4, max_seq_len=64, cuda_graph_config=None,
+             kv_cache_config=KvCacheConfig(tokens_per_block=BLOCK, max_tokens=256)) as llm:
+        engine = llm._engine
+        model, kv = engine.executor.runner.model, engine.kv_cache
+        runner = CudaGraphRunner(model, kv, [1, 4], 64, DEVICE)
+        for k, v in kv.kv_caches:
+            k.normal_()
+            v.normal_()
+        before = [t.clone() for pair in kv.kv_caches for t in pair]
+        steps = []
+        monkeypatch.setattr(model, "compute_logits", lambda hidden: steps.append(
+            hidden.shape[0]) or hidden)
+        runner.warm_up_eager(model)
+        assert steps == [2, 4]  # the lengths of WARM_UP_QUERY_LENS the 4-row buffers hold
+        assert all(torch.equal(a, b) for a, b in
+                   zip(before, [t for pair in kv.kv_caches for t in pair]))
+        assert not runner.seq_lens.any()
+
+
 def prompts(vocab: int) -> list[list[int]]:
     """Repetitive prompts (the n-gram drafter finds continuations) and a random one."""
     g = torch.Generator().manual_seed(3)

@@ -112,8 +112,11 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
         model = CompiledDecodeModel(model)
     graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device,
                              verify_query_len(args))
-    try:
+    try:  # an optimisation only: without it the first prefills compile their kernels
         graphs.warm_up_eager(eager_model)
+    except Exception as exc:
+        logger.warning("eager warm-up skipped: %s", str(exc).splitlines()[0][:200])
+    try:
         graphs.capture()
     except RuntimeError as exc:  # e.g. transformers' modeling code syncing with the host
         torch.cuda.synchronize(device)

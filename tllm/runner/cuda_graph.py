@@ -117,7 +117,8 @@ class CudaGraphRunner:
             hidden = model(self.input_ids[:query_len], self.kv_cache.kv_caches, metadata)
             model.compute_logits(hidden)
         self.seq_lens.zero_()
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def capture(self) -> None:

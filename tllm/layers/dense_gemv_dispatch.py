@@ -80,6 +80,8 @@ def eligible(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
 def dense_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """x @ layer.weight.T by the GEMV where it is eligible and enabled; None: the caller
     runs F.linear."""
+    if not _runs_kernels(x):  # first: the CPU path pays one check
+        return None
     weight = layer.weight
     if not eligible(x, weight, getattr(layer, "bias", None)):
         return None
@@ -91,7 +93,8 @@ def gate_up_silu_mul(gate_up: nn.Module, act: nn.Module, down: nn.Module,
     """silu(gate) * up of a merged gate/up layer in one GEMV launch, where the layer's weight
     is plain (no LoRA, no quantization, no bias), `act` is SiLU-and-mul and the down
     projection takes its input as it is (not fp8); None: the caller runs the unfused path."""
-    if (not getattr(gate_up.quant, "plain_weight", False) or type(act) is not SiluAndMul
+    if (not _runs_kernels(x) or not getattr(gate_up.quant, "plain_weight", False)
+            or type(act) is not SiluAndMul
             or not eligible(x, gate_up.weight, gate_up.bias) or _wants_fp8_input(down, x)):
         return None
     return _multiply("silu_mul", x, gate_up.weight)

@@ -66,8 +66,9 @@ def _launch_for(mode: str, table: str | None, kind: str, n: int, k: int, device_
     return _launch_args(entry.config) if entry is not None and entry.use else None
 
 
-def _runs_kernels(x: torch.Tensor) -> bool:
-    return x.is_cuda
+def _runs_kernels(x) -> bool:
+    # x may be an fp8 QuantizedActivation (an FP8 layer's input), which the GEMV never takes
+    return isinstance(x, torch.Tensor) and x.is_cuda
 
 
 def eligible(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:

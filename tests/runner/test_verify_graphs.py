@@ -56,13 +56,17 @@ def verify_step(query_lens: list[int], prefix_lens: list[int], vocab: int) -> St
                     [t + [0] * (width - len(t)) for t in tables])
 
 
+def eager_llm(path) -> LLM:
+    """The tiny model without graphs: its model and KV cache back a runner built by hand."""
+    return LLM(str(path), attn_backend="triton", dtype="float32", device=str(DEVICE),
+               max_batch_size=4, max_seq_len=64, cuda_graph_config=None,
+               kv_cache_config=KvCacheConfig(tokens_per_block=BLOCK, max_tokens=256))
+
+
 def test_verify_graph_buffers_replay_a_mixed_step_like_eager(tiny_llama):
     path, hf = tiny_llama
-    with LLM(str(path), attn_backend="triton", dtype="float32", device=str(DEVICE),
-             max_batch_size=4, max_seq_len=64, cuda_graph_config=None,
-             kv_cache_config=KvCacheConfig(tokens_per_block=BLOCK, max_tokens=256)) as llm:
-        engine = llm._engine
-        model, kv = engine.executor.runner.model, engine.kv_cache
+    with eager_llm(path) as llm:
+        model, kv = llm._engine.executor.runner.model, llm._engine.kv_cache
         runner = CudaGraphRunner(model, kv, [1, 4], 64, DEVICE, verify_query_len=5)
         runner.verify_graphs = {bs: (graph, graph.logits) for bs in (1, 4)
                                 for graph in [EagerReplay(runner, bs, 5)]}
@@ -89,11 +93,8 @@ def test_verify_graph_buffers_replay_a_mixed_step_like_eager(tiny_llama):
 
 def test_eager_warm_up_runs_each_tile_choice_and_writes_no_kv(tiny_llama, monkeypatch):
     path, hf = tiny_llama
-    with LLM(str(path), attn_backend="triton", dtype="float32", device=str(DEVICE),
-             max_batch_size=4, max_seq_len=64, cuda_graph_config=None,
-             kv_cache_config=KvCacheConfig(tokens_per_block=BLOCK, max_tokens=256)) as llm:
-        engine = llm._engine
-        model, kv = engine.executor.runner.model, engine.kv_cache
+    with eager_llm(path) as llm:
+        model, kv = llm._engine.executor.runner.model, llm._engine.kv_cache
         runner = CudaGraphRunner(model, kv, [1, 4], 64, DEVICE)
         for k, v in kv.kv_caches:
             k.normal_()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -18,11 +19,6 @@ if TYPE_CHECKING:
     from tllm.tokenizer import IncrementalDetokenizer
 
 
-# Stands in token_ids for a token sampled on the device but not yet copied to the host (the
-# overlap scheduler computes the next step before it knows the last step's tokens).
-PLACEHOLDER = -1
-
-
 class RequestState(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -37,8 +33,11 @@ class FinishReason(str, enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """One sequence to generate. `token_ids` holds the prompt followed by the outputs;
-    `num_computed_tokens` of them already have their keys and values in the KV cache."""
+    """One sequence to generate. `token_ids` holds the prompt followed by the outputs the host
+    knows; `num_in_flight` more were sampled on the device and are on their way (the overlap
+    scheduler launches the next step before the host has the last one's tokens: that step
+    reads them from the device). `num_computed_tokens` of the `num_tokens` already have their
+    keys and values in the KV cache."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +53,9 @@ class Request:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     on_update: Callable[[Request], None] | None = None
+    # False: on_update only once the request has ended (its caller waits for the whole
+    # output, as LLM.generate does), not after every step
+    stream_outputs: bool = True
     # Mixed into the prefix-cache hash, so only requests with the same salt share blocks.
     cache_salt: str | None = None
     # The LoRA adapter this request runs with (None: the base model); also mixed into the
@@ -69,6 +71,7 @@ class Request:
     kv_import: ImportedKV | None = None
 
     token_ids: list[int] = field(init=False)
+    num_in_flight: int = 0
     num_computed_tokens: int = 0
     state: RequestState = RequestState.WAITING
     finish_reason: FinishReason | None = None
@@ -89,17 +92,26 @@ class Request:
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
 
+    @functools.cached_property
+    def stop_token_set(self) -> frozenset[int]:
+        """Tokens that end the request (once past min_tokens): its stop token ids and, unless
+        it ignores EOS, the EOS ids."""
+        params = self.sampling_params
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        return frozenset(params.stop_token_ids) | eos
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Prompt and outputs, those still on the device included."""
+        return len(self.token_ids) + self.num_in_flight
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.token_ids) - len(self.prompt_token_ids)
+        return self.num_tokens - len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -122,19 +134,22 @@ class Request:
         self.draft_probs = None
 
     def append_token(self, token_id: int) -> None:
-        if self.first_token_time is None and token_id != PLACEHOLDER:
+        """A new output token the host knows (not one announced by mark_sampled)."""
+        if self.first_token_time is None:
             self.first_token_time = time.monotonic()
         self.token_ids.append(token_id)
 
-    def fill_placeholder(self, token_id: int) -> None:
-        """The host now knows the token sampled last step."""
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
-        self.token_ids[-1] = token_id
+    def mark_sampled(self) -> None:
+        """A token was sampled on the device; receive_token brings it to the host."""
+        self.num_in_flight += 1
+
+    def receive_token(self, token_id: int) -> None:
+        """The host now knows the oldest token sampled on the device."""
+        self.num_in_flight -= 1
+        self.append_token(token_id)
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
-        if self.token_ids and self.token_ids[-1] == PLACEHOLDER:  # sampled, never delivered
-            self.token_ids.pop()
+        self.num_in_flight = 0  # sampled, never delivered
         self.state = RequestState.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason

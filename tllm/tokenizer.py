@@ -93,7 +93,8 @@ class IncrementalDetokenizer:
         return max(0, len(self.text) - self._holdback)
 
     def finalize(self) -> None:
-        """No more tokens: everything left is safe to stream."""
+        """No more tokens: everything left is safe to stream (bytes that never made a whole
+        character stay out of the text)."""
         self._holdback = 0
 
     def _decode_next(self, token_id: int) -> str:

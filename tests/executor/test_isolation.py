@@ -42,14 +42,14 @@ def alone(llm):
 
 def test_a_request_that_breaks_the_sampler_fails_alone(llm, monkeypatch):
     expected = alone(llm)
-    real = Sampler._sample_random
+    real = Sampler._processed_logits
 
-    def poisoned(self, logits, requests):
+    def poisoned(self, logits, rows, requests, slots):
         if any(r.sampling_params.seed == POISON_SEED for r in requests):
             raise RuntimeError("poisoned sampling parameters")
-        return real(self, logits, requests)
+        return real(self, logits, rows, requests, slots)
 
-    monkeypatch.setattr(Sampler, "_sample_random", poisoned)
+    monkeypatch.setattr(Sampler, "_processed_logits", poisoned)
     got = run_with_poison(llm, SamplingParams(max_tokens=8, temperature=0.5,
                                               seed=POISON_SEED))
     assert got == expected

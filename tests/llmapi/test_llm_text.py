@@ -84,5 +84,8 @@ def test_raw_deltas_carry_the_generated_text(llm):
             mine = [d for d in deltas if d.index == index]
             token_ids = sum((d.token_ids for d in mine), [])
             assert mine[-1].finish_reason is not None and len(token_ids) > 0
-            assert "".join(d.text for d in mine) == llm.tokenizer.decode(token_ids)
+            # (a sample cut by max_tokens inside a character leaves those bytes out of its
+            # text, as streaming never sends half a character; a full decode shows U+FFFD)
+            assert "".join(d.text for d in mine) == llm.tokenizer.decode(token_ids).rstrip(
+                "\ufffd")
             assert all(len(d.logprobs) == len(d.token_ids) for d in mine)

@@ -18,11 +18,19 @@ PROMPT = [1, 2, 3]
 
 class FakeDetokenizer:
     """What the delta reads of a detokenizer: the text so far, and how much of it may be
-    streamed (the rest is held back, e.g. a possible stop string)."""
+    streamed (the rest is held back, e.g. a possible stop string). The tests write both;
+    decoding (which the delta builder asks for, for requests without stop strings) and
+    finalizing change nothing here."""
 
     def __init__(self) -> None:
         self.text = ""
         self.stream_len = 0
+
+    def add_token(self, token: int, check_stop: bool = True) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
 
 
 def make_requests(params: SamplingParams) -> list[Request]:

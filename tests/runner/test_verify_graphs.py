@@ -7,6 +7,7 @@ captured batch) and write the same KV slots, nothing more. On a GPU the engine i
 with verify graphs: greedy tokens identical with and without speculation and graphs."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,7 +20,9 @@ DEVICE = setup_triton_for_tests()
 from tllm import LLM, CudaGraphConfig, KvCacheConfig, SamplingParams  # noqa: E402
 from tllm.llmapi.llm_args import NGramDecodingConfig  # noqa: E402
 from tllm.runner.cuda_graph import CudaGraphRunner  # noqa: E402
-from tllm.runner.step import StepPlan, plan_tensors  # noqa: E402
+from tllm.runner.batch_state import StepArrays  # noqa: E402
+from tllm.runner.step import step_tensors  # noqa: E402
+from tllm.upload import Uploader  # noqa: E402
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 BLOCK = 4
@@ -37,9 +40,9 @@ class EagerReplay:
         self.logits.copy_(self.forward())
 
 
-def verify_step(query_lens: list[int], prefix_lens: list[int], vocab: int) -> StepPlan:
-    """Request i: prefix_lens[i] cached tokens, then query_lens[i] new ones, in its own
-    blocks (block 0 left unused)."""
+def verify_step(query_lens: list[int], prefix_lens: list[int], vocab: int):
+    """(input ids, metadata) of a step where request i has prefix_lens[i] cached tokens,
+    then query_lens[i] new ones, in its own blocks (block 0 left unused)."""
     g = torch.Generator().manual_seed(1)
     ids, positions, slots, tables, next_block = [], [], [], [], 1
     for q, p in zip(query_lens, prefix_lens):
@@ -51,9 +54,14 @@ def verify_step(query_lens: list[int], prefix_lens: list[int], vocab: int) -> St
         positions += list(range(p, p + q))
         slots += [table[i // BLOCK] * BLOCK + i % BLOCK for i in range(p, p + q)]
     width = max(len(t) for t in tables)
-    return StepPlan(ids, positions, slots, query_lens, [p + q for p, q in
-                                                        zip(query_lens, prefix_lens)],
-                    [t + [0] * (width - len(t)) for t in tables])
+    arrays = StepArrays(np.array(positions), np.array(slots),
+                        np.array([0, *np.cumsum(query_lens)]),
+                        np.array([p + q for p, q in zip(query_lens, prefix_lens)]),
+                        np.array([t + [0] * (width - len(t)) for t in tables]), [], [],
+                        np.repeat(np.arange(len(query_lens)), query_lens))
+    tensors = step_tensors(arrays, np.array(ids), np.arange(len(ids)), (), BLOCK,
+                           Uploader(DEVICE, torch.int64), Uploader(DEVICE, torch.int32))
+    return tensors.input_ids, tensors.metadata
 
 
 def eager_llm(path) -> LLM:
@@ -74,9 +82,8 @@ def test_verify_graph_buffers_replay_a_mixed_step_like_eager(tiny_llama):
             k.normal_()
             v.normal_()
         # 3 requests (padded to 4): 4 drafts, a plain decode, 2 drafts
-        plan = verify_step([5, 1, 3], [20, 7, 12], hf.config.vocab_size)
-        input_ids, metadata = plan_tensors(plan, DEVICE, BLOCK)
-        assert runner.can_run(plan.num_tokens, 3, metadata.max_query_len)
+        input_ids, metadata = verify_step([5, 1, 3], [20, 7, 12], hf.config.vocab_size)
+        assert runner.can_run(input_ids.shape[0], 3, metadata.max_query_len)
         assert not runner.can_run(6 * 5, 5, 5)  # more requests than the largest capture
         assert not runner.can_run(6, 1, 6)      # a longer query than the capture's
         with torch.inference_mode():

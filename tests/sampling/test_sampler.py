@@ -2,7 +2,10 @@
 support and frequencies of many draws, greedy, per-request seeds, min_tokens and logprobs."""
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+
+import numpy as np
 
 import pytest
 import torch
@@ -15,7 +18,7 @@ from transformers.generation.logits_process import (
 )
 
 from tllm.request import Request
-from tllm.sampling.sampler import Sampler, prompt_logprobs
+from tllm.sampling.sampler import Sampler, _processed_probs, prompt_logprobs
 from tllm.sampling_params import SamplingParams
 
 VOCAB = 257
@@ -30,13 +33,11 @@ def random_logits(seed: int, rows: int = 4, vocab: int = VOCAB, scale: float = 3
 def make_request(params: SamplingParams, prompt: list[int] | None = None,
                  outputs: list[int] = (), seed: int | None = None,
                  rid: str = "r") -> Request:
-    generator = None
-    if seed is not None:  # as the LLM API builds a request's generator
-        generator = torch.Generator()
-        generator.manual_seed(seed)
+    if seed is not None:
+        params = dataclasses.replace(params, seed=seed)
     request = Request(request_id=rid, prompt_token_ids=list(prompt or [5, 9, 11]),
                       sampling_params=params, max_new_tokens=16,
-                      eos_token_ids=frozenset({EOS}), generator=generator)
+                      eos_token_ids=frozenset({EOS}))
     for token in outputs:
         request.append_token(token)
     return request
@@ -69,9 +70,9 @@ def hf_chain(row: torch.Tensor, params: SamplingParams, token_ids: list[int],
 class ProbeSampler(Sampler):
     """Records the final distribution of the random rows (what the noise is applied to)."""
 
-    def _exponential_noise(self, probs, requests):
-        self.probs = probs.clone()
-        return super()._exponential_noise(probs, requests)
+    def _sample_random(self, logits, rows, index):
+        self.probs = _processed_probs(logits, rows, index)
+        return super()._sample_random(logits, rows, index)
 
 
 def draw(row: torch.Tensor, params: SamplingParams, num_draws: int, seed: int = 0):
@@ -231,7 +232,7 @@ def run_steps(sampler: Sampler, batches: list[list[Request]], row_logits: list[t
         for batch in batches:
             logits = torch.randn(len(batch), VOCAB, generator=g) * 3
             for i, request in enumerate(batch):
-                if request.generator is not None:
+                if request.sampling_params.seed is not None:
                     logits[i] = step_logits
             for request, token in zip(batch, sampler.sample(logits, batch).host().token_ids):
                 request.append_token(token)
@@ -394,3 +395,55 @@ def test_prompt_logprobs(k):
     for position, (entry, target) in enumerate(zip(result, targets)):
         check_position_logprobs(entry, reference[position], target, k)
     assert result[0][targets[0]].rank == 1
+
+
+# ---- rows kept by batch slot --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_slot_rows_sample_as_the_requests_themselves_say(seed):
+    """The executor's path (parameters written once per slot, penalty counts kept on the
+    device and updated by each step's tokens) draws what the per-call path draws."""
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.4),
+              SamplingParams(temperature=0.9, top_k=20, presence_penalty=0.7, seed=3),
+              SamplingParams(temperature=1.1, top_p=0.8, frequency_penalty=0.5, seed=4),
+              SamplingParams(temperature=0.0, logprobs=2, min_tokens=3,
+                             logit_bias={7: 5.0}),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=5, logprobs=0)]
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 40, (6,), generator=g).tolist() for _ in params]
+    by_slot = [make_request(p, prompt, rid=f"s{i}") for i, (p, prompt) in
+               enumerate(zip(params, prompts))]
+    by_call = [make_request(p, prompt, rid=f"c{i}") for i, (p, prompt) in
+               enumerate(zip(params, prompts))]
+    slot_sampler = Sampler(seed=seed, num_slots=8, vocab_size=VOCAB)
+    slots = np.array([6, 0, 3, 5, 1])
+    for slot, request in zip(slots, by_slot):
+        slot_sampler.assign_slot(int(slot), request)
+    call_sampler = Sampler(seed=seed, vocab_size=VOCAB)
+    for step in range(8):
+        logits = random_logits(seed * 100 + step, rows=len(params), scale=2.0)
+        logits[:, :40] += 2.0  # the prompt tokens matter to the penalties
+        ours = slot_sampler.sample(logits, by_slot, slots).host()
+        theirs = call_sampler.sample(logits, by_call).host()
+        seeded = [i for i, p in enumerate(params) if p.seed is not None or p.is_greedy]
+        assert [ours.token_ids[i] for i in seeded] == [theirs.token_ids[i] for i in seeded]
+        assert ours.logprobs[3] == theirs.logprobs[3]
+        for request, token in zip(by_slot, ours.token_ids):
+            request.append_token(token)
+        for request, token in zip(by_call, ours.token_ids):
+            request.append_token(token)
+
+
+def test_a_slot_taken_again_starts_from_the_new_requests_tokens():
+    sampler = Sampler(seed=0, num_slots=2, vocab_size=VOCAB)
+    params = SamplingParams(temperature=0.0, repetition_penalty=100.0)
+    logits = random_logits(5, rows=1)
+    best = int(logits.argmax())
+    first = make_request(params, prompt=[best], rid="a")
+    sampler.assign_slot(0, first)
+    assert sampler.sample(logits, [first], np.array([0])).host().token_ids[0] != best
+    sampler.release_slot(0)
+    second = make_request(params, prompt=[best + 1], rid="b")
+    sampler.assign_slot(0, second)
+    assert sampler.sample(logits, [second], np.array([0])).host().token_ids[0] == best

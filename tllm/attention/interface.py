@@ -34,6 +34,11 @@ class AttentionMetadata:
     group_views: list[AttentionMetadata] = field(default_factory=list)
     # decode_prefix()'s answer once asked (False: none)
     _decode_prefix: DecodePrefix | bool | None = field(default=None, repr=False, compare=False)
+    # While piecewise CUDA graphs are captured (tllm.runner.piecewise): the recorder an
+    # attention backend hands its call to (`capture.defer(method, q, k, v, kv_cache,
+    # metadata, *rest)`) instead of attending, so that attention runs eagerly between the
+    # captured pieces. None otherwise.
+    capture: object | None = field(default=None, repr=False, compare=False)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` (model-wide index) attends with."""

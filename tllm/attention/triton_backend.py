@@ -37,7 +37,12 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
                 kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+        if metadata.capture is not None:  # piecewise capture: runs between the pieces
+            return metadata.capture.defer(self.forward, q, k, v, kv_cache, metadata,
+                                          kv_scales)
         scales = _cache_scales(kv_cache, kv_scales)
+        if torch.compiler.is_compiling():
+            return self._compiled(q, k, v, kv_cache, metadata, None, scales)
         write_kv(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, *scales)
         return self._attend(q, kv_cache, metadata, scales)
 
@@ -46,13 +51,38 @@ class TritonAttentionBackend(AttentionBackend):
                           kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
         """One kernel rotates q and k and writes k and v into the cache (a rotary that
         covers only part of each head, as GPT-NeoX's, rotates first and writes after)."""
+        if metadata.capture is not None:  # piecewise capture: runs between the pieces
+            return metadata.capture.defer(self.forward_with_rope, q, k, v, kv_cache, metadata,
+                                          rotary, kv_scales)
         if getattr(rotary, "rotary_dim", self.head_dim) != self.head_dim:
             return super().forward_with_rope(q, k, v, kv_cache, metadata, rotary, kv_scales)
         scales = _cache_scales(kv_cache, kv_scales)
+        if torch.compiler.is_compiling():
+            return self._compiled(q, k, v, kv_cache, metadata, rotary, scales)
         q = rope_and_write_kv(metadata.positions, q, k, v, rotary.cos, rotary.sin,
                               kv_cache[0], kv_cache[1], metadata.slot_mapping,
                               k_scale=scales[0], v_scale=scales[1])
         return self._attend(q, kv_cache, metadata, scales)
+
+    def _compiled(self, q, k, v, kv_cache: KVCache, metadata: AttentionMetadata, rotary,
+                  scales: tuple[float, float]) -> torch.Tensor:
+        """Under torch.compile (decode graphs): the kernels as opaque custom ops, which
+        Inductor keeps whole (tracing their Triton launchers fails on their specialization
+        hints); a decode step has short queries only."""
+        from tllm.kernels import custom_ops
+        if metadata.max_query_len > MAX_DECODE_QUERIES:
+            raise ValueError("compiled attention serves decode and verify steps only")
+        k_cache, v_cache = kv_cache
+        if rotary is None:
+            custom_ops.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping, *scales)
+        else:
+            q = custom_ops.rope_and_write_kv(metadata.positions, q, k, v, rotary.cos,
+                                             rotary.sin, k_cache, v_cache,
+                                             metadata.slot_mapping, *scales)
+        return custom_ops.paged_decode_attention(
+            q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
+            metadata.seq_lens, metadata.max_seq_len, self.scale, metadata.max_query_len,
+            self.sliding_window, scales[0], scales[1], self.logits_soft_cap)
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                 scales: tuple[float, float]) -> torch.Tensor:

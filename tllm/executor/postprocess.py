@@ -8,7 +8,7 @@ import logging
 from typing import Callable
 
 from tllm.outputs import PositionLogprobs
-from tllm.request import FinishReason, Request
+from tllm.request import FinishReason, Request, RequestState
 from tllm.runner.model_runner import StepOutput
 from tllm.sampling.sampler import SampledBatch, Sampler, SamplerOutput, prompt_logprobs
 
@@ -16,13 +16,16 @@ logger = logging.getLogger(__name__)
 
 FinishFn = Callable[..., None]                       # (request, reason, stop_reason=None)
 FailFn = Callable[[list[Request], Exception], None]
+UpdatedFn = Callable[[Request], None]
 
 
 class Postprocessor:
-    def __init__(self, sampler: Sampler, finish: FinishFn, fail: FailFn) -> None:
+    def __init__(self, sampler: Sampler, finish: FinishFn, fail: FailFn,
+                 updated: UpdatedFn) -> None:
         self.sampler = sampler
         self._finish = finish
         self._fail = fail
+        self._updated = updated  # the request has new outputs to deliver
         self.guided = None  # tllm.guided.GuidedDecoding: its matchers see each new token
 
     # ---- sampling ----
@@ -31,20 +34,27 @@ class Postprocessor:
         """Sample the step's rows; rows of requests that finished meanwhile were computed in
         vain and are dropped."""
         # beam rows are the beam search's (tllm.executor.beam_search)
+        finished = RequestState.FINISHED
         live = [i for i, r in enumerate(step.sample_requests)
-                if not r.is_finished and r.beam_group is None]
+                if r.state is not finished and r.beam_group is None]
         requests = [step.sample_requests[i] for i in live]
-        logits = (step.sample_logits if len(live) == len(step.sample_requests)
-                  else step.sample_logits[live])
+        every_row = len(live) == len(step.sample_requests)
+        logits = step.sample_logits if every_row else step.sample_logits[live]
+        slots = step.sample_slots if every_row else step.sample_slots[live]
         try:
-            return self.sampler.sample(logits, requests)
+            sampled = self.sampler.sample(logits, requests, slots)
+            sampled.slots = slots
+            return sampled
         except Exception as exc:
             failing = self.sampler.failing_rows(logits, requests)
             if not failing:  # not any one request's doing: the step fails
                 raise
             self._fail_each([requests[i] for i in failing], exc)
             keep = [i for i in range(len(requests)) if i not in set(failing)]
-            return self.sampler.sample(logits[keep], [requests[i] for i in keep])
+            sampled = self.sampler.sample(logits[keep], [requests[i] for i in keep],
+                                          slots[keep])
+            sampled.slots = slots[keep]
+            return sampled
 
     def record_prompt_logprobs(self, step: StepOutput) -> None:
         if step.prompt_logits is None:
@@ -69,8 +79,22 @@ class Postprocessor:
     # ---- the host side of each request ----
 
     def process(self, requests: list[Request], sampled: SamplerOutput) -> None:
-        for i, request in enumerate(requests):
-            if request.is_finished:  # aborted (or failed) while its token was in flight
+        """Each request's new token. Most tokens end nothing: they are found so with one
+        set lookup and a count (`may_stop`); the rest take the full check."""
+        finished, updated = RequestState.FINISHED, self._updated
+        plain = (sampled.has_no_logprobs
+                 and (self.guided is None or not self.guided.num_active))
+        for i, (request, token) in enumerate(zip(requests, sampled.token_ids)):
+            if request.state is finished:  # aborted (or failed) while its token was in flight
+                continue
+            if (plain and token not in request.stop_token_set
+                    and not request.sampling_params.stop_strings
+                    and len(request.token_ids) + 1 - len(request.prompt_token_ids)
+                    < request.max_new_tokens and request.first_token_time is not None):
+                request.num_in_flight -= 1  # (receive_token, inline: the common case)
+                request.token_ids.append(token)
+                if request.stream_outputs:
+                    updated(request)
                 continue
             try:
                 self._process_one(request, sampled, i)
@@ -79,7 +103,7 @@ class Postprocessor:
 
     def _process_one(self, request: Request, sampled: SamplerOutput, row: int) -> None:
         token = sampled.token_ids[row]
-        request.fill_placeholder(token)
+        request.receive_token(token)
         if sampled.logprobs[row] is not None:
             request.output_logprobs.append(sampled.logprobs[row])
         if sampled.sampled_logprobs[row] is not None:
@@ -87,8 +111,8 @@ class Postprocessor:
         reason, stop_reason = self._check_stop(request, token)
         if reason is not None:
             self._finish(request, reason, stop_reason)
-        elif request.on_update is not None:
-            request.on_update(request)
+        else:
+            self._updated(request)
 
     def process_tokens(self, requests: list[Request], token_ids: list[list[int]],
                        logprobs: list[list[tuple[PositionLogprobs, float]] | None]) -> None:
@@ -113,8 +137,7 @@ class Postprocessor:
             if reason is not None:
                 self._finish(request, reason, stop_reason)
                 return
-        if request.on_update is not None:
-            request.on_update(request)
+        self._updated(request)
 
     def _check_stop(self, request: Request, token: int):
         """check_stop, after the request's grammar (if any) took the token: a grammar that
@@ -139,7 +162,7 @@ def check_stop(request: Request, token: int) -> tuple[FinishReason | None, int |
         return FinishReason.STOP, token
     if not params.ignore_eos and token in request.eos_token_ids:
         return FinishReason.STOP, None
-    if request.detokenizer is not None:
+    if request.detokenizer is not None and params.stop_strings:  # else the outputs decode
         stop = request.detokenizer.add_token(
             token, check_stop=request.num_output_tokens >= params.min_tokens)
         if stop is not None:

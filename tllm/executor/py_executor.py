@@ -18,12 +18,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tllm.executor.beam_search import BeamSearch, check_beam_support, end_beams_with
+from tllm.executor.outputs import OutputStage
 from tllm.executor.postprocess import Postprocessor
 from tllm.executor.slow_steps import SlowIterationLog
 from tllm.executor.speculation import Speculation, VerifiedBatch
 from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
-from tllm.request import PLACEHOLDER, FinishReason, Request, RequestState
+from tllm.request import FinishReason, Request, RequestState
 from tllm.runner.model_runner import ModelRunner, StepOutput
 from tllm.sampling.beam import BeamCandidates
 from tllm.sampling.sampler import SampledBatch, Sampler
@@ -81,9 +82,11 @@ class PyExecutor:
         if drafter is not None:
             self.speculation = Speculation(drafter, sampler)
             self.resource_managers.append(drafter)
+            runner.has_drafter = True
             if drafter.hidden_state_layers:
                 runner.capture_hidden_states(drafter.hidden_state_layers)
-        self.postprocess = Postprocessor(sampler, self._finish, self._fail)
+        self.outputs = OutputStage()
+        self.postprocess = Postprocessor(sampler, self._finish, self._fail, self.outputs.add)
         self.beam_search = BeamSearch(scheduler, self._finish, self._fail)
         self.guided: GuidedDecoding | None = None
         self._inbox: queue.Queue = queue.Queue()
@@ -183,12 +186,12 @@ class PyExecutor:
                 self._requests[item[1].request_id] = item[1]
             elif item is _SHUTDOWN:
                 self._inbox.put(item)
-        for request in list(self._requests.values()):
-            if request.state is not RequestState.FINISHED:
-                request.error = error
-                request.finish(FinishReason.ABORT)
-                if request.on_update is not None:
-                    request.on_update(request)
+        failed = [r for r in list(self._requests.values())
+                  if r.state is not RequestState.FINISHED]
+        for request in failed:
+            request.error = error
+            request.finish(FinishReason.ABORT)
+        self.outputs.deliver_now(failed)
 
     # ---- the loop (executor thread only) ----
 
@@ -196,8 +199,10 @@ class PyExecutor:
         try:
             while self._fetch_requests(block=self._is_idle()) and self.fatal_error is None:
                 self._iteration()
+                self.outputs.flush()
         finally:  # even if the loop itself dies, every open result gets its end
             self._abort_all()
+            self.outputs.close()
 
     def _is_idle(self) -> bool:
         return not self.scheduler.has_unfinished and not self._in_flight
@@ -246,7 +251,6 @@ class PyExecutor:
 
     def _launch(self, batch: ScheduledBatch) -> None:
         """Resources ready, the step launched, progress advanced, new full blocks published."""
-        previous = self._in_flight[-1].sampled if self._in_flight else None
         step = InFlightStep(batch)
         self._in_flight.append(step)  # so that a failure below fails these too
         self.num_steps += 1
@@ -254,30 +258,32 @@ class PyExecutor:
             manager.prepare(batch)
         if self.speculation is not None:
             step.first_positions = [r.num_computed_tokens for r in batch.requests]
-        step.output = self.runner.execute(batch, previous)
+        step.output = self.runner.execute(batch)
         self.scheduler.advance(batch, hold=not self.strategy.samples_at_launch)
         for manager in self.resource_managers:
             manager.update(batch)
 
     def _sample(self, step: InFlightStep) -> None:
-        """The step's tokens, kept on the device (in flight); its requests get placeholders
-        until `_complete_oldest` brings the tokens to the host."""
+        """The step's tokens, kept on the device (in flight: the next step reads them from
+        the runner's token table) until `_complete_oldest` brings them to the host."""
         output = step.output.wait()
         self.postprocess.record_prompt_logprobs(output)
         step.beams = self.beam_search.candidates(output)
-        if output.sample_counts is not None:  # drafts to verify: SYNC, no placeholders
+        if output.sample_counts is not None:  # drafts to verify: SYNC, tokens on the host
             step.sampled = self.speculation.verify(output)
             return
         if output.sampled is not None:  # the last pipeline stage sampled every row
             step.sampled = output.sampled
         else:
             step.sampled = self.postprocess.sample(output)
+            self.runner.record_sampled(step.sampled)
+        finished = RequestState.FINISHED
         for request in step.sampled.requests:
-            if not request.is_finished:
-                request.append_token(PLACEHOLDER)
+            if request.state is not finished:
+                request.num_in_flight += 1  # (mark_sampled, inline: every row, every step)
 
     def _complete_oldest(self) -> None:
-        """Bring the oldest step's tokens to the host: fill placeholders, stream, stop."""
+        """Bring the oldest step's tokens to the host: append them, stream, stop."""
         step = self._in_flight[0]
         if step.sampled is None:
             self._sample(step)
@@ -364,15 +370,14 @@ class PyExecutor:
     def _finish(self, request: Request, reason: FinishReason, stop_reason=None) -> None:
         if request.state is RequestState.FINISHED:
             return
+        if request.detokenizer is not None and request.sampling_params.stop_strings:
+            request.detokenizer.finalize()  # (the loop decodes these; before they finish)
         request.finish(reason, stop_reason)
         self.scheduler.finish(request)
         for manager in self.resource_managers:
             manager.free(request)
         self._requests.pop(request.request_id, None)
-        if request.detokenizer is not None:
-            request.detokenizer.finalize()
-        if request.on_update is not None:
-            request.on_update(request)
+        self.outputs.add(request)
         if request.beam_group is not None:  # the beams of a prompt end together
             end_beams_with(request, self._finish)
 

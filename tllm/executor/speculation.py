@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tllm.outputs import PositionLogprobs
-from tllm.request import PLACEHOLDER, Request
+from tllm.request import Request
 from tllm.runner.model_runner import StepOutput
 from tllm.sampling.sampler import Sampler, token_logprobs
 from tllm.speculative.acceptance import accept_greedy, accept_sampled
@@ -71,7 +71,7 @@ class Speculation:
     def draft_len(self, request: Request) -> int:
         """How many drafts the request takes next step (0: it does not speculate)."""
         if (request.num_computed_tokens != request.num_tokens - 1 or request.is_finished
-                or request.token_ids[-1] == PLACEHOLDER or not can_speculate(request)):
+                or request.num_in_flight or not can_speculate(request)):
             return 0
         room = request.max_new_tokens - request.num_output_tokens - 1
         return max(0, min(self.drafter.max_draft_len, room))
@@ -103,8 +103,9 @@ class Speculation:
         plain = [j for j, i in enumerate(live) if output.sample_counts[i] == 1]
         spec = [j for j, i in enumerate(live) if output.sample_counts[i] > 1]
         logits = output.sample_logits
-        if plain:
-            self._sample_plain(batch, plain, logits[[rows[live[j]].start for j in plain]])
+        if plain:  # with their slots: their penalty counts live there
+            self._sample_plain(batch, plain, logits[[rows[live[j]].start for j in plain]],
+                               output.sample_slots[[live[j] for j in plain]])
         if spec:
             self._verify_drafts(batch, spec, logits, [rows[live[j]] for j in spec])
         for j in spec:
@@ -114,9 +115,9 @@ class Speculation:
         return batch
 
     def _sample_plain(self, batch: VerifiedBatch, members: list[int],
-                      logits: torch.Tensor) -> None:
+                      logits: torch.Tensor, slots) -> None:
         requests = [batch.requests[j] for j in members]
-        out = self.sampler.sample(logits, requests).host()
+        out = self.sampler.sample(logits, requests, slots).host()
         for row, j in enumerate(members):
             batch.token_ids[j] = [out.token_ids[row]]
             if out.logprobs[row] is not None:

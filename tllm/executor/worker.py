@@ -1,6 +1,6 @@
 """A worker rank (every rank but 0): builds its model shard and KV cache shard, then runs
 each step rank 0 plans until rank 0 sends STOP. It holds no requests and no scheduler;
-everything it needs for a step is in the StepPlan."""
+everything it needs for a step is in the StepPlan (a diff of its own batch tables)."""
 from __future__ import annotations
 
 import os
@@ -14,7 +14,9 @@ from tllm.distributed import comm
 from tllm.distributed.mapping import Mapping
 from tllm.distributed.rendezvous import RENDEZVOUS_TIMEOUT, ready_key
 from tllm.llmapi.llm_args import LlmArgs
+from tllm.runner.batch_state import BatchTables
 from tllm.runner.build import build_rank
+from tllm.runner.model_runner import batch_tables
 from tllm.runner.step import STOP, RankModel
 from tllm.sampling.last_stage import LastStageSampler
 
@@ -51,14 +53,15 @@ def run_worker(args: LlmArgs, device: torch.device) -> None:
     """What a worker rank runs, in whatever process its launcher gave it."""
     parts = build_rank(args, device)
     serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device, args.seed,
-                parts.lora)
+                batch_tables(args.max_batch_size, parts.max_seq_len, parts.kv_cache),
+                parts.lora, parts.piecewise)
 
 
 @torch.inference_mode()
-def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int, lora=None) -> None:
+def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int,
+                tables: BatchTables, lora=None, piecewise=None) -> None:
     mapping = comm.mapping()
-    rank = RankModel(model, kv_cache.kv_caches, graphs, device, kv_cache.tokens_per_block,
-                     lora)
+    rank = RankModel(model, kv_cache.kv_caches, graphs, device, tables, lora, piecewise)
     # with pipeline parallelism the last stage samples and sends rank 0 the tokens
     sampler = (LastStageSampler(seed, device)
                if mapping.pp_size > 1 and mapping.is_last_stage and mapping.tp_rank == 0

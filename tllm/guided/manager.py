@@ -124,9 +124,15 @@ class GuidedDecoding(ResourceManager):
                              f"grammar of request {request.request_id}")
         return matcher.is_terminated()
 
+    def has_guided(self, requests: list[Request]) -> bool:
+        """Whether any of the requests decodes under a grammar."""
+        return bool(self._matchers) and any(r in self._matchers for r in requests)
+
     def mask_logits(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """`logits` [rows, vocab] with the tokens each guided row's grammar forbids at -inf
         (a copy; unguided rows and rows still thinking untouched)."""
+        if not self._matchers:
+            return logits
         rows = [i for i, r in enumerate(requests) if r in self._matchers
                 and not self._is_thinking(r)]
         if not rows:

@@ -19,6 +19,8 @@ class BeamBlockSharing:
         a reference taken on each of the source's blocks, the target's own released. The
         block a target writes next, if shared, is copied on write (see try_grow)."""
         copies = [self._tables[s.request_id] for s in sources]
+        for table in copies:  # their blocks gain holders
+            table.exclusive_index = -1
         copies = [([list(b) for b in t.groups], list(t.num_null), list(t.block_hashes))
                   for t in copies]
         for groups, _, _ in copies:
@@ -32,6 +34,8 @@ class BeamBlockSharing:
                 self._release(g, [b for b in blocks if b != self.null_block])
             table.groups, table.num_null, table.block_hashes = groups, num_null, hashes
             table.copy_index = None
+            table.exclusive_index = -1
+            self._mark_changed(target.request_id, 0)
             if self.reserve_full_generation:
                 self._set_reserved(table, self._future_need(target, table,
                                                             target.num_computed_tokens))
@@ -39,10 +43,15 @@ class BeamBlockSharing:
     def _needs_copy(self, request: Request, table: BlockTable) -> bool:
         """Whether the block the request writes next is shared (and not promised a copy)."""
         index = request.num_computed_tokens // self.tokens_per_block
-        if table.copy_index is not None or index >= len(table.groups[0]):
+        if (index == table.exclusive_index or table.copy_index is not None
+                or index >= len(table.groups[0])):
             return False
-        return any(self.pool.blocks[blocks[index]].ref_count > 1 for blocks in table.groups
-                   if blocks[index] != self.null_block)
+        blocks = self.pool.blocks
+        if any(blocks[group[index]].ref_count > 1 for group in table.groups
+               if group[index] != self.null_block):
+            return True
+        table.exclusive_index = index
+        return False
 
     def _copy_on_write(self, table: BlockTable) -> None:
         """The promised copy: the shared block replaced by a fresh one with its contents."""

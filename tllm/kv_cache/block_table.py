@@ -20,6 +20,9 @@ class BlockTable:
     reserved: int = 0      # blocks promised to it and not allocated yet
     num_pending: int = 0   # blocks per group this step's prepare() allocates
     copy_index: int | None = None  # a shared block prepare() copies before it is written
+    # a block index known to be this table's alone (no copy needed to write it): a block
+    # gains holders only when full (prefix reuse) or forked, which resets this
+    exclusive_index: int = -1
 
     def num_live(self, group: int) -> int:
         return len(self.groups[group]) - self.num_null[group]

@@ -29,7 +29,7 @@ from tllm.kv_cache.groups import (KVCacheLayout, first_live_block, plan_layout,
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
 from tllm.kv_cache.prefix import PrefixHit, PrefixIndex, chain_hash, group_key
 from tllm.kv_cache.transfer import DisaggBlockTransfer
-from tllm.request import PLACEHOLDER, Request
+from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
 _NO_NULL_BLOCK = -1  # the null block's id when no group has a window (never in a table)
@@ -116,6 +116,10 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         self._num_reserved = 0
         self._swapped: dict[str, _Swapped] = {}
         self._group_blocks = [0] * self.layout.num_groups  # distinct blocks each group holds
+        # Tables changed in place since the model runner last asked (request id -> first
+        # changed index), and those with blocks or a copy promised for the coming step.
+        self._table_changes: dict[str, int] = {}
+        self._to_prepare: dict[str, BlockTable] = {}
 
     # ---- capacity queries ----
 
@@ -159,6 +163,20 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         """The request's block table of every group (do not modify)."""
         return self._tables[request.request_id].groups
 
+    def group_block_ids_of(self, request_id: str) -> list[list[int]]:
+        return self._tables[request_id].groups
+
+    def take_table_changes(self) -> dict[str, int]:
+        """The tables changed in place since the last call (grown, truncated, a block
+        copied on write or passed by a window, forked), each with its first changed index:
+        the model runner's persistent batch copies only those entries."""
+        changes, self._table_changes = self._table_changes, {}
+        return changes
+
+    def _mark_changed(self, request_id: str, index: int) -> None:
+        changes = self._table_changes
+        changes[request_id] = min(index, changes.get(request_id, index))
+
     # ---- admission and growth (the scheduler asks) ----
 
     def try_admit(self, request: Request) -> Admission | None:
@@ -197,6 +215,8 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         needed = cdiv(request.num_computed_tokens + num_new_tokens, self.tokens_per_block)
         num_new = max(0, needed - len(table.groups[0]) - table.num_pending)  # per group
         copy = self._needs_copy(request, table)
+        if not num_new and not copy:  # the common case: its blocks have room already
+            return True
         groups = self.num_groups
         num_promised = table.num_pending + (table.copy_index is not None)
         extra = max(0, (num_new + copy) * groups - (table.reserved - num_promised * groups))
@@ -206,18 +226,24 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         table.num_pending += num_new
         if copy:
             table.copy_index = request.num_computed_tokens // self.tokens_per_block
+        if num_new or copy:
+            self._to_prepare[request.request_id] = table
         return True
 
     # ---- the resource-manager hooks (the loop calls) ----
 
     def prepare(self, batch: ScheduledBatch) -> None:
-        """Allocate the blocks promised for this step."""
+        """Allocate the blocks promised for this step (by try_grow)."""
         self.stats.peak_requests = max(self.stats.peak_requests, len(self._tables))
-        for request in batch.requests:
-            table = self._tables[request.request_id]
+        to_prepare, self._to_prepare = self._to_prepare, {}
+        for request_id, table in to_prepare.items():
+            if self._tables.get(request_id) is not table:
+                continue  # freed since
             if table.copy_index is not None:
+                self._mark_changed(request_id, table.copy_index)
                 self._copy_on_write(table)
             if table.num_pending:
+                self._mark_changed(request_id, len(table.groups[0]))
                 for g, blocks in enumerate(table.groups):
                     blocks.extend(self._allocate(g, table.num_pending))
                 self._set_reserved(table, table.reserved - table.num_pending * self.num_groups)
@@ -227,12 +253,17 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         """The step's tokens are computed: publish newly full blocks for prefix reuse, at
         once, whatever the request does next (it may finish in this very step); window
         groups give back the blocks their window has passed."""
+        bs, tables, windows = self.tokens_per_block, self._tables, self.has_windows
         for request in batch.requests:
-            table = self._tables.get(request.request_id)
-            if table is not None:
+            table = tables.get(request.request_id)
+            if table is None:
+                continue
+            # (most steps fill no block: one comparison each)
+            if min(request.num_computed_tokens, len(request.token_ids)) >= bs * (
+                    len(table.block_hashes) + 1):
                 self._publish(request, request.num_computed_tokens)
-                if self.has_windows:
-                    self._free_behind_windows(request, table)
+            if windows:
+                self._free_behind_windows(request, table)
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Give back the request's blocks wholly past its first `num_tokens` tokens (KV of
@@ -246,6 +277,8 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         for g, blocks in enumerate(table.groups):
             self._release(g, [b for b in blocks[keep:] if b != self.null_block])
             del blocks[keep:]
+        table.exclusive_index = -1
+        self._mark_changed(request.request_id, keep)
         if self.reserve_full_generation:
             self._set_reserved(table, self._future_need(request, table, num_tokens))
 
@@ -253,6 +286,7 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         """Release the request's blocks; the full ones it computed stay reusable (unless it
         failed: a failed step may have left them half written)."""
         self._swapped.pop(request.request_id, None)
+        self._table_changes.pop(request.request_id, None)
         if request.request_id not in self._tables:  # never admitted
             return
         if request.error is None:
@@ -346,6 +380,7 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         for g, blocks in enumerate(table.groups):
             first = min(self._first_live(g, num_computed), len(blocks))
             if first > table.num_null[g]:
+                self._mark_changed(request.request_id, table.num_null[g])
                 self._release(g, blocks[table.num_null[g]:first])
                 self.stats.blocks_freed_by_window += first - table.num_null[g]
                 blocks[table.num_null[g]:first] = [self.null_block] * (first - table.num_null[g])
@@ -377,10 +412,9 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
 
     def _publish(self, request: Request, num_computed_tokens: int) -> None:
         """Hash and publish the request's full blocks of computed tokens not published yet.
-        A token sampled but not yet on the host (a placeholder) ends what is known."""
+        A token sampled but not yet on the host ends what is known."""
         table = self._tables[request.request_id]
-        num_known = request.num_tokens - int(request.token_ids[-1] == PLACEHOLDER)
-        num_full = min(num_computed_tokens, num_known) // self.tokens_per_block
+        num_full = min(num_computed_tokens, len(request.token_ids)) // self.tokens_per_block
         hashes = table.block_hashes
         for i in range(len(hashes), num_full):
             block_hash = chain_hash(request, hashes[-1] if hashes else None, i,

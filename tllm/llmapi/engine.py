@@ -121,8 +121,12 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
     lora = LoraManager(parts.lora) if parts.lora is not None else None
     if lora is not None:
         scheduler.admission_gates.append(lora)  # a request waits for its adapter's slot
-    runner = ModelRunner(parts.model, parts.kv_cache, parts.device, parts.graphs, lora)
-    sampler = Sampler(args.seed, parts.device)
+    runner = ModelRunner(parts.model, parts.kv_cache, parts.device, parts.graphs, lora,
+                         max_batch_size=args.max_batch_size, max_seq_len=parts.max_seq_len,
+                         piecewise=parts.piecewise)
+    sampler = Sampler(args.seed, parts.device, args.max_batch_size,
+                      int(parts.config.vocab_size))
+    runner.slots.listeners.append(sampler)
     if pp_size > 1:
         overlap = pipelined(pp_size)
     else:

@@ -188,6 +188,8 @@ class LLM:
                                                        lora_request, priority)
         result = GenerationResult(request_id, text, token_ids, params, streaming, sink,
                                   abort=self._aborter(requests))
+        for request in requests:  # a caller that waits for the whole output gets it once
+            request.stream_outputs = streaming
         self._start(requests, result.post)
         return result
 

@@ -70,13 +70,20 @@ class SchedulerConfig(BaseModel):
 
 
 class CudaGraphConfig(BaseModel):
-    """Decode steps replayed as CUDA graphs (CUDA with the Triton backend only). Batches are
-    padded up to the next captured size; larger batches run eagerly."""
+    """Steps replayed as CUDA graphs (CUDA with the Triton backend only). Decode steps: the
+    whole forward, one graph per batch size (a batch pads up to the next captured size);
+    steps with prompt tokens: everything but attention, one graph chain per token-count
+    bucket (`piecewise`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    batch_sizes: list[int] | None = None  # default: 1, 2, 4, 8, 16, 24, 32, 48, ... 256
-    max_batch_size: int = Field(256, ge=1)
+    # default: 1, 2, 4, 8, 16, 24, 32, 48, ... 256, then steps of 64 to 512, of 128 to
+    # 1024, of 256 to 2048, up to max_batch_size
+    batch_sizes: list[int] | None = None
+    max_batch_size: int | None = Field(None, ge=1)  # None: the engine's max_batch_size
+    piecewise: bool = True
+    # default: 16, 32, 64, 128, 192, ... up to max_num_tokens (always captured)
+    token_buckets: list[int] | None = None
     # Capture the graphs from a torch.compile'd model (our kernels as torch custom ops, the
     # code between them fused by Inductor): slower to start (a trace per batch size, cached
     # on disk by Inductor), off by default.

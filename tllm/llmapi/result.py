@@ -1,8 +1,10 @@
 """The handles generate_async and submit_batch return, and the one place deltas are made.
 
-The executor thread calls each Request's `on_update` after every update; `bind_deltas` makes
-that build a CompletionDelta (what is new since the previous one: a DeltaBuilder per Request
-keeps the count) and hand it on. Nothing downstream diffs again:
+The executor's output thread (tllm.executor.outputs) calls each Request's `on_update` after
+its updates; `bind_deltas` makes that build a CompletionDelta (what is new since the previous
+one: a DeltaBuilder per Request keeps the count; it also decodes the text of requests
+without stop strings, which the loop leaves to it) and hand it on. Nothing downstream diffs
+again:
 
 - DeltaStream: a prompt's deltas as they arrive on the caller's event loop. `deltas()` yields
   them raw (the server's way); awaiting it or `async for` over it folds them into cumulative
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import queue
+import threading
+import weakref
 from typing import AsyncIterator, Callable
 
 from tllm.outputs import CompletionDelta, CompletionOutput, RequestOutput
@@ -22,22 +26,33 @@ from tllm.sampling_params import SamplingParams
 
 
 class DeltaBuilder:
-    """How much of one Request has been handed out already (executor thread only)."""
+    """How much of one Request has been handed out already (the output thread only; the
+    loop thread keeps changing the request meanwhile)."""
 
-    __slots__ = ("num_tokens", "text_len", "num_logprobs", "sent_prompt_logprobs")
+    __slots__ = ("num_tokens", "text_len", "num_logprobs", "sent_prompt_logprobs", "is_done")
 
     def __init__(self) -> None:
         self.num_tokens = 0
         self.text_len = 0
         self.num_logprobs = 0
         self.sent_prompt_logprobs = False
+        self.is_done = False
 
-    def build(self, request: Request) -> CompletionDelta:
-        """What is new in the request since the previous call."""
-        new_ids = request.output_token_ids[self.num_tokens:]
+    def build(self, request: Request) -> CompletionDelta | None:
+        """What is new in the request since the previous call (None once it has ended)."""
+        if self.is_done:
+            return None
+        # Read first: once a request reads as finished, its tokens and text are final.
+        is_finished = request.is_finished
+        new_ids = request.token_ids[request.num_prompt_tokens + self.num_tokens:]
         self.num_tokens += len(new_ids)
         text = ""
         if request.detokenizer is not None:
+            if not request.sampling_params.stop_strings:  # the loop left decoding to us
+                for token in new_ids:
+                    request.detokenizer.add_token(token, check_stop=False)
+                if is_finished:
+                    request.detokenizer.finalize()
             end = request.detokenizer.stream_len
             text = request.detokenizer.text[self.text_len:end]
             self.text_len = max(self.text_len, end)
@@ -49,7 +64,8 @@ class DeltaBuilder:
                 and not self.sent_prompt_logprobs):
             delta.prompt_logprobs = request.prompt_logprobs
             self.sent_prompt_logprobs = True
-        if request.is_finished:
+        if is_finished:
+            self.is_done = True
             delta.finish_reason = "abort" if request.error else request.finish_reason.value
             delta.stop_reason = request.stop_reason
             delta.error = request.error
@@ -64,7 +80,12 @@ def bind_deltas(requests: list[Request], on_delta: Callable[[CompletionDelta], N
     executor thread: it must only hand the delta over)."""
     for request in requests:
         builder = DeltaBuilder()
-        request.on_update = lambda r, b=builder: on_delta(b.build(r))
+        request.on_update = lambda r, b=builder: _send(on_delta, b.build(r))
+
+
+def _send(on_delta: Callable[[CompletionDelta], None], delta: CompletionDelta | None) -> None:
+    if delta is not None:
+        on_delta(delta)
 
 
 class RequestOutputBuilder:
@@ -214,12 +235,9 @@ class GenerationResult(DeltaStream):
         self._sync_queue: queue.Queue = queue.Queue()
 
     def post(self, delta: CompletionDelta) -> None:
-        """Hand a delta over from the executor thread (the on_delta of bind_deltas)."""
+        """Hand a delta over from the executor's output thread (bind_deltas' on_delta)."""
         if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._queue.put_nowait, delta)
-            except RuntimeError:  # the caller's loop is closed: nobody is listening
-                pass
+            _mailbox(self._loop).post(self._queue, delta)
         elif self._sink is not None:
             self._sink.put((self, delta))
         else:
@@ -239,6 +257,45 @@ class GenerationResult(DeltaStream):
             self.apply(self._sync_queue.get(timeout=timeout))
         self._raise_error()
         return self._builder().output
+
+
+class _LoopMailbox:
+    """Deltas bound for one event loop: posted from another thread, delivered in batches
+    (one wake-up of the loop for everything posted since its last turn, not one each)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: list[tuple[asyncio.Queue, CompletionDelta]] = []
+        self._lock = threading.Lock()
+
+    def post(self, target: asyncio.Queue, delta: CompletionDelta) -> None:
+        with self._lock:
+            self._items.append((target, delta))
+            if len(self._items) > 1:  # a drain is scheduled already
+                return
+        try:
+            self._loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            with self._lock:
+                self._items.clear()
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._items = self._items, []
+        for target, delta in items:
+            target.put_nowait(delta)
+
+
+_mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_mailboxes_lock = threading.Lock()
+
+
+def _mailbox(loop: asyncio.AbstractEventLoop) -> _LoopMailbox:
+    with _mailboxes_lock:
+        box = _mailboxes.get(loop)
+        if box is None:
+            box = _mailboxes[loop] = _LoopMailbox(loop)
+        return box
 
 
 def _metrics(request: Request) -> dict[str, float]:

@@ -17,6 +17,7 @@ from tllm.kv_cache.groups import KVCacheLayout, plan_layout
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
+from tllm.runner.piecewise import PiecewiseGraphRunner, token_buckets
 
 logger = logging.getLogger(__name__)
 _CPU_KV_CAP_BYTES = 4 << 30
@@ -30,6 +31,7 @@ class RankParts:
     model: torch.nn.Module
     kv_cache: KVCacheManager
     graphs: CudaGraphRunner | None
+    piecewise: PiecewiseGraphRunner | None
     device: torch.device
     dtype: torch.dtype
     max_seq_len: int
@@ -80,10 +82,13 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
                               reserve_full_generation=no_evict, model=model)
     if lora is not None:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
-    graphs = (build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
-              if mapping.pp_size == 1 else None)
-    return RankParts(config, model, kv_cache, graphs, device, dtype, max_seq_len, source,
-                     lora)
+    graphs = piecewise = None
+    if mapping.pp_size == 1:
+        graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
+        piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
+                                           graphs.pool if graphs is not None else None)
+    return RankParts(config, model, kv_cache, graphs, piecewise, device, dtype, max_seq_len,
+                     source, lora)
 
 
 def build_lora(model, args: LlmArgs, dtype: torch.dtype, device: torch.device):
@@ -104,8 +109,8 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
     config = args.cuda_graph_config
     if config is None or device.type != "cuda" or backend != "triton":
         return None
-    limit = min(config.max_batch_size, args.max_batch_size)
-    sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s <= limit] or [limit]
+    limit = min(config.max_batch_size or args.max_batch_size, args.max_batch_size)
+    sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s < limit] + [limit]
     eager_model = model
     if config.torch_compile:
         from tllm.runner.compiled import CompiledDecodeModel
@@ -123,6 +128,30 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
         logger.warning("CUDA graphs off: the model's decode step could not be captured (%s); "
                        "decode runs eagerly", str(exc).splitlines()[0][:200])
         return None
+    return graphs
+
+
+def build_piecewise_graphs(model, kv_cache: KVCacheManager, args: LlmArgs,
+                           device: torch.device, backend: str,
+                           pool) -> PiecewiseGraphRunner | None:
+    """Graphs for steps with prompt tokens: everything but attention (runner/piecewise.py),
+    in the decode graphs' memory pool (one step runs at a time)."""
+    config = args.cuda_graph_config
+    if (config is None or not config.piecewise or device.type != "cuda"
+            or backend != "triton"):
+        return None
+    graphs = PiecewiseGraphRunner(model, kv_cache,
+                                  token_buckets(args.max_num_tokens, config.token_buckets),
+                                  device, pool)
+    try:
+        graphs.capture()
+    except RuntimeError as exc:  # a model that syncs with the host mid-forward
+        torch.cuda.synchronize(device)
+        logger.warning("piecewise CUDA graphs off: the forward could not be captured (%s); "
+                       "steps with prompt tokens run eagerly", str(exc).splitlines()[0][:200])
+        return None
+    finally:
+        torch.cuda.empty_cache()  # the warm-ups' eager activations
     return graphs
 
 

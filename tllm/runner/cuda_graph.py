@@ -24,7 +24,8 @@ from tllm.kv_cache.manager import KVCacheManager, cdiv
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256,
+                       320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048)
 # Speculation pays at small batches; each verify graph keeps logits for batch x (1 + k)
 # rows (1,280 x 128K at 256 x 5), so larger verify batches run eagerly.
 MAX_VERIFY_BATCH_SIZE = 64
@@ -67,6 +68,7 @@ class CudaGraphRunner:
                                    for _ in range(kv_cache.num_groups - 1)]
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None  # the graphs' memory pool, once captured
 
     @property
     def max_batch_size(self) -> int:
@@ -124,7 +126,7 @@ class CudaGraphRunner:
     def capture(self) -> None:
         """Capture every batch size, largest first, all sharing one memory pool: decode
         graphs, then verify graphs when a verify query length was given."""
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool = torch.cuda.graph_pool_handle()
         shapes = [(1, self.batch_sizes, self.graphs)]
         if self.verify_query_len is not None:
             shapes.append((self.verify_query_len, self.verify_batch_sizes, self.verify_graphs))

@@ -1,105 +1,123 @@
-"""A ScheduledBatch flattened into one step's inputs: the token ids, positions, KV slots and
-block tables of every scheduled token, and which rows' logits the step needs (the last token
-of each request that samples, and prompt positions whose logprobs were asked for)."""
+"""Rank 0's view of a step: the ScheduledBatch as a StepDiff over the persistent batch
+(runner/batch_state.py), the token ids the host knows, the rows whose ids the device holds
+(tokens the previous step sampled, not yet on the host: the next step reads them from the
+device token table), and which rows' logits the step needs (the last token of each request
+that samples, its drafts' rows, and prompt positions whose logprobs were asked for).
+
+Everything per token is an array operation; the host loops over requests only to read
+their progress, and over those whose prompt tokens it sends."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
-from tllm.request import PLACEHOLDER, Request
-from tllm.runner.step import StepPlan
+import numpy as np
+
+from tllm.request import Request
+from tllm.runner.batch_state import BatchTables, SlotAssigner, StepArrays, StepDiff
 from tllm.scheduler.interface import ScheduledBatch
 
 
 @dataclass
 class StepInputs:
-    plan: StepPlan
+    diff: StepDiff
+    arrays: StepArrays
+    input_ids: np.ndarray                  # [T] int64; 0 where the device has the id
+    device_rows: np.ndarray                # rows whose id is in the device token table
+    device_slots: np.ndarray               # ... at these slots
     # rows of the flat token dimension whose logits are needed, in this order:
-    sample_rows: list[int] = field(default_factory=list)      # last token of a request
+    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     sample_requests: list[Request] = field(default_factory=list)
+    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     prompt_rows: list[int] = field(default_factory=list)      # prompt positions (logprobs)
     prompt_targets: list[tuple[Request, int]] = field(default_factory=list)  # (req, next id)
-    # rows whose token was sampled last step and is still only on the device
-    placeholder_rows: list[int] = field(default_factory=list)
-    placeholder_requests: list[Request] = field(default_factory=list)
     # speculative decoding: per sample request, how many consecutive sample rows it has
     # (1 + its drafts: the target's logits after its last token and after each draft);
     # None when no request of the step has drafts (one row each)
     sample_counts: list[int] | None = None
 
+    @property
+    def logit_rows(self) -> np.ndarray:
+        if not self.prompt_rows:
+            return self.sample_rows
+        return np.concatenate([self.sample_rows, np.array(self.prompt_rows, np.int64)])
 
-def prepare_inputs(batch: ScheduledBatch, block_ids: Callable[[Request], list[int]],
-                   tokens_per_block: int,
-                   group_block_ids: Callable[[Request], list[list[int]]] | None = None
-                   ) -> StepInputs:
-    """`block_ids(request)` is the request's block table (from the KV cache manager); with
-    several KV cache groups, `group_block_ids(request)` gives its table of every group."""
-    bs = tokens_per_block
-    ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
-    group_slots: list[list[int]] = []          # groups 1..: the tokens' slots
-    group_tables: list[list[list[int]]] = []   # groups 1..: the requests' tables
-    inputs = StepInputs(None)  # type: ignore[arg-type]
-    if any(r.draft_token_ids for r in batch.requests):
-        inputs.sample_counts = []
-    for request, num_new in zip(batch.requests, batch.num_scheduled_tokens):
-        start, end = request.num_computed_tokens, request.num_computed_tokens + num_new
-        first_row = len(ids)
-        num_drafts = len(request.draft_token_ids)
-        if num_drafts:
-            ids.extend(request.token_ids[start:] + request.draft_token_ids)
-            _add_draft_rows(inputs, request, first_row + num_new - 1 - num_drafts, num_drafts)
-        else:
-            ids.extend(request.token_ids[start:end])
-        positions.extend(range(start, end))
-        table = block_ids(request)
-        tables.append(table)
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-        if group_block_ids is not None:
-            _add_group_tables(group_block_ids(request)[1:], start, end, bs, group_slots,
-                              group_tables)
-        query_lens.append(num_new)
-        seq_lens.append(end)
-        if end == request.num_tokens and not num_drafts:
-            inputs.sample_rows.append(first_row + num_new - 1)
-            inputs.sample_requests.append(request)
-            if inputs.sample_counts is not None:
-                inputs.sample_counts.append(1)
-            if request.token_ids[-1] == PLACEHOLDER:
-                ids[-1] = 0
-                inputs.placeholder_rows.append(first_row + num_new - 1)
-                inputs.placeholder_requests.append(request)
-        if request.wants_prompt_logprobs:
-            _add_prompt_rows(inputs, request, start, end, first_row)
-    # one padded table (per group): a tensor per request costs ~5 us each at batch 256
-    width = max(len(t) for t in tables)
-    inputs.plan = StepPlan(ids, positions, slots, query_lens, seq_lens, _pad(tables, width),
-                           inputs.sample_rows + inputs.prompt_rows, group_slots=group_slots,
-                           group_block_tables=[_pad(t, width) for t in group_tables])
+
+def build_step_inputs(batch: ScheduledBatch, slots: SlotAssigner, tables: BatchTables,
+                      may_have_drafts: bool = True) -> StepInputs:
+    """The batch as a diff (applied to rank 0's tables) and the step's host inputs.
+    `may_have_drafts`: False when no request can carry drafts (no drafter), which spares
+    a look at every request."""
+    for request in batch.preempted:
+        slots.release(request)
+    requests = batch.requests
+    # the requests' progress: computed, known on the host, sampled on the device
+    diff = slots.diff(requests, batch.num_scheduled_tokens,
+                      np.array([r.num_computed_tokens for r in requests], dtype=np.int64))
+    tables.apply(diff.table_writes)
+    arrays = tables.build(diff)
+    known = np.array([len(r.token_ids) for r in requests], dtype=np.int64)
+    num_tokens = known + np.array([r.num_in_flight for r in requests], dtype=np.int64)
+    starts, ends = diff.num_computed, diff.num_computed + diff.query_lens
+    first_rows = arrays.query_start_loc[:-1]
+    input_ids = np.zeros(diff.num_tokens, dtype=np.int64)
+    _fill_host_ids(input_ids, requests, starts, np.minimum(ends, known), first_rows)
+    # the in-flight token (at most one a request) is read from the device
+    on_device = (known >= starts) & (known < ends) & (num_tokens > known)
+    inputs = StepInputs(diff, arrays, input_ids,
+                        first_rows[on_device] + (known - starts)[on_device],
+                        diff.slots[on_device])
+    if may_have_drafts and any(r.draft_token_ids for r in requests):  # (nothing in flight)
+        _add_drafts(inputs, requests, [len(r.draft_token_ids) for r in requests], starts,
+                    num_tokens, first_rows)
+    else:
+        samples = np.flatnonzero(ends == num_tokens)
+        inputs.sample_rows = arrays.query_start_loc[samples + 1] - 1
+        inputs.sample_requests = (list(requests) if len(samples) == len(requests)
+                                  else [requests[i] for i in samples])
+        inputs.sample_slots = diff.slots[samples]
+    if slots.wants_prompt_logprobs[diff.slots].any():
+        for i, request in enumerate(requests):
+            if request.wants_prompt_logprobs:
+                _add_prompt_rows(inputs, request, int(starts[i]), int(ends[i]),
+                                 int(first_rows[i]))
     return inputs
 
 
-def _add_draft_rows(inputs: StepInputs, request: Request, last_known_row: int,
-                    num_drafts: int) -> None:
-    """The rows of a speculating request's last known token and of each of its drafts."""
-    inputs.sample_rows.extend(range(last_known_row, last_known_row + num_drafts + 1))
-    inputs.sample_requests.append(request)
-    inputs.sample_counts.append(num_drafts + 1)
+def _fill_host_ids(input_ids: np.ndarray, requests: list[Request], starts: np.ndarray,
+                   host_ends: np.ndarray, first_rows: np.ndarray) -> None:
+    """Each request's tokens the host knows among those it computes: a decode's one token
+    (gathered in one pass) or a prompt chunk's slice."""
+    counts = host_ends - starts
+    single = np.flatnonzero(counts == 1)
+    if len(single):
+        input_ids[first_rows[single]] = [requests[i].token_ids[starts[i]] for i in single]
+    for i in np.flatnonzero(counts > 1):
+        row = first_rows[i]
+        input_ids[row:row + counts[i]] = requests[i].token_ids[starts[i]:host_ends[i]]
 
 
-def _pad(tables: list[list[int]], width: int) -> list[list[int]]:
-    return [t + [0] * (width - len(t)) for t in tables]
-
-
-def _add_group_tables(request_tables: list[list[int]], start: int, end: int, bs: int,
-                      group_slots: list[list[int]], group_tables: list[list[list[int]]]) -> None:
-    """A request's tables of groups 1.. (every group's table has the length of the first)
-    and its tokens' slots in each."""
-    if not group_tables:
-        group_slots.extend([] for _ in request_tables)
-        group_tables.extend([] for _ in request_tables)
-    for table, slots, tables in zip(request_tables, group_slots, group_tables):
-        tables.append(table)
-        slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+def _add_drafts(inputs: StepInputs, requests: list[Request], num_drafts: list[int],
+                starts: np.ndarray, num_tokens: np.ndarray, first_rows: np.ndarray) -> None:
+    """A speculating request's drafts follow its tokens (all known on the host: drafts are
+    proposed only then); it samples at its last token and at each draft. A request without
+    drafts samples at its last token if that is its newest."""
+    rows, sample_requests, counts, seqs = [], [], [], []
+    ends = starts + inputs.diff.query_lens
+    for i, request in enumerate(requests):
+        k = num_drafts[i]
+        known_end = int(first_rows[i] + num_tokens[i] - starts[i])  # the row after the last
+        if k:
+            inputs.input_ids[known_end:known_end + k] = request.draft_token_ids
+        elif ends[i] != num_tokens[i]:
+            continue
+        rows.extend(range(known_end - 1, known_end + k))
+        sample_requests.append(request)
+        counts.append(k + 1)
+        seqs.append(i)
+    inputs.sample_rows = np.array(rows, dtype=np.int64)
+    inputs.sample_slots = inputs.diff.slots[np.array(seqs, dtype=np.int64)]
+    inputs.sample_requests = sample_requests
+    inputs.sample_counts = counts
 
 
 def _add_prompt_rows(inputs: StepInputs, request: Request, start: int, end: int,

@@ -1,12 +1,15 @@
-"""The model runner (rank 0): turns a ScheduledBatch into step inputs (runner/inputs.py),
-decides how the step runs (CUDA graph, placeholder ids, what the last pipeline stage
-samples), sends the plan to the other ranks, runs this rank's part (runner/step.py) and
-returns the logits the sampler needs, or the wait for what the last stage sends back."""
+"""The model runner (rank 0): turns a ScheduledBatch into a diff of its persistent batch and
+the step's inputs (runner/batch_state.py, runner/inputs.py), decides how the step runs (CUDA
+graph, ids read from the device, what the last pipeline stage samples), sends the plan to
+the other ranks, runs this rank's part (runner/step.py) and returns the logits the sampler
+needs, or the wait for what the last stage sends back. It owns the device token table the
+sampler writes each step's tokens into and the next step reads."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -14,8 +17,11 @@ from tllm.distributed import comm
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.lora.manager import LoraManager
 from tllm.request import Request
+from tllm.kv_cache.block_table import cdiv
+from tllm.runner.batch_state import BatchTables, SlotAssigner
 from tllm.runner.cuda_graph import CudaGraphRunner
-from tllm.runner.inputs import StepInputs, prepare_inputs
+from tllm.runner.inputs import StepInputs, build_step_inputs
+from tllm.runner.piecewise import PiecewiseGraphRunner
 from tllm.runner.step import RankModel, StepPlan
 from tllm.sampling.last_stage import LastStageShadows, receive_from_last_stage
 from tllm.sampling.sampler import SampledBatch
@@ -28,6 +34,8 @@ class StepOutput:
     sample_requests: list[Request]
     prompt_logits: torch.Tensor | None       # [len(prompt_targets), vocab]
     prompt_targets: list[tuple[Request, int]]
+    # the sample requests' batch slots (where their sampling parameters are kept)
+    sample_slots: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     # pipeline parallelism: the last stage sampled; its tokens are on their way to rank 0
     sampled: SampledBatch | None = None
     # speculative decoding: rows per sample request (sample_logits then has sum of them);
@@ -48,20 +56,27 @@ class StepOutput:
 class ModelRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, device: torch.device,
                  cuda_graphs: CudaGraphRunner | None = None,
-                 lora: LoraManager | None = None) -> None:
+                 lora: LoraManager | None = None, *, max_batch_size: int,
+                 max_seq_len: int, piecewise: PiecewiseGraphRunner | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.cuda_graphs = cuda_graphs
         self.lora = lora  # adapter slots (with LoRA on): each step's plan carries them
-        self.rank = RankModel(model, kv_cache.kv_caches, cuda_graphs, device,
-                              kv_cache.tokens_per_block, lora.model if lora else None)
+        self.slots = SlotAssigner(max_batch_size, kv_cache)
+        tables = batch_tables(max_batch_size, max_seq_len, kv_cache)
+        self.piecewise = piecewise
+        self.rank = RankModel(model, kv_cache.kv_caches, cuda_graphs, device, tables,
+                              lora.model if lora else None, piecewise)
+        # the newest sampled token of each slot, written by the sampler's step
+        self.token_table = torch.zeros(max_batch_size, dtype=torch.long, device=device)
         self.parallel = comm.state()  # None on a single rank
         # pipeline parallelism: the last stage samples, keeping a shadow of each request
         is_pipelined = self.parallel is not None and self.parallel.mapping.pp_size > 1
         self.shadows = LastStageShadows() if is_pipelined else None
         self._captured: dict[int, torch.Tensor] = {}
         self.capture_layers: tuple[int, ...] = ()
+        self.has_drafter = False  # requests may carry drafts (the executor sets it)
 
     def capture_hidden_states(self, layers: tuple[int, ...]) -> None:
         """From now on every step also returns these layers' hidden states (each layer's
@@ -82,34 +97,51 @@ class ModelRunner:
     @property
     def resource_managers(self) -> list[ResourceManager]:
         """What the runner keeps per request, for the loop to free with the request."""
-        return [m for m in (self.shadows, self.lora) if m is not None]
+        return [m for m in (self.slots, self.shadows, self.lora) if m is not None]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, in_flight: SampledBatch | None = None) -> StepOutput:
-        """Launch the step. `in_flight` holds last step's sampled tokens, still on the device,
-        which feed this step's inputs where the host has only placeholders."""
-        kv = self.kv_cache
-        inputs = prepare_inputs(batch, kv.block_ids, kv.tokens_per_block,
-                                kv.group_block_ids if kv.num_groups > 1 else None)
-        plan = self._complete_plan(inputs)
+    def record_sampled(self, sampled: SampledBatch) -> None:
+        """Keep a step's sampled tokens in the device token table, where the next step's
+        inputs read them (the host may not have them yet)."""
+        if sampled.requests:
+            slots = (sampled.slots if sampled.slots is not None
+                     else np.array(self.slots.slots_of(sampled.requests), dtype=np.int64))
+            self.token_table.index_copy_(
+                0, torch.from_numpy(slots).to(self.device, non_blocking=True),
+                sampled.token_ids)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Launch the step; tokens sampled by earlier steps and not yet on the host are read
+        from the device token table."""
+        inputs = build_step_inputs(batch, self.slots, self.rank.tables,
+                                   may_have_drafts=self.has_drafter)
+        plan = self._plan(inputs)
         if self.lora is not None:
             plan.lora_slots = [self.lora.slot_of(r) for r in batch.requests]
             plan.lora_loads = self.lora.take_loads()
         if self.parallel is not None:
             comm.broadcast_object(plan)
-        fill = None
-        if inputs.placeholder_rows:
-            def fill(input_ids: torch.Tensor) -> None:
-                self._fill_placeholders(input_ids, inputs, in_flight)
-        logits = self.rank.run(plan, fill)
+        patch = None
+        if len(inputs.device_rows):
+            rows = torch.from_numpy(inputs.device_rows)
+            slots = torch.from_numpy(inputs.device_slots)
+
+            def patch(input_ids: torch.Tensor) -> None:
+                input_ids[rows.to(self.device, non_blocking=True)] = self.token_table[
+                    slots.to(self.device, non_blocking=True)]
+        logits = self.rank.run(plan, inputs.arrays, inputs.input_ids, patch)
         out = StepOutput(None, inputs.sample_requests, None, inputs.prompt_targets,
-                         sample_counts=inputs.sample_counts)
+                         inputs.sample_slots, sample_counts=inputs.sample_counts)
         if logits is None:  # a later pipeline stage computes (and samples) them
             out._receive = receive_from_last_stage(
                 inputs.sample_requests, len(inputs.prompt_rows), self.model.config.vocab_size,
                 self.model.activation_dtype, self.device)
             return out
         num_sample = len(inputs.sample_rows)
+        if plan.use_graph and not _is_every_row(inputs):  # a replay computes every row's
+            logits = logits[torch.from_numpy(inputs.logit_rows).to(self.device,
+                                                                   non_blocking=True)]
         out.sample_logits = logits[:num_sample]
         if self.capture_layers:
             # a layer may be named twice (a shallow target: EAGLE-3's default ids coincide)
@@ -119,30 +151,32 @@ class ModelRunner:
         out.prompt_logits = logits[num_sample:] if inputs.prompt_rows else None
         return out
 
-    def _complete_plan(self, inputs: StepInputs) -> StepPlan:
+    def _plan(self, inputs: StepInputs) -> StepPlan:
         """How this step runs, decided once here and carried in the plan to every rank."""
-        plan = inputs.plan
-        plan.layer_groups = self.kv_cache.layer_groups
+        plan = StepPlan(inputs.diff, inputs.logit_rows,
+                        layer_groups=self.kv_cache.layer_groups)
         graphs = self.cuda_graphs
-        # A graph replay computes logits for every row: use it when every row samples.
+        num_seqs = len(inputs.diff.slots)
         plan.use_graph = (graphs is not None and not self.capture_layers
-                          and graphs.can_run(plan.num_tokens, len(plan.query_lens),
-                                             max(plan.query_lens))
-                          and len(inputs.sample_rows) == plan.num_tokens
-                          and not inputs.prompt_rows)
-        plan.ids_from_driver = bool(inputs.placeholder_rows) and self.parallel is not None
+                          and graphs.can_run(plan.num_tokens, num_seqs,
+                                             inputs.arrays.max_query_len))
+        plan.use_piecewise = (not plan.use_graph and self.piecewise is not None
+                              and not self.capture_layers
+                              and self.piecewise.can_run(plan.num_tokens))
+        plan.ids_from_driver = self.parallel is not None
         if self.shadows is not None:
             plan.sampling = self.shadows.sampling_plan(inputs.sample_requests)
         return plan
 
-    def _fill_placeholders(self, input_ids: torch.Tensor, inputs: StepInputs,
-                           in_flight: SampledBatch | None) -> None:
-        if in_flight is None:
-            raise RuntimeError("placeholder tokens without a step in flight")
-        row_of = {id(r): i for i, r in enumerate(in_flight.requests)}
-        # torch.tensor(..., device=cuda) would wait for the GPU (a blocking copy), which
-        # made the overlapped loop wait for the step in flight before launching the next
-        src = torch.tensor([row_of[id(r)] for r in inputs.placeholder_requests])
-        dst = torch.tensor(inputs.placeholder_rows)
-        input_ids[dst.to(self.device, non_blocking=True)] = in_flight.token_ids[
-            src.to(self.device, non_blocking=True)]
+
+def _is_every_row(inputs: StepInputs) -> bool:
+    """Whether the step samples at every row, in order (sample rows only ever increase)."""
+    return not inputs.prompt_rows and len(inputs.sample_rows) == inputs.diff.num_tokens
+
+
+def batch_tables(max_batch_size: int, max_seq_len: int, kv_cache: KVCacheManager) -> BatchTables:
+    """Tables for every slot, each as long as the longest request's (plus a block that a
+    step's drafts may reach into)."""
+    max_blocks = cdiv(max_seq_len, kv_cache.tokens_per_block) + 1
+    return BatchTables(max_batch_size, max_blocks, kv_cache.num_groups,
+                       kv_cache.tokens_per_block)

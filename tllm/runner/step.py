@@ -1,43 +1,38 @@
-"""One step as every rank sees it: a host-only `StepPlan` (what rank 0 decided), the device
-tensors built from it, and the forward pass of this rank's part of the model.
+"""One step as every rank sees it: a host-only `StepPlan` (what rank 0 decided, as a diff of
+the persistent batch), the device tensors built from it, and the forward pass of this
+rank's part of the model.
 
 Rank 0 builds the plan from its ScheduledBatch and, with several ranks, broadcasts it to the
-others; every rank then runs `RankModel.run` on its own shard and KV cache, which holds the
-one order of collectives all ranks follow. Keeping the plan free of Request objects is what
-lets it cross process boundaries."""
+others; every rank applies the plan's diff to its own batch tables, builds the same inputs,
+then runs `RankModel.run` on its own shard and KV cache, which holds the one order of
+collectives all ranks follow. Keeping the plan free of Request objects and of whole tables
+is what lets it cross process boundaries cheaply."""
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
-from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from tllm.attention.interface import AttentionMetadata
 from tllm.distributed import comm
+from tllm.runner.batch_state import BatchTables, StepArrays, StepDiff
+from tllm.upload import Uploader
 from tllm.sampling.last_stage import SamplingPlan
 
 
 @dataclass
 class StepPlan:
-    input_ids: list[int]          # placeholders (tokens still on rank 0's device) are 0 here
-    positions: list[int]
-    slots: list[int]
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_tables: list[list[int]]  # padded to one width
-    logit_rows: list[int] = field(default_factory=list)  # rows whose logits are needed
+    diff: StepDiff
+    logit_rows: np.ndarray        # rows whose logits are needed (int64)
     use_graph: bool = False       # decode step replayed from a captured CUDA graph
-    ids_from_driver: bool = False  # rank 0 broadcasts its (placeholder-filled) input ids
+    use_piecewise: bool = False   # a step with prompt tokens: piecewise graphs
+    ids_from_driver: bool = False  # rank 0 broadcasts its input ids (tensor parallelism)
     # pipeline parallelism: what the last stage samples (the first len(row_request_ids)
     # logit rows; the rest are prompt-logprob rows, sent to rank 0 as logits)
     sampling: SamplingPlan | None = None
-    # several KV cache groups (sliding-window layers): groups 1..'s slots and padded block
-    # tables (slots and block_tables above are group 0's), and each model layer's group
-    group_slots: list[list[int]] = field(default_factory=list)
-    group_block_tables: list[list[list[int]]] = field(default_factory=list)
-    layer_groups: tuple[int, ...] = ()
+    layer_groups: tuple[int, ...] = ()  # each model layer's KV cache group (several)
     # LoRA: each request's adapter slot (-1: none), and the adapters to load into their
     # slots before this step (every rank loads its own shard); None without LoRA
     lora_slots: list[int] | None = None
@@ -45,81 +40,103 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.input_ids)
+        return self.diff.num_tokens
 
     @property
-    def is_decode_only(self) -> bool:
-        return max(self.query_lens) == 1
+    def query_lens(self) -> list[int]:
+        return self.diff.query_lens.tolist()
 
 
 STOP = "stop"  # the plan rank 0 sends when it shuts down
 
 
-def plan_tensors(plan: StepPlan, device: torch.device,
-                 tokens_per_block: int) -> tuple[torch.Tensor, AttentionMetadata]:
-    def to_device(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+@dataclass
+class StepTensors:
+    input_ids: torch.Tensor
+    metadata: AttentionMetadata
+    logit_rows: torch.Tensor
 
-    query_start = [0, *itertools.accumulate(plan.query_lens)]
+
+def step_tensors(arrays: StepArrays, input_ids: np.ndarray, logit_rows: np.ndarray,
+                 layer_groups: tuple[int, ...], tokens_per_block: int,
+                 longs: Uploader, ints: Uploader) -> StepTensors:
+    """The step's inputs on the device, in two transfers (64-bit and 32-bit values)."""
+    groups = len(arrays.group_slot_mappings)
+    ids, positions, slots, rows, *group_slots = longs.upload(
+        [input_ids, arrays.positions, arrays.slot_mapping, logit_rows,
+         *arrays.group_slot_mappings])
+    query_start_loc, seq_lens, tables, *group_tables = ints.upload(
+        [arrays.query_start_loc, arrays.seq_lens, arrays.block_tables,
+         *arrays.group_block_tables])
+    query_lens = np.diff(arrays.query_start_loc)
     metadata = AttentionMetadata(
-        positions=to_device(plan.positions, torch.long),
-        slot_mapping=to_device(plan.slots, torch.long),
-        query_start_loc=to_device(query_start, torch.int32),
-        seq_lens=to_device(plan.seq_lens, torch.int32),
-        block_tables=to_device(plan.block_tables, torch.int32),
-        max_query_len=max(plan.query_lens), max_seq_len=max(plan.seq_lens),
+        positions=positions, slot_mapping=slots, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, block_tables=tables,
+        max_query_len=int(query_lens.max()), max_seq_len=int(arrays.seq_lens.max()),
         tokens_per_block=tokens_per_block,
-        query_lens_cpu=plan.query_lens, seq_lens_cpu=plan.seq_lens)
-    if plan.group_slots:
-        metadata.add_group_views(plan.layer_groups, [
-            (to_device(slots, torch.long), to_device(tables, torch.int32))
-            for slots, tables in zip(plan.group_slots, plan.group_block_tables)])
-    return to_device(plan.input_ids, torch.long), metadata
+        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=arrays.seq_lens.tolist())
+    if groups:
+        metadata.add_group_views(layer_groups, list(zip(group_slots, group_tables)))
+    return StepTensors(ids, metadata, rows)
 
 
-def run_plan(model: nn.Module, kv_caches, graphs, plan: StepPlan, input_ids: torch.Tensor,
-             metadata: AttentionMetadata) -> torch.Tensor | None:
+def run_plan(model: nn.Module, kv_caches, graphs, piecewise, plan: StepPlan,
+             tensors: StepTensors) -> torch.Tensor | None:
     """This rank's part of the step: the logits of `plan.logit_rows` on the last pipeline
-    stage (all rows when replaying a graph), None on the others, which hand their hidden
-    states to the next stage instead."""
+    stage (all rows when replaying a decode graph), None on the others, which hand their
+    hidden states to the next stage instead."""
     if plan.use_graph:
-        return graphs.run(input_ids, metadata)
+        return graphs.run(tensors.input_ids, tensors.metadata)
+    if plan.use_piecewise:
+        hidden = piecewise.run(tensors.input_ids, tensors.metadata)
+        return model.compute_logits(hidden[tensors.logit_rows])
     intermediate = None
     if not model.is_first_stage:
         shape = (plan.num_tokens, model.config.hidden_size)
         intermediate = tuple(comm.recv_from_prev_stage([shape, shape], model.activation_dtype))
-    out = model(input_ids, kv_caches, metadata, intermediate)
+    out = model(tensors.input_ids, kv_caches, tensors.metadata, intermediate)
     if not model.is_last_stage:
         for work in comm.send_to_next_stage(list(out)):
             work.wait()  # on CUDA this orders the streams; the host does not block
         return None
-    rows = torch.tensor(plan.logit_rows, dtype=torch.long).to(out.device, non_blocking=True)
-    return model.compute_logits(out[rows])
+    return model.compute_logits(out[tensors.logit_rows])
 
 
-@dataclass
 class RankModel:
-    """This rank's model shard with its KV cache tensors and graphs: what runs a step."""
+    """This rank's model shard with its KV cache tensors, graphs and batch tables: what
+    runs a step."""
 
-    model: nn.Module
-    kv_caches: list
-    graphs: object | None      # a CudaGraphRunner, or None
-    device: torch.device
-    tokens_per_block: int
-    lora: object | None = None  # this rank's tllm.lora.layers.LoraModel, with LoRA on
+    def __init__(self, model: nn.Module, kv_caches: list, graphs, device: torch.device,
+                 tables: BatchTables, lora=None, piecewise=None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.graphs = graphs            # a CudaGraphRunner, or None
+        self.piecewise = piecewise      # a PiecewiseGraphRunner, or None
+        self.device = device
+        self.tables = tables
+        self.lora = lora                # this rank's tllm.lora.layers.LoraModel, or None
+        self._longs = Uploader(device, torch.int64)
+        self._ints = Uploader(device, torch.int32)
 
-    def run(self, plan: StepPlan,
-            fill_placeholders: Callable[[torch.Tensor], None] | None = None
-            ) -> torch.Tensor | None:
-        """This rank's part of a step whose plan every rank has (rank 0 broadcast it): the
-        input tensors; rank 0 fills the ids still on its device and, when asked, sends them
-        to its tensor-parallel peers; then the forward (pipeline sends/receives inside)."""
+    def run(self, plan: StepPlan, arrays: StepArrays | None = None,
+            input_ids: np.ndarray | None = None,
+            patch_ids=None) -> torch.Tensor | None:
+        """This rank's part of a step whose plan every rank has. Rank 0 passes the arrays
+        it built already and the host's input ids, and `patch_ids` writes the ids only its
+        device has; other ranks apply the plan's diff themselves and, when asked, receive
+        the ids from rank 0. Then the forward (pipeline sends/receives inside)."""
+        if arrays is None:
+            self.tables.apply(plan.diff.table_writes)
+            arrays = self.tables.build(plan.diff)
+        if input_ids is None:
+            input_ids = np.zeros(plan.num_tokens, dtype=np.int64)
         if self.lora is not None and plan.lora_slots is not None:
             self.lora.begin_step(plan.lora_loads, plan.lora_slots, plan.query_lens)
-        input_ids, metadata = plan_tensors(plan, self.device, self.tokens_per_block)
-        if fill_placeholders is not None:
-            fill_placeholders(input_ids)
+        tensors = step_tensors(arrays, input_ids, plan.logit_rows, plan.layer_groups,
+                               self.tables.tokens_per_block, self._longs, self._ints)
+        if patch_ids is not None:
+            patch_ids(tensors.input_ids)
         if plan.ids_from_driver and comm.mapping().is_first_stage:
-            comm.tp_broadcast_from_driver(input_ids)
-        return run_plan(self.model, self.kv_caches, self.graphs, plan, input_ids, metadata)
-
+            comm.tp_broadcast_from_driver(tensors.input_ids)
+        return run_plan(self.model, self.kv_caches, self.graphs, self.piecewise, plan,
+                        tensors)

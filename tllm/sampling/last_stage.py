@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from tllm.distributed import comm
-from tllm.request import PLACEHOLDER, Request
+from tllm.request import Request
 from tllm.sampling.sampler import SampledBatch, Sampler
 from tllm.sampling_params import SamplingParams
 from tllm.scheduler.interface import ResourceManager
@@ -87,7 +87,7 @@ class LastStageSampler:
             return []
         sampled = self.sampler.sample(logits, requests)
         for request in requests:
-            request.append_token(PLACEHOLDER)
+            request.mark_sampled()
         self._unfilled = sampled
         return list(sampled.device_tensors)
 
@@ -96,7 +96,7 @@ class LastStageSampler:
         if self._unfilled is not None:
             sampled, self._unfilled = self._unfilled, None
             for request, token in zip(sampled.requests, sampled.host_token_ids()):
-                request.fill_placeholder(token)
+                request.receive_token(token)
 
 
 class LastStageShadows(ResourceManager):

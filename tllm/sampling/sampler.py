@@ -2,13 +2,19 @@
 token (and logprobs when asked), with per-request parameters and seeded generators."""
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from tllm.kernels.sampling_noise import sample_tokens_ref
 from tllm.request import Request
 from tllm.outputs import Logprob, PositionLogprobs
 from tllm.sampling import processors as P
+from tllm.sampling.penalties import PenaltyCounts
+from tllm.sampling.rows import SamplingRows, SlotParams, has_penalty, rows_of_requests
+from tllm.upload import Uploader
 
 
 @dataclass
@@ -16,6 +22,7 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[PositionLogprobs | None]  # per row, None where not asked for
     sampled_logprobs: list[float | None]
+    has_no_logprobs: bool = False  # no row has any (both lists are all None)
 
 
 class SampledBatch:
@@ -27,6 +34,7 @@ class SampledBatch:
                  logprob_tensors: tuple[torch.Tensor, ...] | None) -> None:
         self.requests = requests
         self.token_ids = token_ids  # stays on the device: the next step's inputs read it
+        self.slots: np.ndarray | None = None  # the rows' batch slots, when sampled by slot
         tensors = (token_ids,) + (logprob_tensors or ())
         self.device_tensors = tensors
         self._event = None
@@ -50,43 +58,116 @@ class SampledBatch:
     def host(self) -> SamplerOutput:
         token_ids = self.host_token_ids()
         if not self._has_logprobs:
-            return SamplerOutput(token_ids, [None] * len(token_ids), [None] * len(token_ids))
+            return SamplerOutput(token_ids, [None] * len(token_ids), [None] * len(token_ids),
+                                 has_no_logprobs=True)
         return _logprobs_output(token_ids, *self._host[1:], self.requests)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    """Samples the rows of a step. The executor's rows come with their batch slots, whose
+    parameters (and penalty token counts) were written once when each request took its
+    slot; other callers pass requests alone and the parameters are read from them. Random
+    rows draw counter-based noise (tllm.kernels.sampling_noise): a request's sample depends
+    on its seed and position only, never on the rest of the batch."""
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
+                 num_slots: int = 0, vocab_size: int = 0) -> None:
+        self.device = torch.device(device)
+        # speculative acceptance draws its uniforms from this one (tllm.executor.speculation)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self._seeds = random.Random(seed)  # the noise keys of requests without a seed
+        self.vocab_size = vocab_size
+        self.slot_params = SlotParams(num_slots, vocab_size) if num_slots else None
+        self.penalties = (PenaltyCounts(num_slots, vocab_size, self.device) if num_slots
+                          else None)
+        self._uploaders = (Uploader(self.device, torch.float32),
+                           Uploader(self.device, torch.int64))
         # tllm.guided.GuidedDecoding when the engine serves guided requests: its bitmask
         # removes the tokens each guided row's grammar forbids before any choice is made
         self.guided = None
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledBatch:
+    # ---- batch slots (the model runner's SlotAssigner tells) ----
+
+    @torch.inference_mode()
+    def assign_slot(self, slot: int, request: Request) -> None:
+        self.slot_params.assign(slot, request, self._seed_of(request))
+        if has_penalty(request):
+            self.penalties.assign(slot, request)
+
+    def release_slot(self, slot: int) -> None:
+        self.penalties.release(slot)
+
+    def _seed_of(self, request: Request) -> int:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return self._seeds.getrandbits(62)
+        return (seed + request.sample_index) & ((1 << 63) - 1)
+
+    # ---- sampling ----
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               slots: np.ndarray | None = None) -> SampledBatch:
+        """Each row's next token (and logprobs where asked). `slots`: the rows' batch slots
+        (their parameters and token counts are kept there); None reads the requests."""
+        guided = self.guided is not None and self.guided.has_guided(requests)
+        if slots is not None and not guided and self.slot_params.is_plain_greedy(slots):
+            return SampledBatch(requests, logits.argmax(dim=-1), None)  # (no float copy)
+        rows = self._rows(requests, slots, logits.shape[1])
+        if self._is_plain_greedy(rows, requests):
+            return SampledBatch(requests, logits.argmax(dim=-1), None)
         logits = logits.float()
-        want_logprobs = [_wants_logprob(r) for r in requests]
-        raw_logprobs = logits.log_softmax(dim=-1) if any(want_logprobs) else None
-        logits = self._apply_logit_bias(logits, requests)
-        logits = self._apply_penalties(logits, requests)
-        logits = self._mask_stop_tokens_before_min(logits, requests)
-        if self.guided is not None:
-            logits = self.guided.mask_logits(logits, requests)
+        raw_logprobs = logits.log_softmax(dim=-1) if rows.wants_logprob.any() else None
+        logits = self._processed_logits(logits, rows, requests, slots)
         token_ids = logits.argmax(dim=-1)
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            sampled = self._sample_random(logits[rows], [requests[i] for i in random_rows])
-            token_ids[rows] = sampled
+        random_rows = np.flatnonzero(~rows.greedy)
+        if len(random_rows):
+            index = torch.from_numpy(random_rows).to(logits.device, non_blocking=True)
+            token_ids[index] = self._sample_random(logits[index], rows, index)
+        if slots is not None and rows.repetition is not None:
+            self.penalties.add(slots, token_ids)
         if raw_logprobs is None:
             return SampledBatch(requests, token_ids, None)
-        return SampledBatch(requests, token_ids, _logprob_tensors(raw_logprobs, token_ids,
-                                                                  requests))
+        return SampledBatch(requests, token_ids,
+                            _logprob_tensors(raw_logprobs, token_ids, rows.max_logprobs))
+
+    def _rows(self, requests: list[Request], slots: np.ndarray | None,
+              vocab_size: int) -> SamplingRows:
+        if slots is not None:
+            return self.slot_params.rows(slots, requests, self._uploaders)
+        return rows_of_requests(requests, vocab_size, self._uploaders,
+                                [self._seed_of(r) for r in requests])
+
+    def _is_plain_greedy(self, rows: SamplingRows, requests: list[Request]) -> bool:
+        """Argmax of the raw logits is the whole answer (no copy to float32 either)."""
+        return (rows.all_greedy and not rows.wants_logprob.any() and rows.repetition is None
+                and rows.stop_masks is None and rows.logit_bias is None
+                and (self.guided is None or not self.guided.has_guided(requests)))
+
+    def _processed_logits(self, logits: torch.Tensor, rows: SamplingRows,
+                          requests: list[Request], slots: np.ndarray | None) -> torch.Tensor:
+        """Logit bias, penalties, min_tokens' stop masks, then the grammar's mask."""
+        if rows.logit_bias is not None:
+            index_rows, ids, values = rows.logit_bias
+            logits = logits.index_put((index_rows, ids), values, accumulate=True)
+        if rows.repetition is not None:
+            counts, seen = (self.penalties.counts(slots) if slots is not None
+                            else _counts_of(requests, logits.shape[1], logits.device))
+            logits = P.apply_repetition_penalty(logits, seen, rows.repetition)
+            logits = P.apply_presence_frequency_penalty(logits, counts, rows.presence,
+                                                        rows.frequency)
+        if rows.stop_masks is not None:
+            logits = logits.index_put(rows.stop_masks,
+                                      torch.tensor(float("-inf"), device=logits.device))
+        if self.guided is not None:
+            logits = self.guided.mask_logits(logits, requests)
+        return logits
 
     def failing_rows(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """The rows whose request makes sampling fail on its own (after the batch failed).
         Random state is restored, so the probe changes no later sample."""
-        states = [self.generator.get_state()] + [
-            r.generator.get_state() for r in requests if r.generator is not None]
+        state = self._seeds.getstate()
         failing = []
         try:
             for i, request in enumerate(requests):
@@ -95,90 +176,45 @@ class Sampler:
                 except Exception:
                     failing.append(i)
         finally:
-            self.generator.set_state(states[0])
-            seeded = (r.generator for r in requests if r.generator is not None)
-            for generator, state in zip(seeded, states[1:]):
-                generator.set_state(state)
+            self._seeds.setstate(state)
         return failing
 
-    @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows, cols, values = [], [], []
-        for i, request in enumerate(requests):
-            for token, bias in (request.sampling_params.logit_bias or {}).items():
-                if token < logits.shape[1]:
-                    rows.append(i)
-                    cols.append(token)
-                    values.append(float(bias))
-        if not rows:
-            return logits
-        return logits.index_put((torch.tensor(rows), torch.tensor(cols)),
-                                torch.tensor(values, device=logits.device), accumulate=True)
+    def _sample_random(self, logits: torch.Tensor, rows: SamplingRows,
+                       index: torch.Tensor) -> torch.Tensor:
+        probs = _processed_probs(logits, rows, index)
+        seeds, counters = rows.seeds[index], rows.counters[index]
+        if probs.is_cuda:
+            from tllm.kernels.triton.sample_tokens import sample_tokens
+            return sample_tokens(probs, seeds, counters)
+        return sample_tokens_ref(probs, seeds, counters)
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        params = [r.sampling_params for r in requests]
-        vocab, device = logits.shape[1], logits.device
-        if any(p.repetition_penalty != 1.0 for p in params):
-            seen = P.token_mask([r.token_ids for r in requests], vocab, device)
-            penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
-            logits = P.apply_repetition_penalty(logits, seen, penalty)
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            counts = P.token_counts([r.output_token_ids for r in requests], vocab, device)
-            presence = torch.tensor([p.presence_penalty for p in params], device=device)
-            frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
-            logits = P.apply_presence_frequency_penalty(logits, counts, presence, frequency)
-        return logits
-
-    @staticmethod
-    def _mask_stop_tokens_before_min(logits: torch.Tensor,
-                                     requests: list[Request]) -> torch.Tensor:
-        """Before min_tokens outputs, EOS and stop tokens may not be chosen."""
-        rows, cols = [], []
-        for i, r in enumerate(requests):
-            if r.num_output_tokens < r.sampling_params.min_tokens:
-                stop_ids = set(r.sampling_params.stop_token_ids)
-                if not r.sampling_params.ignore_eos:
-                    stop_ids |= r.eos_token_ids
-                ids = [t for t in stop_ids if t < logits.shape[1]]
-                rows += [i] * len(ids)
-                cols += ids
-        if rows:
-            logits = logits.index_put((torch.tensor(rows), torch.tensor(cols)),
-                                      torch.tensor(float("-inf"), device=logits.device))
-        return logits
-
-    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        probs = self.processed_probs(logits, requests)
-        return (probs / self._exponential_noise(probs, requests)).argmax(dim=-1)
-
-    @staticmethod
-    def processed_probs(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def processed_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution each row samples from: its request's temperature, top-k, top-p
         and min-p applied to its (float) logits (speculative verification needs it too)."""
-        params = [r.sampling_params for r in requests]
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        logits = logits / temperature[:, None]
-        vocab = logits.shape[1]
-        if any(0 < p.top_k < vocab for p in params):  # top_k >= vocab keeps every token
-            top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                                 device=device)
-            logits = P.apply_top_k(logits, top_k)
-        if any(p.top_p < 1.0 for p in params):
-            logits = P.apply_top_p(logits, torch.tensor([p.top_p for p in params], device=device))
-        if any(p.min_p > 0.0 for p in params):
-            logits = P.apply_min_p(logits, torch.tensor([p.min_p for p in params], device=device))
-        return logits.softmax(dim=-1)
+        rows = rows_of_requests(requests, logits.shape[1], self._uploaders, [0] * len(requests))
+        return _processed_probs(logits, rows, None)
 
-    def _exponential_noise(self, probs: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Exp(1) noise; argmax(probs / noise) is a sample from probs (the Gumbel trick).
-        Seeded requests draw their row from their own generator, so their samples do not
-        depend on what else is in the batch."""
-        noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for i, request in enumerate(requests):
-            if request.generator is not None:
-                noise[i].exponential_(generator=request.generator)
-        return noise
+
+def _processed_probs(logits: torch.Tensor, rows: SamplingRows,
+                     index: torch.Tensor | None) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p on `logits` (the rows `index` of the call)."""
+    def pick(values: torch.Tensor | None) -> torch.Tensor | None:
+        return values if values is None or index is None else values[index]
+    logits = logits / pick(rows.temperature)[:, None]
+    if rows.top_k is not None:
+        logits = P.apply_top_k(logits, pick(rows.top_k))
+    if rows.top_p is not None:
+        logits = P.apply_top_p(logits, pick(rows.top_p))
+    if rows.min_p is not None:
+        logits = P.apply_min_p(logits, pick(rows.min_p))
+    return logits.softmax(dim=-1)
+
+
+def _counts_of(requests: list[Request], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output counts, seen in prompt or output) from the requests' own token lists."""
+    counts = P.token_counts([r.output_token_ids for r in requests], vocab, device)
+    seen = P.token_mask([r.token_ids for r in requests], vocab, device)
+    return counts, seen
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
@@ -186,16 +222,16 @@ def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
     """Each row's chosen token with its logprob, rank and the request's top-k (from the raw
     logits, as `Sampler.sample` reports them); rows of requests that asked for none get None."""
     raw_logprobs = logits.float().log_softmax(dim=-1)
+    max_k = max(r.sampling_params.logprobs or 0 for r in requests)
     return _logprobs_output(token_ids.tolist(),
-                            *_logprob_tensors(raw_logprobs, token_ids, requests), requests)
+                            *_logprob_tensors(raw_logprobs, token_ids, max_k), requests)
 
 
 def _logprob_tensors(raw_logprobs: torch.Tensor, token_ids: torch.Tensor,
-                     requests: list[Request]) -> tuple[torch.Tensor, ...]:
+                     max_k: int) -> tuple[torch.Tensor, ...]:
     """(chosen logprob, rank, top-k values, top-k ids), still on the device."""
     chosen = raw_logprobs.gather(1, token_ids[:, None])[:, 0]
     ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
-    max_k = max(r.sampling_params.logprobs or 0 for r in requests)
     top_vals, top_ids = raw_logprobs.topk(max(max_k, 1), dim=-1)
     return chosen, ranks, top_vals, top_ids
 

@@ -15,10 +15,14 @@ from tllm.request import Request
 
 @dataclass
 class ScheduledBatch:
-    """The requests of one step, each with the number of tokens it computes."""
+    """The requests of one step, each with the number of tokens it computes, and the
+    requests that stopped running while it was scheduled (preempted: they hold no KV blocks
+    any more). With the requests' own progress and the KV cache manager's table changes,
+    this is the step as a diff of the previous one."""
 
     requests: list[Request] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
 
     def add(self, request: Request, num_tokens: int) -> None:
         self.requests.append(request)

@@ -132,11 +132,15 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
     def _schedule_running(self, batch: ScheduledBatch, budget: int,
                           pick: Callable[[Request], bool] | None = None) -> int:
         """Running requests (those `pick` selects) in admission order; the budget left. One
-        preempted while this runs (to make room for another) is passed over."""
+        preempted while this runs (to make room for another) is passed over. (The loop
+        runs over every running request each step: it keeps the common case short.)"""
+        running, held, limit = RequestState.RUNNING, self._held, self._step_limit
+        try_grow = self.kv_cache.try_grow
+        scheduled, counts = batch.requests, batch.num_scheduled_tokens
         for request in list(self.running):
-            if len(batch) >= self._step_limit:
+            if len(scheduled) >= limit:
                 break
-            if request.state is not RequestState.RUNNING or (pick and not pick(request)):
+            if request.state is not running or (pick is not None and not pick(request)):
                 continue
             group = request.beam_group
             if group is not None:
@@ -144,14 +148,24 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
                     budget = self._schedule_beam_group(batch, self.running.index(request),
                                                        budget)[1]
                 continue
-            num_new = 0 if request in self._held else self._num_new_tokens(request, budget)
-            if num_new == 0:
+            if request in held:
                 continue
-            if request.draft_token_ids and not self.kv_cache.try_grow(request, num_new):
+            num_tokens = len(request.token_ids) + request.num_in_flight
+            if (num_tokens - request.num_computed_tokens == 1 and budget
+                    and not request.draft_token_ids
+                    and num_tokens - len(request.prompt_token_ids) < request.max_new_tokens):
+                num_new = 1  # a decode (the common case, inline)
+            else:
+                num_new = self._num_new_tokens(request, budget)
+                if num_new == 0:
+                    continue
+            if request.draft_token_ids and not try_grow(request, num_new):
                 request.clear_drafts()  # no room for the drafts: decode one token
                 num_new = self._num_new_tokens(request, budget)
-            if self._make_room(request, num_new):  # else it preempted itself
-                batch.add(request, num_new)
+            # else it preempted itself
+            if try_grow(request, num_new) or self._make_room(request, num_new):
+                scheduled.append(request)
+                counts.append(num_new)
                 budget -= num_new
         return budget
 
@@ -192,6 +206,7 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
         request.state = RequestState.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+        self._batch.preempted.append(request)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         skipped: list[Request] = []
@@ -235,9 +250,10 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
         return 0
 
     def _num_new_tokens(self, request: Request, budget: int) -> int:
-        if request.num_output_tokens >= request.max_new_tokens:
+        num_tokens = len(request.token_ids) + request.num_in_flight
+        if num_tokens - len(request.prompt_token_ids) >= request.max_new_tokens:
             return 0  # its last token is in flight: it finishes once that reaches the host
-        num_new = request.num_tokens - request.num_computed_tokens
+        num_new = num_tokens - request.num_computed_tokens
         if request.draft_token_ids:
             if num_new != 1:  # drafts follow a decode step only
                 request.clear_drafts()

@@ -1,0 +1,185 @@
+"""Piecewise CUDA graphs for steps that carry prompt tokens (prefill, chunked prefill, and
+decodes mixed with them): everything but attention is captured, once per token-count
+bucket, and attention runs eagerly between the pieces with the step's own metadata (its
+launch grids follow the step's query and context lengths, which change every step). A mixed
+step then costs a few dozen graph replays and one attention call a layer instead of
+hundreds of eager launches (vLLM's piecewise graphs, without a compiler: the forward itself
+is cut where it reaches an attention backend).
+
+Capture runs the model's forward once per bucket with `AttentionMetadata.capture` set: each
+attention call ends the graph being captured, is recorded (its inputs are tensors of the
+graph's pool, fixed from then on), gets a fixed output buffer, and the next graph begins. A
+replay copies the step's token ids into the static input buffer and alternates graph
+replays with the recorded attention calls. A step of T tokens replays the smallest bucket
+of at least T: its padding rows compute on stale inputs, write no KV (attention sees only
+the step's T rows) and are never read."""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from tllm.attention.interface import AttentionMetadata
+from tllm.kv_cache.manager import KVCacheManager, cdiv
+
+logger = logging.getLogger(__name__)
+
+# Token counts captured, up to max_num_tokens: steps between two buckets pad to the larger.
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+                         1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 5120, 6144, 7168,
+                         8192, 10240, 12288, 14336, 16384)
+
+
+@dataclass
+class AttentionCall:
+    """One attention call between two pieces: the backend method and its arguments as
+    captured (q, k, v live in the graph pool), the metadata view it took (-1: the step's
+    own, g: its group view g), and the fixed buffer the next piece reads its output from."""
+    method: Callable
+    args: tuple
+    view: int
+    out: torch.Tensor
+
+    def run(self, metadata: AttentionMetadata, num_tokens: int) -> None:
+        view = metadata if self.view < 0 else metadata.group_views[self.view]
+        q, k, v, *rest = self.args
+        out = self.method(q[:num_tokens], k[:num_tokens], v[:num_tokens], rest[0], view,
+                          *rest[1:])
+        self.out[:num_tokens].copy_(out)
+
+
+class PiecewiseRecorder:
+    """Set on the capture metadata: attention backends hand it their call (`defer`)."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.calls: list[AttentionCall] = []
+        self._views: dict[int, int] = {}
+
+    def begin(self, metadata: AttentionMetadata) -> None:
+        self._views = {id(metadata): -1, **{id(v): g for g, v in
+                                           enumerate(metadata.group_views)}}
+        self._next_piece()
+
+    def defer(self, method: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              kv_cache, metadata: AttentionMetadata, *rest) -> torch.Tensor:
+        """End the piece being captured at this attention call; its output buffer."""
+        self.pieces[-1].capture_end()
+        out = torch.zeros_like(q)  # zero rows past a step's tokens stay finite
+        self.calls.append(AttentionCall(method, (q, k, v, kv_cache, *rest),
+                                        self._views[id(metadata)], out))
+        self._next_piece()
+        return out
+
+    def end(self) -> None:
+        self.pieces[-1].capture_end()
+
+    def _next_piece(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin(pool=self.pool)
+        self.pieces.append(graph)
+
+
+@dataclass
+class PiecewiseGraph:
+    """One bucket: graphs alternating with the attention calls between them."""
+    pieces: list[torch.cuda.CUDAGraph]
+    calls: list[AttentionCall]
+    hidden: torch.Tensor  # the last piece's output, [bucket, hidden]
+
+    def replay(self, metadata: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+        for piece, call in zip(self.pieces, self.calls):
+            piece.replay()
+            call.run(metadata, num_tokens)
+        self.pieces[-1].replay()
+        return self.hidden[:num_tokens]
+
+
+class PiecewiseGraphRunner:
+    def __init__(self, model: nn.Module, kv_cache: KVCacheManager, buckets: list[int],
+                 device: torch.device, pool=None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.buckets = sorted(set(buckets))
+        self.device = device
+        self.pool = pool
+        max_tokens = self.buckets[-1]
+        self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
+        self._slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        self.graphs: dict[int, PiecewiseGraph] = {}
+
+    @property
+    def max_tokens(self) -> int:
+        return self.buckets[-1]
+
+    def can_run(self, num_tokens: int) -> bool:
+        return num_tokens <= self.max_tokens and bool(self.graphs)
+
+    def run(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the step, by piecewise replay."""
+        n = input_ids.shape[0]
+        bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(metadata.positions)  # for code that reads them outside
+        return self.graphs[bucket].replay(metadata, n)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Every bucket, largest first, in one memory pool."""
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.buckets):
+                self.graphs[bucket] = self._capture_one(bucket)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        logger.info("captured piecewise CUDA graphs for %d token buckets up to %d (%d pieces "
+                    "each)", len(self.buckets), self.max_tokens,
+                    len(self.graphs[self.max_tokens].pieces))
+
+    def _capture_one(self, bucket: int) -> PiecewiseGraph:
+        metadata = self._metadata(bucket)
+        for _ in range(2):  # warm-up: compile kernels, settle the allocator
+            self.model(self.input_ids[:bucket], self.kv_cache.kv_caches, metadata)
+        gc.collect()
+        recorder = PiecewiseRecorder(self.pool)
+        capturing = dataclasses.replace(metadata, capture=recorder)
+        capturing.add_group_views(metadata.layer_groups, [
+            (view.slot_mapping, view.block_tables) for view in metadata.group_views])
+        for view in capturing.group_views:
+            view.capture = recorder
+        recorder.begin(capturing)
+        hidden = self.model(self.input_ids[:bucket], self.kv_cache.kv_caches, capturing)
+        recorder.end()
+        return PiecewiseGraph(recorder.pieces, recorder.calls, hidden)
+
+    def _metadata(self, bucket: int) -> AttentionMetadata:
+        """One sequence of `bucket` tokens writing no KV: what warm-up and capture see."""
+        width = cdiv(bucket, self.kv_cache.tokens_per_block)
+        tables = torch.zeros(1, width, dtype=torch.int32, device=self.device)
+        metadata = AttentionMetadata(
+            positions=self.positions[:bucket], slot_mapping=self._slots[:bucket],
+            query_start_loc=torch.tensor([0, bucket], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([bucket], dtype=torch.int32, device=self.device),
+            block_tables=tables, max_query_len=bucket, max_seq_len=bucket,
+            tokens_per_block=self.kv_cache.tokens_per_block,
+            query_lens_cpu=[bucket], seq_lens_cpu=[bucket])
+        if self.kv_cache.num_groups > 1:
+            metadata.add_group_views(self.kv_cache.layer_groups, [
+                (self._slots[:bucket], tables) for _ in range(self.kv_cache.num_groups - 1)])
+        return metadata
+
+
+def token_buckets(max_num_tokens: int, configured: list[int] | None = None) -> list[int]:
+    """The buckets up to max_num_tokens (which is always one)."""
+    sizes = [b for b in (configured or DEFAULT_TOKEN_BUCKETS) if b < max_num_tokens]
+    return sizes + [max_num_tokens]

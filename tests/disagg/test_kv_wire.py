@@ -159,7 +159,7 @@ def _ipc_tensor(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes", [
-    {"dtype": "builtins.eval"}, {"handle": "not hex"}, {"handle": "ab" * 5000},
+    {"dtype": "builtins.eval"}, {"handle": "not hex"}, {"handle": "ab" * 70000},
     {"size": [6, 4, 2, -8]}, {"device": -1}, {"offset": -5}, {"tensor_cls": "torch.Tensor"},
 ])
 def test_malformed_ipc_tensor(changes):

@@ -13,7 +13,7 @@ PROTOCOL_VERSION = 2
 MAX_BLOCKS = 1 << 24            # blocks of one pool or one transfer
 MAX_DIM = 1 << 20               # any other dimension of a KV block
 MAX_LAYERS = 4096               # (key, value) pairs of a KV pool
-MAX_HANDLE_BYTES = 4096         # one CUDA IPC handle (an expandable segment's is longer)
+MAX_HANDLE_BYTES = 64 << 10     # one CUDA IPC handle (an expandable segment's is longer)
 
 Nonce = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{32}$")]
 Proof = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from tllm.disagg.messages import AnyRequest, Message, Refusal
 
 _LENGTH = struct.Struct(">I")
-MAX_HEADER_BYTES = 4 << 20      # the block ids of a long prompt fit; a garbled length does not
+MAX_HEADER_BYTES = 16 << 20     # a long prompt's block ids or a pool's IPC handles fit
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.disagg.conftest import start_servers  # noqa: E402
+from tests.disagg.conftest import disagg_specs, start_servers  # noqa: E402
 from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app  # noqa: E402
 from tllm.serve.testing import ServerThread  # noqa: E402
 
@@ -44,8 +44,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     context, generation, aggregated = start_servers(
-        (args.model, "--role", "context", *FLAGS), (args.model, "--role", "generation", *FLAGS),
-        (args.model, *FLAGS))
+        *disagg_specs(args.model, *FLAGS), (args.model, *FLAGS))
     results: dict[str, list[dict]] = {"aggregated": [], "disaggregated": []}
     config = DisaggFrontConfig(context_servers={"urls": [context.url]},
                                generation_servers={"urls": [generation.url]})

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -32,9 +31,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tllm.disagg.cuda_ipc import IpcImportedKV  # noqa: E402
-from tllm.disagg.wire import (connect, dtype_from_name, recv_exact, recv_header,  # noqa: E402
-                              recv_into, send_message, tensor_bytes)
+from tllm.disagg.cuda_ipc import IpcImportedKV, open_pool  # noqa: E402
+from tllm.disagg.handshake import client_handshake  # noqa: E402
+from tllm.disagg.messages import (Fetch, IpcFetchReply, IpcPool, PoolRequest,  # noqa: E402
+                                  Release, Released, TcpFetchReply)
+from tllm.disagg.wire import (connect, recv_into, recv_reply, send_message,  # noqa: E402
+                              tensor_bytes)
+from tllm.llmapi.llm_args import parse_endpoint  # noqa: E402
 
 PROMPT_TOKENS = (1024, 4096)
 REPEATS = 5
@@ -79,17 +82,25 @@ def prefill(ctx_url: str, prompt: list[int]) -> str:
     return export_id
 
 
+def open_source(endpoint: str):
+    """(connection, source id) to a context server's KV endpoint, its handshake done."""
+    sock = connect(*parse_endpoint(endpoint), 5.0)
+    return sock, client_handshake(sock, None)
+
+
 def release(sock, export_id: str) -> None:
-    send_message(sock, {"op": "release", "id": export_id})
-    recv_header(sock)
+    send_message(sock, Release(id=export_id))
+    recv_reply(sock, Released)
 
 
 def fetch_tcp(endpoint: str, export_id: str) -> tuple[float, int]:
-    with connect(endpoint, 5.0) as sock:
+    sock, _ = open_source(endpoint)
+    with sock:
         started = time.perf_counter()
-        send_message(sock, {"op": "fetch", "id": export_id, "transport": "tcp"})
-        header = recv_header(sock)
-        data = torch.empty(header["shape"], dtype=dtype_from_name(header["dtype"]),
+        send_message(sock, Fetch(id=export_id, transport="tcp"))
+        reply = recv_reply(sock, TcpFetchReply)
+        data = torch.empty((reply.num_blocks, *reply.block_shape),
+                           dtype=getattr(torch, reply.dtype),
                            pin_memory=torch.cuda.is_available())
         recv_into(sock, tensor_bytes(data))
         seconds = time.perf_counter() - started
@@ -98,28 +109,32 @@ def fetch_tcp(endpoint: str, export_id: str) -> tuple[float, int]:
 
 
 class LocalPool:
-    """A generation-side pool of the same layout, to copy IPC blocks into."""
+    """A generation-side pool of the context server's layout, to copy IPC blocks into."""
 
-    def __init__(self, remote, num_blocks: int) -> None:
-        k = remote[0][0]
-        shape = (num_blocks, *k.shape[1:])
-        self.slot_caches = [(torch.empty(shape, dtype=k.dtype, device="cuda"),
-                             torch.empty(shape, dtype=k.dtype, device="cuda"))
-                            for _ in remote]
+    def __init__(self, description: IpcPool, num_blocks: int) -> None:
+        k = description.layers[0][0]
+        shape = (num_blocks, *k.size[1:])
+        dtype = getattr(torch, k.dtype)
+        self.slot_caches = [(torch.empty(shape, dtype=dtype, device="cuda"),
+                             torch.empty(shape, dtype=dtype, device="cuda"))
+                            for _ in description.layers]
 
 
 def fetch_ipc(endpoint: str, export_id: str, opened: dict) -> tuple[float, int, list]:
-    with connect(endpoint, 5.0) as sock:
-        send_message(sock, {"op": "fetch", "id": export_id, "transport": "cuda_ipc"})
-        header = recv_header(sock)
-        handles = recv_exact(sock, header["nbytes"])
-        if handles not in opened:
-            opened[handles] = [(f(*a), g(*b)) for (f, a), (g, b) in pickle.loads(handles)]
-        remote = opened[handles]
-        num_blocks = len(header["block_ids"])
-        pool = LocalPool(remote, num_blocks)
+    sock, source_id = open_source(endpoint)
+    with sock:
+        send_message(sock, Fetch(id=export_id, transport="cuda_ipc"))
+        reply = recv_reply(sock, IpcFetchReply)
+        if source_id not in opened:     # the pool's handles, once (plain data, checked)
+            send_message(sock, PoolRequest())
+            description = recv_reply(sock, IpcPool)
+            opened[source_id] = description, open_pool(
+                description, LocalPool(description, 1).slot_caches)
+        description, remote = opened[source_id]
+        num_blocks = len(reply.block_ids)
+        pool = LocalPool(description, num_blocks)
         events = []
-        imported = IpcImportedKV(header["num_tokens"], remote, header["block_ids"],
+        imported = IpcImportedKV(reply.num_tokens, remote, list(reply.block_ids),
                                  events.append)
         torch.cuda.synchronize()
         started = time.perf_counter()
@@ -186,9 +201,10 @@ def main() -> int:
     parser.add_argument("--model", default="dummy:llama-3.1-8b")
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
-    ctx, ctx_url = start_server(args.model, "--role", "context")
+    kv_port = free_port()
+    ctx, ctx_url = start_server(args.model, "--role", "context", "--kv-port", str(kv_port))
     gen, gen_url = start_server(args.model, "--role", "generation", "--kv-transport",
-                                "cuda_ipc")
+                                "cuda_ipc", "--kv-sources", f"127.0.0.1:{kv_port}")
     results: dict = {"model": args.model, "device": torch.cuda.get_device_name()}
     try:
         wait_healthy(ctx, ctx_url)

@@ -59,9 +59,12 @@ def run_disagg(plan: DisaggPlan, time_limit_s: float) -> dict:
               "num_prompts": plan.num_prompts, "request_rate": plan.rate}
     if plan.is_gpu:
         result["p2p_copy_GB_per_s"] = _p2p_bandwidth() / 1e9
+    from gpu_disagg import free_port
     transport = "cuda_ipc" if plan.is_gpu else "tcp"
-    specs = {"context": ("0", "--role", "context"),
-             "generation": ("1", "--role", "generation", "--kv-transport", transport),
+    kv_port = str(free_port())
+    specs = {"context": ("0", "--role", "context", "--kv-port", kv_port),
+             "generation": ("1", "--role", "generation", "--kv-transport", transport,
+                            "--kv-sources", f"127.0.0.1:{kv_port}"),
              "replica0": ("0",), "replica1": ("1",)}
     servers = {}
     try:

@@ -90,6 +90,15 @@ class ServerProcess:
                 self.kill()
 
 
+def disagg_specs(model: str, *flags: str, secret_file: str | None = None) -> tuple:
+    """(context, generation) server specs for start_servers: the context server's KV port
+    fixed, so the generation server can be configured with it (--kv-sources)."""
+    kv_port = free_port()
+    shared = [*flags, *(("--kv-secret-file", secret_file) if secret_file else ())]
+    return ((model, "--role", "context", "--kv-port", str(kv_port), *shared),
+            (model, "--role", "generation", "--kv-sources", f"127.0.0.1:{kv_port}", *shared))
+
+
 def start_servers(*specs) -> list[ServerProcess]:
     """Start them all at once, then wait for each."""
     servers = [ServerProcess(*spec) for spec in specs]

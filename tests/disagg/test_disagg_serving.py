@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.disagg.conftest import start_servers, wait_all_free
+from tests.disagg.conftest import disagg_specs, start_servers, wait_all_free
 from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
 from tllm.serve.testing import ServerThread
 
@@ -21,10 +21,11 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def workers(tiny_model_dir):
-    context, generation = start_servers((tiny_model_dir, "--role", "context",
-                                         "--kv-hold-timeout", "5"),
-                                        (tiny_model_dir, "--role", "generation"))
+def workers(tiny_model_dir, tmp_path_factory):
+    secret_file = tmp_path_factory.mktemp("disagg") / "kv-secret"
+    secret_file.write_text("serving-test-secret\n")
+    context, generation = start_servers(*disagg_specs(
+        tiny_model_dir, "--kv-hold-timeout", "5", secret_file=str(secret_file)))
     yield context, generation
     for server in (context, generation):
         server.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.disagg.conftest import start_servers, wait_all_free
+from tests.disagg.conftest import disagg_specs, start_servers, wait_all_free
 from tests.disagg.test_disagg_serving import GREEDY, _post, _stream_text
 from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
 from tllm.serve.testing import ServerThread
@@ -15,8 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smollm2_disagg():
-    context, generation = start_servers(("smollm2", "--role", "context"),
-                                        ("smollm2", "--role", "generation"))
+    context, generation = start_servers(*disagg_specs("smollm2"))
     config = DisaggFrontConfig(context_servers={"num_instances": 1, "urls": [context.url]},
                                generation_servers={"urls": [generation.url]})
     try:

@@ -1,11 +1,14 @@
 """The generation server's side of KV transfer: before a generation-only request is
-submitted, a transfer thread fetches its prompt's KV from the context server (over TCP into
-host memory, bounded by a byte budget; or, with CUDA IPC, the source block ids only) while the
-executor goes on computing; the request is submitted with it, and the KV is written into its
-fresh blocks when it is admitted (KVCacheManager.try_admit).
+submitted, a transfer thread fetches its prompt's KV from the configured context server the
+request names by source id (over TCP into host memory, bounded by a byte budget; or, with CUDA
+IPC, the source block ids only) while the executor goes on computing; the request is
+submitted with it, and the KV is written into its fresh blocks when it is admitted
+(KVCacheManager.try_admit). Every answer is checked against this server's own KV layout and
+the request's own prompt before a byte of KV is taken.
 
-If the fetch fails (the context server went away, the blocks expired, the prompt differs),
-the request is submitted without it and computes its prompt itself: the same output, later."""
+If the fetch fails (the context server went away, the blocks expired, the prompt differs, an
+answer is malformed), the request is submitted without it and computes its prompt itself:
+the same output, later."""
 from __future__ import annotations
 
 import logging
@@ -17,9 +20,13 @@ from typing import Callable
 
 import torch
 
-from tllm.disagg.wire import (TransferError, connect, dtype_from_name, recv_header, recv_into,
-                              send_message, tensor_bytes)
+from tllm.disagg.messages import (Fetch, HeldPrompt, IpcFetchReply, Release, Released,
+                                  TcpFetchReply, prompt_sha256)
+from tllm.disagg.sources import KVSources
+from tllm.disagg.wire import (TransferError, dtype_name, recv_into, recv_reply, send_message,
+                              tensor_bytes)
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.kv_cache.transfer import block_shape
 from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager
 
@@ -29,9 +36,10 @@ CONNECT_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class KVSource:
-    """Where a generation-only request's KV is: a context server's endpoint and export id."""
+    """Where a generation-only request's KV is: a configured context server's source id
+    and the id its KV is held under there."""
 
-    endpoint: str
+    source_id: str
     export_id: str
 
 
@@ -91,8 +99,9 @@ class KVImporter(ResourceManager):
 
     def __init__(self, kv_cache: KVCacheManager, submit: Callable[[Request], None],
                  abort: Callable[[str], None], transport: str, max_staging_bytes: int,
-                 num_threads: int = 4) -> None:
+                 sources: KVSources, num_threads: int = 4) -> None:
         self.kv_cache = kv_cache
+        self.sources = sources
         self._submit = submit
         self._abort = abort
         self.transport = transport
@@ -133,8 +142,8 @@ class KVImporter(ResourceManager):
             self.stats.num_imported += 1
         except Exception as exc:  # noqa: BLE001 - any failure: compute the prompt here
             self.stats.num_failed += 1
-            logger.warning("KV fetch for %s from %s failed (%s); computing its prompt here",
-                           request.request_id, source.endpoint, exc)
+            logger.warning("KV fetch for %s from source %s failed (%s); computing its prompt "
+                           "here", request.request_id, source.source_id, exc)
         try:
             self._submit(request)
         except Exception as exc:  # noqa: BLE001 - refused now: end it as the executor would
@@ -154,56 +163,92 @@ class KVImporter(ResourceManager):
             return self._fetching.pop(request_id)
 
     def _fetch(self, request: Request, source: KVSource):
-        with connect(source.endpoint, CONNECT_TIMEOUT_S) as sock:
-            send_message(sock, {"op": "fetch", "id": source.export_id,
-                                "transport": self.transport})
-            header = recv_header(sock)
-            if not header.get("ok"):
-                raise TransferError(header.get("error", "refused"))
-            if header["token_ids"] != request.prompt_token_ids[:len(header["token_ids"])] \
-                    or header["num_tokens"] > request.num_prompt_tokens:
-                send_message(sock, {"op": "release", "id": source.export_id})
-                raise TransferError("the context server prefilled a different prompt")
-            if self._ipc is not None:
-                return self._ipc.imported(source, header, sock, self._release_later)
-            imported = self._receive(sock, header)
-            send_message(sock, {"op": "release", "id": source.export_id})
-            recv_header(sock)
+        sock, endpoint = self.sources.open(source.source_id)
+        with sock:
+            send_message(sock, Fetch(id=source.export_id, transport=self.transport))
+            reply = recv_reply(sock, TcpFetchReply if self._ipc is None else IpcFetchReply)
+            try:
+                check_prompt(reply, request.prompt_token_ids)
+                if self._ipc is not None:
+                    return self._ipc.imported(
+                        sock, endpoint, source.source_id, reply, self.kv_cache.slot_caches,
+                        self.kv_cache.tokens_per_block,
+                        lambda event: self._release_later(source, event))
+                check_layout(reply, self.kv_cache)
+            except TransferError:
+                _release_quietly(sock, source.export_id)
+                raise
+            imported = self._receive(sock, reply)
+            send_message(sock, Release(id=source.export_id))
+            recv_reply(sock, Released)
             return imported
 
-    def _receive(self, sock, header: dict) -> StagedKV:
-        """The blocks' bytes straight into a staging tensor (pinned memory for a GPU)."""
+    def _receive(self, sock, reply: TcpFetchReply) -> StagedKV:
+        """The blocks' bytes straight into a staging tensor (pinned memory for a GPU) of our
+        own KV dtype and block shape (check_layout has matched the reply to them)."""
         started = time.perf_counter()
-        nbytes = int(header["nbytes"])
+        nbytes = reply.nbytes
         self.budget.acquire(nbytes)
         try:
-            pin = self.kv_cache.slot_caches[0][0].device.type == "cuda"
-            data = torch.empty(header["shape"], dtype=dtype_from_name(header["dtype"]),
-                               pin_memory=pin)
-            view = tensor_bytes(data)
-            if len(view) != nbytes:
-                raise TransferError(f"announced {nbytes} bytes for a {header['shape']} "
-                                    "tensor")
-            recv_into(sock, view)
+            k = self.kv_cache.slot_caches[0][0]
+            data = torch.empty((reply.num_blocks, *block_shape(self.kv_cache)), dtype=k.dtype,
+                               pin_memory=k.device.type == "cuda")
+            recv_into(sock, tensor_bytes(data))
         except BaseException:
             self.budget.release(nbytes)
             raise
         self.stats.bytes_received += nbytes
         self.stats.transfer_seconds += time.perf_counter() - started
-        return StagedKV(int(header["num_tokens"]), data, lambda: self.budget.release(nbytes))
+        return StagedKV(reply.num_tokens, data, lambda: self.budget.release(nbytes))
 
     def _release_later(self, source: KVSource, event) -> None:
         """(CUDA IPC.) Once the device copy is done, the context server may free the blocks."""
         def release() -> None:
             event.synchronize()
             try:
-                with connect(source.endpoint, CONNECT_TIMEOUT_S) as sock:
-                    send_message(sock, {"op": "release", "id": source.export_id})
-                    recv_header(sock)
+                sock, _ = self.sources.open(source.source_id)
+                with sock:
+                    send_message(sock, Release(id=source.export_id))
+                    recv_reply(sock, Released)
             except (OSError, TransferError) as exc:
-                logger.warning("could not release KV %s at %s: %s", source.export_id,
-                               source.endpoint, exc)
+                logger.warning("could not release KV %s at source %s: %s", source.export_id,
+                               source.source_id, exc)
         self._pool.submit(release)
+
+
+def check_prompt(reply: HeldPrompt, prompt_token_ids: list[int]) -> None:
+    """The held KV must be of this request's prompt (its first `prompt_len` tokens)."""
+    if not (reply.num_tokens <= reply.prompt_len <= len(prompt_token_ids)) or \
+            prompt_sha256(prompt_token_ids[:reply.prompt_len]) != reply.prompt_sha256:
+        raise TransferError("the context server prefilled a different prompt")
+
+
+def check_layout(reply: TcpFetchReply, kv_cache: KVCacheManager) -> None:
+    """The blocks announced must be ours in dtype and shape, as many as the tokens need
+    (and no more than our whole pool), and exactly `nbytes` long."""
+    k = kv_cache.slot_caches[0][0]
+    shape = list(block_shape(kv_cache))
+    if reply.dtype != dtype_name(k.dtype) or reply.block_shape != shape:
+        raise TransferError(f"the KV source's blocks are {reply.dtype} {reply.block_shape}, "
+                            f"ours {dtype_name(k.dtype)} {shape}")
+    if reply.num_blocks != -(-reply.num_tokens // kv_cache.tokens_per_block):
+        raise TransferError(f"{reply.num_blocks} blocks for {reply.num_tokens} tokens")
+    if reply.num_blocks > k.shape[0]:
+        raise TransferError(f"{reply.num_blocks} blocks, more than this server's whole pool")
+    block_nbytes = k.element_size()
+    for dim in shape:
+        block_nbytes *= dim
+    if reply.nbytes != reply.num_blocks * block_nbytes:
+        raise TransferError(f"{reply.nbytes} bytes announced for {reply.num_blocks} blocks "
+                            f"of {block_nbytes}")
+
+
+def _release_quietly(sock, export_id: str) -> None:
+    """Best effort: the blocks expire on the context server anyway."""
+    try:
+        send_message(sock, Release(id=export_id))
+    except OSError:
+        pass
 
 
 def _fail(request: Request, error: Exception) -> None:

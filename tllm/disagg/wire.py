@@ -1,45 +1,93 @@
-"""The KV transfer wire format between a generation server and a context server: each
-message is a 4-byte big-endian length, a JSON header of that length, then the `nbytes` of
-payload the header announces (raw tensor bytes, received straight into their tensor).
+"""The KV transfer wire between a generation server and the context servers it was configured
+with. Each message is a 4-byte big-endian length and a JSON header of that length (at most
+MAX_HEADER_BYTES), validated against the model (tllm/disagg/messages.py) the reader expects
+at that point; a TCP fetch's answer is followed by the blocks' raw bytes, received straight
+into a tensor whose dtype and shape the generation side chose from its own KV cache. Nothing
+on this wire is unpickled or names code to run.
 
-    generation -> context   {"op": "fetch", "id": ID, "transport": "tcp" | "cuda_ipc"}
-    context -> generation   {"ok": true, "num_tokens", "token_ids", "shape", "dtype",
-                             "nbytes"} + the blocks   (tcp)
-                            {"ok": true, "num_tokens", "token_ids", "block_ids",
-                             "nbytes"} + the pool's IPC handles, pickled   (cuda_ipc)
-                            {"ok": false, "error": "..."}
-    generation -> context   {"op": "release", "id": ID}   -> {"ok": true}
-
-The port is for the servers of one deployment only: a cuda_ipc answer is a pickle."""
+    generation -> context   Hello {version, nonce}
+    context -> generation   HelloReply {version, source_id, nonce, proof}
+    generation -> context   Auth {proof}                          (with a shared secret)
+    then, any number of times:
+    generation -> context   Fetch {id, transport}
+    context -> generation   TcpFetchReply + the blocks' bytes       (tcp)
+                            IpcFetchReply (the blocks' ids)          (cuda_ipc)
+    generation -> context   PoolRequest -> IpcPool    (cuda_ipc: the pool's IPC handles)
+    generation -> context   Release {id} -> Released {ok}
+    any answer may be a Refusal {ok: false, error} instead.
+"""
 from __future__ import annotations
 
-import json
 import socket
 import struct
-from typing import Any
+from typing import TypeVar
 
 import torch
+from pydantic import BaseModel, ValidationError
+
+from tllm.disagg.messages import AnyRequest, Message, Refusal
 
 _LENGTH = struct.Struct(">I")
-MAX_HEADER_BYTES = 64 << 20  # token ids of a long prompt fit; a garbled length does not
+MAX_HEADER_BYTES = 16 << 20     # a long prompt's block ids or a pool's IPC handles fit
+M = TypeVar("M", bound=BaseModel)
 
 
 class TransferError(RuntimeError):
     """The other side refused, broke the protocol or went away."""
 
 
-def send_message(sock: socket.socket, header: dict[str, Any], payload: bytes = b"") -> None:
-    data = json.dumps({**header, "nbytes": len(payload)} if payload else header).encode()
+class MalformedMessage(TransferError):
+    """A message that is not what the protocol expects at this point."""
+
+
+def send_message(sock: socket.socket, message: Message, payload: bytes = b"") -> None:
+    data = message.model_dump_json().encode()
     sock.sendall(_LENGTH.pack(len(data)) + data)
     if payload:
         sock.sendall(payload)
 
 
-def recv_header(sock: socket.socket) -> dict[str, Any]:
+def recv_reply(sock: socket.socket, model: type[M]) -> M:
+    """The next message as `model` (TransferError if it is a Refusal or malformed)."""
+    data = _recv_header(sock)
+    try:
+        refusal = Refusal.model_validate_json(data)
+    except ValidationError:
+        return _validated(model, data)
+    raise TransferError(f"the KV source refused: {refusal.error}")
+
+
+def recv_request(sock: socket.socket) -> Message:
+    """(The context server.) The next request from a generation server, validated."""
+    data = _recv_header(sock)
+    try:
+        return AnyRequest.validate_json(data)
+    except ValidationError as exc:
+        raise MalformedMessage(f"a malformed KV request: {_summary(exc)}") from None
+
+
+def _validated(model: type[M], data: bytes) -> M:
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        raise MalformedMessage(f"a malformed {model.__name__} from the KV source: "
+                               f"{_summary(exc)}") from None
+
+
+def _summary(exc: ValidationError) -> str:
+    """The fields that failed and why (never the values: they came off the network)."""
+    errors = exc.errors(include_input=False, include_url=False)
+    text = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'message'}: {e['msg']}"
+                     for e in errors[:3])
+    return text + (f" (and {len(errors) - 3} more)" if len(errors) > 3 else "")
+
+
+def _recv_header(sock: socket.socket) -> bytes:
     (length,) = _LENGTH.unpack(recv_exact(sock, _LENGTH.size))
     if length > MAX_HEADER_BYTES:
-        raise TransferError(f"a KV transfer header of {length} bytes")
-    return json.loads(recv_exact(sock, length))
+        raise MalformedMessage(f"a KV transfer header of {length} bytes (at most "
+                               f"{MAX_HEADER_BYTES})")
+    return recv_exact(sock, length)
 
 
 def recv_exact(sock: socket.socket, num_bytes: int) -> bytes:
@@ -63,19 +111,12 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(tensor.contiguous().view(torch.uint8).reshape(-1).numpy())
 
 
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype):
-        raise TransferError(f"unknown KV dtype {name!r}")
-    return dtype
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def connect(endpoint: str, timeout_s: float) -> socket.socket:
-    """A connection to a context server's KV endpoint, 'tcp://host:port' or 'host:port'."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"disaggregated_params.opaque_state: not a KV endpoint "
-                         f"('tcp://host:port'): {endpoint!r}")
-    sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+def connect(host: str, port: int, timeout_s: float) -> socket.socket:
+    """A connection to a configured context server's KV endpoint."""
+    sock = socket.create_connection((host, port), timeout=timeout_s)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     return sock

@@ -72,12 +72,13 @@ class LLM:
 
     @property
     def disagg_info(self) -> dict[str, str] | None:
-        """A disaggregated worker's role, transport and KV endpoint (None: not one)."""
+        """A disaggregated worker's role and transport; a context server's KV endpoint and
+        the source id requests name it by (None: not a disaggregated worker)."""
         agent = self._engine.disagg
         if agent is None:
             return None
         return {"role": agent.config.role, "transport": agent.config.transport,
-                "kv_endpoint": agent.kv_endpoint}
+                "kv_endpoint": agent.kv_endpoint, "kv_source_id": agent.kv_source_id}
 
     def get_kv_cache_stats(self) -> dict[str, float]:
         """Prefix-reuse hit rate, onboards/offloads/swaps, per-tier usage, preemptions;

@@ -5,7 +5,8 @@ from __future__ import annotations
 from enum import Enum
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator,
+                      model_validator)
 
 
 class KvCacheConfig(BaseModel):
@@ -131,21 +132,61 @@ class DisaggConfig(BaseModel):
     requests and keeps their KV blocks for a generation server to fetch) or a generation
     server (decodes requests from KV fetched from a context server). `transport`: how KV
     blocks travel: over TCP (any two processes; the blocks pass through host memory) or
-    CUDA IPC (two processes on one GPU host: device-to-device copies)."""
+    CUDA IPC (two processes on one GPU host: device-to-device copies).
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    A generation server fetches only from `kv_sources`, the KV endpoints of the context
+    servers it was configured with; a request names one of them by its source id, never by
+    address. With `secret`, both sides prove they know it before any KV moves."""
+
+    # (its checks are per field: an error's text shows that field's input, never the secret)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     role: Literal["context", "generation"]
     transport: Literal["tcp", "cuda_ipc"] = "tcp"
     # The context server's KV endpoint (0: a free port); generation servers connect to it.
     kv_host: str = "127.0.0.1"
     kv_port: int = Field(0, ge=0, le=65535)
+    # A generation server's context servers: their KV endpoints, "host:port".
+    kv_sources: tuple[str, ...] = Field((), validate_default=True)
+    # Shared by a deployment's context and generation servers (None: no authentication).
+    secret: SecretStr | None = None
     # A context server frees a request's blocks when the generation side has taken them, or
     # after this many seconds (a front that gave up, a generation server that died).
     hold_timeout_s: float = Field(30.0, gt=0)
     # A generation server stages fetched KV in host memory until admission: at most this
     # many bytes at once (further fetches wait), so transfers stay bounded in memory.
     max_staging_bytes: int = Field(1 << 30, ge=1)
+
+    @field_validator("kv_sources")
+    @classmethod
+    def _check_sources(cls, kv_sources: tuple[str, ...], info: ValidationInfo):
+        role = info.data.get("role")
+        if role == "context" and kv_sources:
+            raise ValueError("disaggregation.kv_sources: only a generation server fetches KV")
+        if role == "generation" and not kv_sources:
+            raise ValueError("disaggregation.kv_sources: a generation server needs the KV "
+                             "endpoints ('host:port') of the context servers it may fetch "
+                             "from (tllm serve --kv-sources)")
+        for endpoint in kv_sources:
+            parse_endpoint(endpoint)
+        return kv_sources
+
+    @field_validator("secret")
+    @classmethod
+    def _check_secret(cls, secret: SecretStr | None):
+        if secret is not None and not secret.get_secret_value():
+            raise ValueError("disaggregation.secret: empty")
+        return secret
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    """(host, port) of a KV endpoint, 'host:port' or 'tcp://host:port'."""
+    host, _, port = str(endpoint).removeprefix("tcp://").rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")    # [::1]:8100
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"disaggregation.kv_sources: not a KV endpoint ('host:port'): "
+                         f"{endpoint!r}")
+    return host, int(port)
 
 
 class AllReduceConfig(BaseModel):

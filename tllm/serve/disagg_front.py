@@ -5,11 +5,13 @@ Each completion or chat request goes first to a context server, as itself with
 `max_tokens: 1`, unstreamed, and `disaggregated_params: {request_type: context_only,
 ctx_request_id}`: the server prefills it and keeps its prompt's KV blocks under that id. Then
 it goes, as the client sent it, to a generation server with `{request_type:
-generation_only, ctx_request_id, opaque_state: <the context server's KV endpoint>}`: that
-server fetches the blocks, decodes, and its answer (streamed or not: usage, logprobs, stop
-strings as any server's) is relayed to the client. Requests that need the prompt computed
-where they are answered (echo with logprobs: prompt logprobs), or that hold several prompts,
-run whole on a generation server."""
+generation_only, ctx_request_id, opaque_state: <the context server's KV source id>}` (the id
+came back in the prefill's X-TLLM-KV-Source header): that server fetches the blocks from the
+configured context server (its --kv-sources) that has this id, decodes, and its answer
+(streamed or not: usage, logprobs, stop strings as any server's) is relayed to the client.
+Neither the front nor a request ever tells a generation server an address. Requests that
+need the prompt computed where they are answered (echo with logprobs: prompt logprobs), or
+that hold several prompts, run whole on a generation server."""
 from __future__ import annotations
 
 import argparse
@@ -24,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tllm import __version__
+from tllm.serve.disagg_worker import KV_SOURCE_HEADER
 from tllm.serve.errors import APIError, install_error_handlers
 from tllm.serve.proxy import (Upstream, pick_least_loaded, read_json_body, relay,
                               until_disconnect, upstream_error)
@@ -82,7 +85,6 @@ class DisaggFront:
         self.context = [Upstream(u, config.api_key) for u in config.context_servers.urls]
         self.generation = [Upstream(u, config.api_key) for u in config.generation_servers.urls]
         self._turns = itertools.count()
-        self._kv_endpoints: dict[str, str] = {}     # context server url -> its KV endpoint
         self.num_disaggregated = 0
         self.num_whole = 0
 
@@ -94,27 +96,18 @@ class DisaggFront:
             return await relay(request, generation, path, body)
         context = pick_least_loaded(self.context, next(self._turns))
         ctx_request_id = f"ctx-{uuid.uuid4().hex}"
-        endpoint = await self._kv_endpoint(context)
         answer = await until_disconnect(request, context.post_json(
             path, _prefill_body(body, ctx_request_id)))
         if answer.status_code != 200:
-            if answer.status_code >= 500:
-                self._kv_endpoints.pop(context.url, None)   # it may have restarted
             return upstream_error(answer)
+        source_id = answer.headers.get(KV_SOURCE_HEADER)
+        if source_id is None:
+            raise APIError(503, f"{context.url} did not name its KV source: is it a tllm "
+                           "context server (--role context)?", code="upstream_unavailable")
         self.num_disaggregated += 1
         return await relay(request, generation, path, {**body, "disaggregated_params": {
             "request_type": "generation_only", "ctx_request_id": ctx_request_id,
-            "opaque_state": endpoint}})
-
-    async def _kv_endpoint(self, context: Upstream) -> str:
-        endpoint = self._kv_endpoints.get(context.url)
-        if endpoint is None:
-            info = await context.get_json("/disagg/info")
-            if info.get("role") != "context":
-                raise APIError(503, f"{context.url} is not a context server (role "
-                               f"{info.get('role')!r})", code="upstream_unavailable")
-            endpoint = self._kv_endpoints[context.url] = info["kv_endpoint"]
-        return endpoint
+            "opaque_state": source_id}})
 
     async def health(self) -> Response:
         """200 once some context and some generation server answer their /health."""

@@ -18,7 +18,7 @@ from tllm.serve.chat import create_chat_completion
 from tllm.serve.completions import create_completion
 from tllm.serve.context import SSE_CONTENT, ServerConfig, ServingContext
 from tllm.serve.dashboard import API_KEY_COOKIE, dashboard_routes
-from tllm.serve.disagg_worker import disagg_routes
+from tllm.serve.disagg_worker import KVSourceHeader, disagg_routes
 from tllm.serve.errors import (APIError, bad_request, error_responses,
                                from_validation_error, install_error_handlers, internal_error)
 from tllm.serve.http_limits import RequestLimits
@@ -58,6 +58,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
                                                            allow_browser=True)))
     if getattr(llm, "disagg_info", None) is not None:
         app.include_router(disagg_routes(llm))
+        app.add_middleware(KVSourceHeader, llm=llm)
     return app
 
 

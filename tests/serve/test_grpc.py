@@ -21,13 +21,14 @@ from tllm.serve.grpc import tllm_pb2 as pb
 from tllm.serve.grpc import tllm_pb2_grpc as pb_grpc
 from tllm.serve.grpc_server import serve_with_grpc
 from tllm.serve.openai_server import build_app
+from tllm.serve.testing import FakeLLM
 
 
 class HttpAndGrpc:
     """build_app's server and the gRPC server on one loop in a thread, as --grpc-port runs."""
 
-    def __init__(self, llm) -> None:
-        self.app = build_app(llm, ServerConfig(model="tiny"))
+    def __init__(self, llm, config: ServerConfig = ServerConfig(model="tiny")) -> None:
+        self.app = build_app(llm, config)
         self._socket = socket.socket()
         self._socket.bind(("127.0.0.1", 0))
         self.http_url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
@@ -132,3 +133,24 @@ def test_proto_stubs_are_current(tmp_path):
     here = Path(__file__).resolve().parents[2] / "tllm/serve/grpc"
     for name in ("tllm_pb2.py", "tllm_pb2_grpc.py"):
         assert (tmp_path / "tllm/serve/grpc" / name).read_text() == (here / name).read_text()
+
+
+def test_with_the_api_key_every_call_but_health_needs_it():
+    """Issue 31, item 6: --api-key covers the gRPC port too (Health stays open, a probe)."""
+    with HttpAndGrpc(FakeLLM(), ServerConfig(model="fake", api_key="k")) as both:
+        with grpc.insecure_channel(f"127.0.0.1:{both.grpc_port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            assert stub.Health(pb.HealthRequest()).healthy
+            calls = [lambda **kw: stub.ModelInfo(pb.ModelInfoRequest(), **kw),
+                     lambda **kw: list(stub.Generate(pb.GenerateRequest(text="hi"), **kw)),
+                     lambda **kw: stub.Abort(pb.AbortRequest(request_id="x"), **kw)]
+            for call in calls:
+                for metadata in (None, [("authorization", "Bearer nope")]):
+                    with pytest.raises(grpc.RpcError) as error:
+                        call(metadata=metadata)
+                    assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            good = [("authorization", "Bearer k")]
+            assert calls[0](metadata=good).model == "fake"
+            with pytest.raises(grpc.RpcError) as error:
+                calls[2](metadata=good)
+            assert error.value.code() == grpc.StatusCode.NOT_FOUND

@@ -159,6 +159,11 @@ def test_dashboard_in_a_headless_browser(browser, tmp_path):
         page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: problems.append(str(e)))
         page.goto(f"{server.base_url}/dashboard?api_key=sesame")
+        # the key was traded for a session: gone from the address bar, not in the cookie
+        assert page.url == f"{server.base_url}/dashboard"
+        [cookie] = page.context.cookies()
+        assert cookie["value"] != "sesame" and cookie["httpOnly"]
+        assert cookie["sameSite"] == "Strict"
         page.wait_for_function("document.querySelector('[data-stat=num_running]')"
                                ".textContent !== '–'", timeout=10_000)
         assert page.text_content("#health") == "healthy"

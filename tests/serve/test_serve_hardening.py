@@ -15,7 +15,7 @@ import pytest
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.http_limits import uvicorn_options
+from tllm.serve.http_server import uvicorn_config
 from tllm.serve.openai_server import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
@@ -232,9 +232,7 @@ def test_body_over_the_cap_without_content_length_is_413(fake):
 
 
 def test_oversized_headers_are_refused_and_the_connection_closed(fake):
-    server = _serve(fake, max_header_bytes=4096)
-    server.server.config.h11_max_incomplete_event_size = 4096   # as uvicorn_options sets
-    with server:
+    with _serve(fake, max_header_bytes=4096) as server:
         big = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000
         received, _ = _raw_exchange(server.port, big + b"\r\n\r\n", wait_s=5)  # whole
         assert received.startswith(b"HTTP/1.1 431") and b"headers_too_large" in received
@@ -252,18 +250,29 @@ def test_limit_flags_reach_the_server_config():
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     defaults = server_config(parser.parse_args(["serve"]), "m")
     assert (defaults.body_read_timeout_s, defaults.max_header_bytes,
-            defaults.keep_alive_timeout_s, defaults.protect_metrics) == (10.0, 16384, 5, False)
+            defaults.keep_alive_timeout_s, defaults.header_read_timeout_s,
+            defaults.max_connections, defaults.protect_metrics) == (10.0, 16384, 5, 10, 1024,
+                                                                     False)
     args = parser.parse_args(["serve", "--body-read-timeout", "2.5", "--max-header-bytes",
                               "8192", "--keep-alive-timeout", "30", "--api-key", "k",
-                              "--protect-metrics"])
+                              "--protect-metrics", "--header-read-timeout", "3",
+                              "--max-connections", "64"])
     config = server_config(args, "m")
     assert (config.body_read_timeout_s, config.max_header_bytes, config.keep_alive_timeout_s,
-            config.protect_metrics) == (2.5, 8192, 30, True)
+            config.header_read_timeout_s, config.max_connections,
+            config.protect_metrics) == (2.5, 8192, 30, 3, 64, True)
 
 
-def test_uvicorn_gets_the_connection_limits():
-    options = uvicorn_options(ServerConfig(max_header_bytes=1234, keep_alive_timeout_s=7))
-    assert options == {"h11_max_incomplete_event_size": 1234, "timeout_keep_alive": 7}
+def test_uvicorn_gets_the_connection_limits(fake):
+    app = build_app(fake, ServerConfig(model="fake", max_header_bytes=1234,
+                                       keep_alive_timeout_s=7, max_connections=9))
+    try:
+        config = uvicorn_config(app)
+        config.load()
+    finally:
+        app.state.ctx.close()
+    assert (config.h11_max_incomplete_event_size, config.timeout_keep_alive) == (1234, 7)
+    assert config.http_protocol_class.keywords["guard"].limits.max_connections == 9
 
 
 # ---- finding 8 (the schema itself; schemathesis runs in test_serve_schemathesis.py) ----
@@ -319,23 +328,6 @@ def test_protect_metrics(fake, protect):
                     assert client.get(path).status_code == 200
             assert client.get("/health").status_code == 200
             assert client.get("/version").status_code == 200
-
-
-def test_dashboard_is_behind_the_api_key_by_header_query_or_cookie(fake):
-    with _serve(fake, api_key="sesame") as server:
-        with httpx.Client(base_url=server.base_url, timeout=10) as client:
-            assert_openai_error(client.get("/dashboard"), 401)
-            assert_openai_error(client.get("/dashboard/stats.json"), 401)
-            assert_openai_error(client.get("/dashboard", params={"api_key": "nope"}), 401)
-            page = client.get("/dashboard", params={"api_key": "sesame"})
-            assert page.status_code == 200 and "tllm_api_key" in page.headers["set-cookie"]
-            assert client.get("/dashboard/stats.json").status_code == 200   # the cookie
-            client.cookies.clear()
-            assert client.get("/dashboard/stats.json",
-                              headers={"Authorization": "Bearer sesame"}).status_code == 200
-            # the query parameter and cookie are for the dashboard only
-            assert_openai_error(client.post(COMPLETIONS, json=COMPLETION,
-                                            params={"api_key": "sesame"}), 401)
 
 
 @pytest.mark.slow

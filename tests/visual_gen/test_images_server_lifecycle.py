@@ -112,3 +112,21 @@ def test_a_temporary_files_folder_is_removed_on_close(visual_gen):
     app.state.ctx.close()
     assert not files_dir.exists()
 
+
+
+def test_with_the_api_key_url_files_are_signed_and_expire(visual_gen, tmp_path):
+    """Issue 31, item 6: a "url" answer is a signed URL that lasts image_url_ttl_s; the file
+    without its signature, or after that, needs the key."""
+    app = build_images_app(visual_gen, ServerConfig(model="m", api_key="k",
+                                                    image_url_ttl_s=60), files_dir=tmp_path)
+    with ServerThread(app) as server, httpx.Client(timeout=60) as client:
+        response = client.post(f"{server.base_url}/v1/images/generations",
+                               headers={"Authorization": "Bearer k"},
+                               json={"prompt": "a cat", "response_format": "url", **FAST})
+        assert response.status_code == 200, response.text
+        url = response.json()["data"][0]["url"]
+        assert client.get(url).headers["content-type"] == "image/png"     # no key needed
+        assert_openai_error(client.get(url.split("?")[0]), 401)
+        signer = app.state.ctx.signer
+        signer.clock = lambda: time.time() + 61
+        assert_openai_error(client.get(url), 401)

@@ -13,6 +13,7 @@ from tllm.extras import require_extra
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
+from tllm.serve.http_limits import add_http_limit_args
 from tllm.serve.lora import parse_lora_modules
 from tllm.serve.reasoning import REASONING_PARSERS
 from tllm.serve.tool_parsers import TOOL_PARSERS
@@ -55,11 +56,12 @@ def _add_server_args(group) -> None:
     group.add_argument("--host", default="127.0.0.1", help="address to listen on "
                        "(default 127.0.0.1; 0.0.0.0 listens on every interface)")
     group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
-                       "and /dashboard (which also takes ?api_key=KEY)")
+    group.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every "
+                       "route but /health and /version (and /metrics and the API docs, "
+                       "without --protect-metrics); /dashboard?api_key=KEY starts a session")
     group.add_argument("--protect-metrics", action="store_true",
                        help="with --api-key: /metrics, /docs, /redoc and /openapi.json need "
-                            "the key too (default: they stay open)")
+                            "the key too (default: they stay open, as in vLLM)")
     group.add_argument("--served-model-name", help="the model name clients send (default: "
                        "MODEL as given)")
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
@@ -73,17 +75,7 @@ def _add_server_args(group) -> None:
     group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
                        help="answer 429 while this many requests wait beyond the free "
                             "batch slots (default 1024; 0 means no limit)")
-    group.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
-                       help="answer 413 to larger request bodies (default 16 MiB)")
-    group.add_argument("--body-read-timeout", type=positive_float, default=10.0,
-                       help="seconds a request body may take to arrive after its headers; "
-                            "then 408 and the connection is closed (default 10)")
-    group.add_argument("--max-header-bytes", type=positive_int, default=16 << 10,
-                       help="largest request line + headers: larger ones get a 431 (a 400 "
-                            "while still incomplete) and the connection is closed "
-                            "(default 16 KiB)")
-    group.add_argument("--keep-alive-timeout", type=positive_int, default=5,
-                       help="seconds an idle keep-alive connection stays open (default 5)")
+    add_http_limit_args(group)
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
                             "/health answers 503 (default 120)")
@@ -113,11 +105,9 @@ def _add_server_args(group) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
-    import uvicorn
-
     from tllm.llmapi.llm import LLM
     from tllm.llmapi.process_llm import ProcessLLM
-    from tllm.serve.http_limits import uvicorn_options
+    from tllm.serve.http_server import build_server
     from tllm.serve.openai_server import build_app
 
     model, llm_kwargs = llm_arguments(args)
@@ -129,9 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = build_app(llm, config)
     # No lifespan events: the LLM is loaded already and shut down below. Streams still open
     # 5 s after Ctrl-C are cut (and aborted in the engine).
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-        timeout_graceful_shutdown=5, **uvicorn_options(config)))
+    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
     supervisor = app.state.ctx.supervisor
     supervisor.on_fatal = lambda reason: setattr(server, "should_exit", True)
     # What start-up built (modules, model or tokenizer, the app) lives as long as the
@@ -178,6 +166,8 @@ def server_config(args: argparse.Namespace, model: str):
                         body_read_timeout_s=args.body_read_timeout,
                         max_header_bytes=args.max_header_bytes,
                         keep_alive_timeout_s=args.keep_alive_timeout,
+                        header_read_timeout_s=args.header_read_timeout,
+                        max_connections=args.max_connections,
                         protect_metrics=args.protect_metrics,
                         exit_on_engine_failure=args.exit_on_engine_failure,
                         max_engine_restarts=args.max_engine_restarts,

@@ -15,6 +15,7 @@ from starlette.responses import StreamingResponse
 from tllm.serve.errors import APIError, bad_request, internal_error
 from tllm.lora.request import LoRARequest
 from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
+from tllm.serve.http_limits import HttpLimits
 from tllm.serve.logprobs import LogprobFormatter
 from tllm.serve.lora import LoraRegistry
 from tllm.serve.metrics import ServerMetrics
@@ -39,7 +40,9 @@ class ServerConfig:
     image_url_ttl_s: float = 3600.0     # images server: how long "url" files stay
     body_read_timeout_s: float = 10.0   # 408 when a body has not all arrived by then
     max_header_bytes: int = 16 << 10    # uvicorn/h11: larger request heads get a 400
-    keep_alive_timeout_s: int = 5       # uvicorn: idle keep-alive connections closed after
+    keep_alive_timeout_s: float = 5.0   # connections without a request closed after
+    header_read_timeout_s: float = 10.0     # 408 when a head has not all arrived by then
+    max_connections: int = 1024         # open connections (http_server.ConnectionGuard)
     protect_metrics: bool = False       # with api_key: /metrics and the docs need it too
     exit_on_engine_failure: bool = False    # exit non-zero when the engine dies, not restart
     max_engine_restarts: int = 3        # restart attempts in a row before the server exits
@@ -50,6 +53,15 @@ class ServerConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+    @property
+    def http_limits(self) -> HttpLimits:
+        return HttpLimits(max_connections=self.max_connections,
+                          header_read_timeout_s=self.header_read_timeout_s,
+                          keep_alive_timeout_s=self.keep_alive_timeout_s,
+                          max_header_bytes=self.max_header_bytes,
+                          body_read_timeout_s=self.body_read_timeout_s,
+                          max_body_bytes=self.max_body_bytes)
 
 
 @dataclass

@@ -1,23 +1,29 @@
 """GET /dashboard: a live page of the server (static HTML and JS shipped in the package, no
 build step, nothing from a CDN), and GET /dashboard/stats.json, the numbers it polls. The
 numbers are those of /metrics (the same registry, read in one pass) plus the sliding windows
-of ServerMetrics for recent rates and latency percentiles."""
+of ServerMetrics for recent rates and latency percentiles.
+
+With --api-key, a browser opens /dashboard?api_key=KEY once: the server answers with a
+session cookie (a random token it keeps, HttpOnly, SameSite=Strict, expiring; never the key)
+and a redirect to /dashboard, so the key leaves the address bar and history; the page's own
+requests then carry the cookie."""
 from __future__ import annotations
 
 import functools
 import time
 from importlib import resources
-from typing import Callable, Optional
+from typing import Optional
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter
 from pydantic import BaseModel
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 
+from tllm.serve.auth import Grant, SessionStore, key_matches
 from tllm.serve.errors import error_responses
 from tllm.serve.metrics import LATENCY_WINDOW_S, RATE_WINDOW_S, WindowedQuantiles
 
-API_KEY_COOKIE = "tllm_api_key"
+SESSION_COOKIE = "tllm_dashboard_session"
 QUANTILES = (0.5, 0.9, 0.99)
 _FINISH_PREFIX = 'tllm:request_success_total{finished_reason="'
 
@@ -58,18 +64,35 @@ class DashboardStats(BaseModel):
     latency_window_s: int = LATENCY_WINDOW_S
 
 
-def dashboard_routes(ctx, key_check: Callable) -> APIRouter:
-    """The page and its JSON, behind key_check (the API key by header, query or cookie)."""
-    router = APIRouter(dependencies=[Depends(key_check)], responses=error_responses(401, 500))
+def dashboard_grant(api_key: str | None, sessions: SessionStore) -> Grant:
+    """Besides the Authorization header, /dashboard* takes a live session's cookie, and the
+    page itself ?api_key=KEY (which the page trades for a session)."""
+    def allows(request: Request) -> bool:
+        if sessions.is_valid(request.cookies.get(SESSION_COOKIE)):
+            return True
+        return (api_key is not None and request.url.path == "/dashboard"
+                and key_matches(request.query_params.get("api_key"), api_key))
+    return Grant("/dashboard", allows, hint="or open /dashboard?api_key=<key> in a browser")
+
+
+def dashboard_routes(ctx, sessions: SessionStore) -> APIRouter:
+    """The page and its JSON (behind the API key: auth.ApiKeyGuard and dashboard_grant)."""
+    router = APIRouter(responses=error_responses(401, 500))
     started = time.monotonic()
+    api_key = ctx.config.api_key
 
     @router.get("/dashboard", include_in_schema=False)
     async def page(request: Request) -> Response:
-        response = HTMLResponse(_page_html())
-        key = request.query_params.get("api_key")
-        if key is not None:  # key_check passed: remember it for the page's own fetches
-            response.set_cookie(API_KEY_COOKIE, key, httponly=True, samesite="strict",
-                                path="/dashboard")
+        if "api_key" not in request.query_params:
+            return HTMLResponse(_page_html())
+        # the address without the key; a session instead when it is the key
+        response = RedirectResponse(request.url.path, status_code=303,
+                                    headers={"Cache-Control": "no-store",
+                                             "Referrer-Policy": "no-referrer"})
+        if api_key is not None and key_matches(request.query_params["api_key"], api_key):
+            response.set_cookie(SESSION_COOKIE, sessions.create(), max_age=int(sessions.ttl_s),
+                                path="/dashboard", httponly=True, samesite="strict",
+                                secure=request.url.scheme == "https")
         return response
 
     @router.get("/dashboard/stats.json", summary="The dashboard's numbers",

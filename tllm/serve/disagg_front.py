@@ -26,8 +26,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tllm import __version__
+from tllm.serve.auth import install_api_key_guard
 from tllm.serve.disagg_worker import KV_SOURCE_HEADER
 from tllm.serve.errors import APIError, install_error_handlers
+from tllm.serve.http_limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
+                                    install_request_limits)
 from tllm.serve.proxy import (Upstream, pick_least_loaded, read_json_body, relay,
                               until_disconnect, upstream_error)
 
@@ -61,7 +64,7 @@ class DisaggFrontConfig(BaseModel):
     port: int = Field(8000, ge=0, le=65535)
     context_servers: ServerGroup
     generation_servers: ServerGroup
-    api_key: str | None = None      # sent to the workers
+    api_key: str | None = None      # required from clients, and sent to the workers
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> DisaggFrontConfig:
@@ -82,6 +85,7 @@ class DisaggFront:
     two phases."""
 
     def __init__(self, config: DisaggFrontConfig) -> None:
+        self.config = config
         self.context = [Upstream(u, config.api_key) for u in config.context_servers.urls]
         self.generation = [Upstream(u, config.api_key) for u in config.generation_servers.urls]
         self._turns = itertools.count()
@@ -156,10 +160,14 @@ async def _is_healthy(server: Upstream) -> bool:
         return False
 
 
-def build_front_app(front: DisaggFront) -> FastAPI:
+def build_front_app(front: DisaggFront, limits: HttpLimits = HttpLimits(),
+                    protect_metrics: bool = False) -> FastAPI:
+    """The front's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
     app = FastAPI(title="tllm disaggregated front", version=__version__)
     app.state.front = front
     install_error_handlers(app)
+    install_request_limits(app, limits)
+    install_api_key_guard(app, front.config.api_key, protect_metrics)
     routes = APIRouter()
     for path in TEXT_ROUTES:
         routes.add_api_route(path, _forward(front, path), methods=["POST"])
@@ -189,7 +197,7 @@ def _forward(front: DisaggFront, path: str):
 
 def run_disaggregated(argv: list[str]) -> int:
     """`tllm serve disaggregated -c disagg.yml [--host H] [--port P]`."""
-    import uvicorn
+    from tllm.serve.http_server import run_uvicorn
     parser = argparse.ArgumentParser(prog="tllm serve disaggregated",
                                      description="An OpenAI-compatible front over context "
                                      "and generation servers (tllm serve MODEL --role ...).")
@@ -199,12 +207,15 @@ def run_disaggregated(argv: list[str]) -> int:
     parser.add_argument("--host", help="overrides the file's hostname")
     parser.add_argument("--port", type=int, help="overrides the file's port")
     parser.add_argument("--log-level", default="info")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="with the file's api_key: the docs need the key too")
+    add_http_limit_args(parser.add_argument_group("connection limits"))
     args = parser.parse_args(argv)
     config = DisaggFrontConfig.from_yaml(args.config)
     front = DisaggFront(config)
     host, port = args.host or config.hostname, args.port or config.port
     print(f"disaggregated front on http://{host}:{port}/v1: {len(front.context)} context, "
           f"{len(front.generation)} generation servers", file=sys.stderr)
-    uvicorn.run(build_front_app(front), host=host, port=port, log_level=args.log_level,
-                lifespan="off", timeout_graceful_shutdown=5)
+    app = build_front_app(front, http_limits_from_args(args), args.protect_metrics)
+    run_uvicorn(app, host=host, port=port, log_level=args.log_level)
     return 0

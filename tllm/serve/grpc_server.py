@@ -2,7 +2,8 @@
 tllm.v1.Generation (tllm/serve/grpc/tllm.proto) on the same engine, event loop and admission
 control as the HTTP routes. A request is validated as a completion body is (the same
 messages), and HTTP statuses become gRPC codes: 400 INVALID_ARGUMENT, 404 NOT_FOUND, 429
-RESOURCE_EXHAUSTED, 503 UNAVAILABLE."""
+RESOURCE_EXHAUSTED, 503 UNAVAILABLE. With --api-key, every call but Health needs metadata
+`authorization: Bearer KEY` (UNAUTHENTICATED otherwise), as the HTTP routes do."""
 from __future__ import annotations
 
 import asyncio
@@ -13,6 +14,7 @@ from typing import AsyncIterator
 import grpc
 from pydantic import ValidationError
 
+from tllm.serve.auth import key_matches
 from tllm.serve.context import ServingContext
 from tllm.serve.errors import APIError, from_validation_error
 from tllm.serve.generation import PromptInput
@@ -136,9 +138,39 @@ def _response(request_id: str, delta, num_prompt: int, num_generated: int):
                                prompt_tokens=num_prompt, completion_tokens=num_generated)
 
 
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED for a call without `authorization: Bearer KEY`, but Health (a probe,
+    as HTTP's /health)."""
+
+    def __init__(self, api_key: str) -> None:
+        self.api_key = api_key
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.endswith("/Health"):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        scheme, _, token = str(metadata.get("authorization", "")).partition(" ")
+        if scheme.lower() == "bearer" and key_matches(token, self.api_key):
+            return handler
+        return _refusal(handler)
+
+
+def _refusal(handler):
+    """A handler of the same kind as `handler` that ends the call UNAUTHENTICATED."""
+    async def refuse(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key: "
+                            "send metadata 'authorization: Bearer <key>'")
+    make = (grpc.unary_stream_rpc_method_handler if handler.response_streaming
+            else grpc.unary_unary_rpc_method_handler)
+    return make(refuse, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
+
+
 async def start_grpc_server(ctx: ServingContext, host: str, port: int) -> grpc.aio.Server:
     """The gRPC server on the running event loop (the HTTP server's), started."""
-    server = grpc.aio.server()
+    api_key = ctx.config.api_key
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(api_key)] if api_key else None)
     pb_grpc.add_GenerationServicer_to_server(GenerationService(ctx), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:

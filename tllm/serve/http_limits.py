@@ -1,27 +1,75 @@
-"""Limits on what a client may make the server wait for or hold: the request head under a
-size cap, the body within a deadline and under a size cap (an ASGI middleware, since uvicorn
-has no body-read timeout), and uvicorn's own limits on incomplete heads and idle
-connections."""
+"""Limits on what a client may make the server wait for or hold, the same on every server
+tllm starts: how many connections stay open, how long a request head and then its body may
+take to arrive, how large they may be, how long an idle connection stays. The body's limits
+are an ASGI middleware here (uvicorn has no body-read timeout); the connection's are
+enforced by the protocol in tllm/serve/http_server.py."""
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tllm.cli_types import positive_float, positive_int
 from tllm.serve.errors import APIError
 
 DEFAULT_BODY_READ_TIMEOUT_S = 10.0
 DEFAULT_MAX_HEADER_BYTES = 16 << 10     # h11's own default, made explicit
-DEFAULT_KEEP_ALIVE_TIMEOUT_S = 5        # uvicorn's default
 
 
-def uvicorn_options(config) -> dict[str, Any]:
-    """uvicorn.Config keyword arguments for a ServerConfig's connection limits (h11 refuses a
-    head still incomplete past max_header_bytes; RequestLimits, one that arrived whole)."""
-    return {"h11_max_incomplete_event_size": config.max_header_bytes,
-            "timeout_keep_alive": config.keep_alive_timeout_s}
+@dataclass(frozen=True)
+class HttpLimits:
+    """A server's connection and request limits (the flags of add_http_limit_args)."""
+
+    max_connections: int = 1024         # beyond: an idle one is closed, or the new one refused
+    header_read_timeout_s: float = 10.0     # a request head, from its first byte
+    keep_alive_timeout_s: float = 5.0   # a connection without a request, before or between
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+    body_read_timeout_s: float = DEFAULT_BODY_READ_TIMEOUT_S    # after the head
+    max_body_bytes: int = 16 << 20
+
+
+def add_http_limit_args(group) -> None:
+    """The limit flags, for every server's command line."""
+    group.add_argument("--max-connections", type=positive_int, default=1024,
+                       help="open connections at most: past it, the longest-idle connection "
+                            "without a request is closed, or (none idle) the new one gets a "
+                            "503 (default 1024)")
+    group.add_argument("--header-read-timeout", type=positive_float, default=10.0,
+                       help="seconds a request line + headers may take to arrive, from "
+                            "their first byte; then 408 and the connection is closed "
+                            "(default 10)")
+    group.add_argument("--keep-alive-timeout", type=positive_float, default=5.0,
+                       help="seconds a connection without a request stays open, before its "
+                            "first request as between requests (default 5)")
+    group.add_argument("--max-header-bytes", type=positive_int, default=16 << 10,
+                       help="largest request line + headers: larger ones get a 431 (a 400 "
+                            "while still incomplete) and the connection is closed "
+                            "(default 16 KiB)")
+    group.add_argument("--body-read-timeout", type=positive_float, default=10.0,
+                       help="seconds a request body may take to arrive after its headers; "
+                            "then 408 and the connection is closed (default 10)")
+    group.add_argument("--max-body-bytes", type=positive_int, default=16 << 20,
+                       help="answer 413 to larger request bodies (default 16 MiB)")
+
+
+def http_limits_from_args(args) -> HttpLimits:
+    return HttpLimits(max_connections=args.max_connections,
+                      header_read_timeout_s=args.header_read_timeout,
+                      keep_alive_timeout_s=args.keep_alive_timeout,
+                      max_header_bytes=args.max_header_bytes,
+                      body_read_timeout_s=args.body_read_timeout,
+                      max_body_bytes=args.max_body_bytes)
+
+
+def install_request_limits(app, limits: HttpLimits) -> None:
+    """Give the app its request limits (RequestLimits), and keep them on app.state for the
+    server that runs it (http_server.uvicorn_config)."""
+    app.state.http_limits = limits
+    app.add_middleware(RequestLimits, max_bytes=limits.max_body_bytes,
+                       read_timeout_s=limits.body_read_timeout_s,
+                       max_header_bytes=limits.max_header_bytes)
 
 
 class RequestLimits:

@@ -1,6 +1,6 @@
 """The images server: `POST /v1/images/generations` in OpenAI's images format over one
 VisualGen, plus /v1/models, /health, /version, and generated files under /files (for
-response_format "url").
+response_format "url"; with --api-key their URLs are signed and expire with the file).
 
 Generation runs in one worker thread (one image batch on the device at a time), so the event
 loop keeps answering while it runs; requests beyond `max_queue_size` waiting get 429. A client
@@ -29,17 +29,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from tllm import __version__
+from tllm.serve.auth import Grant, UrlSigner, install_api_key_guard
 from tllm.serve.context import ServerConfig
 from tllm.serve.errors import APIError, bad_request, install_error_handlers, internal_error
 from tllm.serve.generation import abort_on_disconnect
-from tllm.serve.openai_server import api_key_check, read_body
+from tllm.serve.http_limits import install_request_limits
+from tllm.serve.http_server import run_uvicorn
+from tllm.serve.openai_server import read_body
 from tllm.serve.protocol import INT64_MAX, ModelCard, ModelList
 
 MAX_N = 10              # OpenAI's cap on images per request
@@ -88,6 +91,7 @@ class ImagesContext:
     owns_files_dir: bool = False        # a temporary folder, removed on close()
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tllm-visual"))
+    signer: UrlSigner = field(default_factory=UrlSigner)
     num_pending: int = 0
     num_cancelled: int = 0
 
@@ -97,6 +101,19 @@ class ImagesContext:
         name = f"{uuid.uuid4().hex}.png"
         (self.files_dir / name).write_bytes(png)
         return name
+
+    def file_url(self, base_url: str, name: str) -> str:
+        """A saved file's URL: signed, expiring with the file, when the API key guards the
+        server (a browser or downloader fetches it without the key, as OpenAI's)."""
+        path = f"{FILES_ROUTE}/{name}"
+        if self.config.api_key is None:
+            return base_url + path
+        return f"{base_url}{path}?{self.signer.sign(path, self.config.image_url_ttl_s)}"
+
+    def files_grant(self) -> Grant:
+        return Grant(FILES_ROUTE + "/",
+                     lambda request: self.signer.verify(request.url.path, request.query_params),
+                     hint="or the signed URL a response_format=url answer gave")
 
     def remove_expired_files(self) -> None:
         deadline = time.time() - self.config.image_url_ttl_s
@@ -125,6 +142,9 @@ def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = N
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_exception_handler(Exception, _internal_error)
+    install_request_limits(app, config.http_limits)
+    install_api_key_guard(app, config.api_key, config.protect_metrics,
+                          grants=[ctx.files_grant()])
     app.include_router(_api_routes(ctx))
     if getattr(gen, "makes_video", False):
         from tllm.serve.videos import video_routes
@@ -136,8 +156,6 @@ def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = N
 
 def serve_images(args, config: ServerConfig) -> int:
     """`tllm serve` for a visual model: load it, then serve until interrupted."""
-    import uvicorn
-
     from tllm.visual_gen.api import VisualGen
 
     gen = VisualGen(config.model, dtype=args.dtype or "auto", device=args.device)
@@ -145,10 +163,7 @@ def serve_images(args, config: ServerConfig) -> int:
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1 (images)",
           file=sys.stderr)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    lifespan="off", timeout_graceful_shutdown=5)
-    except KeyboardInterrupt:
-        pass
+        run_uvicorn(app, host=args.host, port=args.port, log_level=args.log_level)
     finally:
         app.state.ctx.close()
     return 0
@@ -156,7 +171,7 @@ def serve_images(args, config: ServerConfig) -> int:
 
 def _api_routes(ctx: ImagesContext) -> APIRouter:
     config = ctx.config
-    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(config.api_key))])
+    api = APIRouter(prefix="/v1")
 
     @api.post("/images/generations")
     async def generations(request: Request) -> Response:
@@ -203,7 +218,7 @@ async def create_images(ctx: ImagesContext, request: Request,
         data = [{"b64_json": base64.b64encode(png).decode()} for png in pngs]
     else:
         base_url = str(request.base_url).rstrip("/")
-        data = [{"url": f"{base_url}{FILES_ROUTE}/{ctx.save(png)}"} for png in pngs]
+        data = [{"url": ctx.file_url(base_url, ctx.save(png))} for png in pngs]
     return {"created": int(time.time()), "data": data}
 
 

@@ -3,7 +3,6 @@ by all requests), API-key check, body limits, Prometheus metrics, health, a live
 and an OpenAPI schema built by FastAPI from the request and response models."""
 from __future__ import annotations
 
-import hmac
 import logging
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -17,11 +16,12 @@ from tllm import __version__
 from tllm.serve.chat import create_chat_completion
 from tllm.serve.completions import create_completion
 from tllm.serve.context import SSE_CONTENT, ServerConfig, ServingContext
-from tllm.serve.dashboard import API_KEY_COOKIE, dashboard_routes
+from tllm.serve.auth import SessionStore, install_api_key_guard
+from tllm.serve.dashboard import dashboard_grant, dashboard_routes
 from tllm.serve.disagg_worker import KVSourceHeader, disagg_routes
 from tllm.serve.errors import (APIError, bad_request, error_responses,
                                from_validation_error, install_error_handlers, internal_error)
-from tllm.serve.http_limits import RequestLimits
+from tllm.serve.http_limits import install_request_limits
 from tllm.serve.lora import lora_routes
 from tllm.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tllm.serve.params import ModelLimits
@@ -46,16 +46,17 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
                   redoc_url=None, description="OpenAI-compatible completions and chat "
                   "completions, with vLLM's extra sampling fields.")
     app.state.ctx = ctx
+    app.state.sessions = sessions = SessionStore()
     install_error_handlers(app)
-    app.add_middleware(RequestLimits, max_bytes=config.max_body_bytes,
-                       read_timeout_s=config.body_read_timeout_s,
-                       max_header_bytes=config.max_header_bytes)
+    # innermost first: the body is read only for a request that passed the key check
+    install_request_limits(app, config.http_limits)
+    install_api_key_guard(app, config.api_key, config.protect_metrics,
+                          grants=[dashboard_grant(config.api_key, sessions)])
     app.add_middleware(_HttpGuard, metrics=ctx.metrics)
     app.include_router(_api_routes(ctx, ModelLimits.of(llm)))
     app.include_router(_ops_routes(ctx))
-    app.include_router(_docs_routes(app, config))
-    app.include_router(dashboard_routes(ctx, api_key_check(config.api_key,
-                                                           allow_browser=True)))
+    app.include_router(_docs_routes(app))
+    app.include_router(dashboard_routes(ctx, sessions))
     if getattr(llm, "disagg_info", None) is not None:
         app.include_router(disagg_routes(llm))
         app.add_middleware(KVSourceHeader, llm=llm)
@@ -64,8 +65,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
 
 def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
     config = ctx.config
-    api = APIRouter(prefix="/v1", dependencies=[Depends(api_key_check(config.api_key))],
-                    responses=error_responses(401, 500))
+    api = APIRouter(prefix="/v1", responses=error_responses(401, 500))
     with_body = [Depends(json_content_type)]
     body_errors = error_responses(400, 404, 408, 413, 415, 429, 503)
 
@@ -102,7 +102,6 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
 
 def _ops_routes(ctx: ServingContext) -> APIRouter:
     ops = APIRouter(responses=error_responses(500))
-    metrics_key = api_key_check(ctx.config.api_key if ctx.config.protect_metrics else None)
 
     @ops.get("/health", summary="Engine health",
              responses={200: {"model": HealthResponse}, **error_responses(503)})
@@ -117,7 +116,6 @@ def _ops_routes(ctx: ServingContext) -> APIRouter:
         return JSONResponse(VersionResponse(version=__version__).model_dump())
 
     @ops.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse,
-             dependencies=[Depends(metrics_key)],
              responses={200: {"description": "Prometheus text exposition format",
                               "content": {"text/plain": {"schema": {"type": "string"}}}},
                         **error_responses(401)})
@@ -127,10 +125,9 @@ def _ops_routes(ctx: ServingContext) -> APIRouter:
     return ops
 
 
-def _docs_routes(app: FastAPI, config: ServerConfig) -> APIRouter:
-    """/openapi.json, /docs and /redoc, behind the API key with --protect-metrics."""
-    key = api_key_check(config.api_key if config.protect_metrics else None)
-    docs = APIRouter(dependencies=[Depends(key)], include_in_schema=False)
+def _docs_routes(app: FastAPI) -> APIRouter:
+    """/openapi.json, /docs and /redoc (behind the API key with --protect-metrics)."""
+    docs = APIRouter(include_in_schema=False)
 
     @docs.get("/openapi.json")
     async def openapi() -> Response:
@@ -168,30 +165,6 @@ _DOCS_FILES = ("swagger-ui-bundle.js", "swagger-ui.css", "redoc.standalone.js", 
 def _docs_static():
     from importlib.resources import files
     return files("fastapi_offline") / "static"
-
-
-def api_key_check(api_key: str | None, allow_browser: bool = False):
-    """A dependency that answers 401 unless the request carries the key (no key: open).
-    `Authorization: Bearer KEY`; with allow_browser also `?api_key=KEY` or the cookie a
-    page answered to such a URL sets (a browser cannot send a header when it loads a page)."""
-    expected = (api_key or "").encode()
-
-    def matches(token: str | None) -> bool:
-        return token is not None and hmac.compare_digest(token.strip().encode(), expected)
-
-    async def check(request: Request) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and matches(token):
-            return
-        if allow_browser and (matches(request.query_params.get("api_key"))
-                              or matches(request.cookies.get(API_KEY_COOKIE))):
-            return
-        hint = " (or ?api_key=<key>)" if allow_browser else ""
-        raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer "
-                       f"<key>'{hint}", code="invalid_api_key")
-    return check
 
 
 async def json_content_type(request: Request) -> None:

@@ -27,7 +27,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tllm import __version__
+from tllm.serve.auth import install_api_key_guard
 from tllm.serve.errors import install_error_handlers
+from tllm.serve.http_limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
+                                    install_request_limits)
 from tllm.serve.metrics import CONTENT_TYPE_LATEST
 from tllm.serve.proxy import Upstream, pick_least_loaded, read_json_body, relay
 
@@ -205,10 +208,14 @@ class _RouterCollector:
         yield in_flight
 
 
-def build_router_app(router: Router) -> FastAPI:
+def build_router_app(router: Router, limits: HttpLimits = HttpLimits(),
+                     protect_metrics: bool = False) -> FastAPI:
+    """The router's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
     app = FastAPI(title="tllm router", version=__version__)
     app.state.router = router
     install_error_handlers(app)
+    install_request_limits(app, limits)
+    install_api_key_guard(app, router.config.api_key, protect_metrics)
     registry = CollectorRegistry()
     registry.register(_RouterCollector(router))
     routes = APIRouter()
@@ -251,7 +258,7 @@ def _forward(router: Router, path: str):
 
 def run_router(argv: list[str]) -> int:
     """`tllm serve router --replica URL [--replica URL ...] [--policy P] [--model M]`."""
-    import uvicorn
+    from tllm.serve.http_server import run_uvicorn
     parser = argparse.ArgumentParser(prog="tllm serve router",
                                      description="An OpenAI-compatible front over replicas "
                                      "of `tllm serve MODEL`.")
@@ -264,10 +271,15 @@ def run_router(argv: list[str]) -> int:
     parser.add_argument("--cache-threshold", type=float, default=0.3)
     parser.add_argument("--balance-abs", type=int, default=8)
     parser.add_argument("--balance-rel", type=float, default=1.5)
-    parser.add_argument("--api-key", help="sent to the replicas")
+    parser.add_argument("--api-key", help="required from clients ('Authorization: Bearer "
+                        "KEY'; not on /health, /version, nor on /metrics and the docs without "
+                        "--protect-metrics) and sent to the replicas")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="with --api-key: /metrics and the docs need the key too")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--log-level", default="info")
+    add_http_limit_args(parser.add_argument_group("connection limits"))
     args = parser.parse_args(argv)
     tokenizer = None
     if args.model is not None:
@@ -278,6 +290,6 @@ def run_router(argv: list[str]) -> int:
                                  api_key=args.api_key), tokenizer)
     print(f"router ({args.policy}) over {len(router.replicas)} replicas on "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(build_router_app(router), host=args.host, port=args.port,
-                log_level=args.log_level, lifespan="off", timeout_graceful_shutdown=5)
+    app = build_router_app(router, http_limits_from_args(args), args.protect_metrics)
+    run_uvicorn(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1,0 +1,226 @@
+"""The one place that builds uvicorn's configuration, for every server tllm starts (text,
+visual, router, disaggregated front, and the tests' servers), with what uvicorn lacks
+against slow and idle clients:
+
+- a header-read timeout: uvicorn's keep-alive timer is reset by every byte received and is
+  not armed before a connection's first request, so a head trickled a byte at a time, or
+  nothing at all, held a connection for ever. Here a connection without a request is closed
+  after the keep-alive timeout (before its first request too), and a request head must be
+  complete within the header-read timeout of its first byte (else 408 and close);
+- a cap on open connections: past it the connection idle longest (no request in progress:
+  silent, or a head still arriving) is closed to make room, so idle sockets cannot lock
+  clients out; when every connection has a request in progress the new one gets a 503.
+  (uvicorn's own limit_concurrency answers 503 to every new request once idle sockets fill
+  it, which is the lock-out itself);
+- access-log lines with query secrets (api_key, signature, ...) redacted.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import re
+import sys
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from tllm.serve.http_limits import HttpLimits
+
+logger = logging.getLogger(__name__)
+WARN_EVERY_S = 10.0     # the cap's warning, at most this often (a flood would fill the log)
+SECRET_QUERY = re.compile(
+    r"(?i)([?&](?:api[_-]?key|key|token|access_token|session|signature|sig|password|secret)=)"
+    r"[^&\s\"]*")
+
+
+def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000,
+                   log_level: str = "info", **overrides) -> uvicorn.Config:
+    """uvicorn.Config for an app built by tllm, with its limits (app.state.http_limits)."""
+    limits = limits_of(app)
+    options = dict(host=host, port=port, log_level=log_level, lifespan="off",
+                   timeout_graceful_shutdown=5,
+                   http=functools.partial(LimitedH11Protocol, guard=ConnectionGuard(limits)),
+                   h11_max_incomplete_event_size=limits.max_header_bytes,
+                   timeout_keep_alive=limits.keep_alive_timeout_s)
+    config = uvicorn.Config(app, **{**options, **overrides})
+    redact_access_log()     # after Config(), which (re)configures uvicorn's loggers
+    return config
+
+
+def limits_of(app) -> HttpLimits:
+    """The limits an app was built with (install_request_limits), else the defaults."""
+    return getattr(getattr(app, "state", None), "http_limits", None) or HttpLimits()
+
+
+def build_server(app, *, host: str, port: int, log_level: str) -> uvicorn.Server:
+    """A uvicorn server for a command-line `tllm serve ...` (the open-file limit raised to
+    fit its connection cap)."""
+    raise_open_file_limit(limits_of(app).max_connections)
+    return uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level))
+
+
+def run_uvicorn(app, *, host: str, port: int, log_level: str) -> uvicorn.Server:
+    """Serve the app until interrupted (Ctrl-C ends it quietly); the server, for its state."""
+    server = build_server(app, host=host, port=port, log_level=log_level)
+    try:
+        server.run()
+    except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    return server
+
+
+def raise_open_file_limit(max_connections: int, headroom: int = 256) -> None:
+    """Raise the soft open-file limit to fit the connection cap (as vLLM raises it): past
+    it accept() fails and the server stops taking connections for a while."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = max_connections + headroom
+    if soft < wanted and (hard == resource.RLIM_INFINITY or soft < hard):
+        target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft < wanted:
+        print(f"warning: the open-file limit ({soft}) is below --max-connections "
+              f"{max_connections} + {headroom}: raise it (ulimit -n) or lower the cap",
+              file=sys.stderr)
+
+
+class ConnectionGuard:
+    """The connection cap of one server, shared by its connections."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self._warned_at = -WARN_EVERY_S
+
+    def make_room(self, connections: set, now: float) -> bool:
+        """Whether a new connection may open: under the cap, or once the connection idle
+        longest is closed."""
+        if len(connections) < self.limits.max_connections:
+            return True
+        open_ones = [c for c in connections
+                     if c.transport is not None and not c.transport.is_closing()]
+        if len(open_ones) < self.limits.max_connections:
+            return True     # the others are closing already
+        idle = [c for c in open_ones if isinstance(c, LimitedH11Protocol) and c.is_idle]
+        self._warn(now, len(open_ones), bool(idle))
+        if not idle:
+            return False
+        min(idle, key=lambda c: c.idle_since).close_idle()
+        return True
+
+    def _warn(self, now: float, num_open: int, can_evict: bool) -> None:
+        if now - self._warned_at >= WARN_EVERY_S:
+            self._warned_at = now
+            action = ("closing the longest-idle one" if can_evict
+                      else "refusing new ones (503): every connection has a request")
+            logger.warning("%d connections open (--max-connections): %s", num_open, action)
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with the keep-alive timeout applied before a connection's
+    first request, a header-read timeout, and the connection cap (ConnectionGuard)."""
+
+    def __init__(self, *args, guard: ConnectionGuard, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.guard = guard
+        self.idle_since = 0.0
+        self._head_timer: asyncio.TimerHandle | None = None
+
+    @property
+    def is_idle(self) -> bool:
+        """No request in progress: silent, or the next request's head still arriving."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        self.idle_since = self.loop.time()
+        if not self.guard.make_room(self.connections, self.idle_since):
+            self.transport = transport
+            transport.write(_SERVICE_UNAVAILABLE)
+            transport.close()
+            return
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self.is_idle or self.transport.is_closing():
+            self._cancel_head_timer()
+        elif self._head_timer is None:     # the first bytes of a head: it has this long
+            self._head_timer = self.loop.call_later(
+                self.guard.limits.header_read_timeout_s, self._head_timed_out)
+
+    def on_response_complete(self) -> None:
+        self.idle_since = self.loop.time()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def close_idle(self) -> None:
+        """Close a connection without a request in progress (to make room)."""
+        self._cancel_head_timer()
+        self.timeout_keep_alive_handler()
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.is_idle or self.transport.is_closing():
+            return
+        if self.conn.their_state is h11.IDLE and self.conn.trailing_data[0]:
+            # a head is incomplete: say why we close
+            self.transport.write(_REQUEST_TIMEOUT)
+        self.timeout_keep_alive_handler()
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+
+def _raw_error(status: str, message: str, code: str, type_: str) -> bytes:
+    """A whole HTTP response with an OpenAI-shaped error, for a connection without a request
+    that h11 could answer."""
+    body = json.dumps({"error": {"message": message, "type": type_, "param": None,
+                                 "code": code}}).encode()
+    headers = ["content-type: application/json", "connection: close",
+               f"content-length: {len(body)}"]
+    if status.startswith("503"):
+        headers.append("retry-after: 1")
+    head = "".join(f"{line}\r\n" for line in [f"HTTP/1.1 {status}", *headers, ""])
+    return head.encode() + body
+
+
+_REQUEST_TIMEOUT = _raw_error("408 Request Timeout", "the request line and headers did not "
+                              "arrive within --header-read-timeout", "request_timeout",
+                              "invalid_request_error")
+_SERVICE_UNAVAILABLE = _raw_error("503 Service Unavailable", "too many open connections "
+                                  "(--max-connections), each with a request in progress",
+                                  "too_many_connections", "service_unavailable")
+
+
+class RedactSecrets(logging.Filter):
+    """Replaces the values of secret-looking query parameters in a log record's text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = redact(record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def redact(text: str) -> str:
+    return SECRET_QUERY.sub(r"\1***", text)
+
+
+def redact_access_log() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactSecrets) for f in access.filters):
+        access.addFilter(RedactSecrets())

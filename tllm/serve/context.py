@@ -14,7 +14,9 @@ from starlette.responses import StreamingResponse
 
 from tllm.serve.errors import APIError, bad_request, internal_error
 from tllm.lora.request import LoRARequest
-from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
+from tllm.serve.generation import (DEFAULT_MAX_SEQUENCES, EngineClient, Generation,
+                                   abort_on_disconnect)
+from tllm.serve.image_input import DEFAULT_MAX_IMAGE_PIXELS
 from tllm.serve.logprobs import LogprobFormatter
 from tllm.serve.lora import LoraRegistry
 from tllm.serve.metrics import ServerMetrics
@@ -33,12 +35,12 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue_size: int | None = 1024
-    max_sequences_per_request: int | None = 256   # prompts x n (x best_of) of one request
+    max_sequences_per_request: int | None = DEFAULT_MAX_SEQUENCES  # prompts x n (x best_of)
     max_body_bytes: int = 16 << 20
     chat_template: str | None = None
     stuck_timeout_s: float = 120.0
     image_url_ttl_s: float = 3600.0     # images server: how long "url" files stay
-    max_image_pixels: int = 4096 * 4096     # visual servers: larger input images get a 400
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # visual servers: larger inputs get 400
     body_read_timeout_s: float = 10.0   # 408 when a body has not all arrived by then
     max_header_bytes: int = 16 << 10    # uvicorn/h11: larger request heads get a 400
     keep_alive_timeout_s: int = 5       # uvicorn: idle keep-alive connections closed after

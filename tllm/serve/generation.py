@@ -1,5 +1,6 @@
-"""Runs one API request in the engine: admission (engine alive; fewer requests waiting beyond
-the free batch slots than the queue cap), submission of its prompts x n samples, one merged
+"""Runs one API request in the engine: admission (engine alive; no more sequences than the
+per-request cap; its sequences that would wait beyond the free batch slots within the queue
+cap and within one request's share of it), submission of its prompts x n samples, one merged
 stream of the engine's per-sequence deltas (as the engine built them: nothing is diffed
 here), metrics, and abort of whatever is unfinished when the request ends early or its client
 goes away."""
@@ -204,7 +205,7 @@ def engine_stopped() -> APIError:
 
 
 # The default cap on one request's sequences: twice OpenAI's largest n (128), so two prompts
-# at n 128 still pass, and vLLM's long-standing default batch (max_num_seqs 256): one request
+# at n 128 still pass, and the batch of vLLM's V0 default (max_num_seqs 256): one request
 # fills at most one such batch.
 DEFAULT_MAX_SEQUENCES = 256
 

@@ -315,7 +315,8 @@ class EngineClient:
         with."""
         num_sequences = num_prompts * per_prompt
         limit = self.max_sequences_per_request
-        what = f"{num_sequences} sequences ({num_prompts} prompts x {per_prompt} each)"
+        prompts = f"{num_prompts} prompt{'s' if num_prompts != 1 else ''}"
+        what = f"{num_sequences} sequences ({prompts} x {per_prompt} each)"
         param = "best_of" if per_prompt > n else "n" if n > 1 else "prompt"
         if limit is not None and num_sequences > limit:
             raise APIError(400, f"the request asks for {what}; at most {limit} are allowed "

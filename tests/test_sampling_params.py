@@ -103,3 +103,24 @@ def test_out_of_range_values_raise_naming_the_field(field, kwargs):
 def test_min_tokens_error_also_names_max_tokens():
     with pytest.raises(ValueError, match=r"min_tokens.*max_tokens"):
         SamplingParams(min_tokens=10, max_tokens=3)
+
+
+@pytest.mark.parametrize("penalty", [700, -700, 50.5, float("inf"), float("-inf")])
+def test_length_penalty_is_bounded(penalty):
+    """Issue 31: 700 overflowed (OverflowError) and -700 divided by zero in beam scoring."""
+    with pytest.raises(ValueError, match=r"SamplingParams\.length_penalty must be a number "
+                                         r"in \[-50\.0, 50\.0\]"):
+        SamplingParams(use_beam_search=True, best_of=2, temperature=0, length_penalty=penalty)
+
+
+@pytest.mark.parametrize("penalty", [-50, -1.0, 0, 2.0, 50.0])
+def test_length_penalty_within_the_bounds_is_accepted(penalty):
+    SamplingParams(use_beam_search=True, best_of=2, temperature=0, length_penalty=penalty)
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000, '{"a": ' + "1" * 5000 + "}"],
+                         ids=["deep nesting", "a 5,000-digit integer"])
+def test_guided_json_text_json_cannot_hold_is_a_value_error(text):
+    from tllm.sampling_params import GuidedDecodingParams
+    with pytest.raises(ValueError, match="GuidedDecodingParams.json is not valid JSON"):
+        GuidedDecodingParams(json=text)

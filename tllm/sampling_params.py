@@ -55,7 +55,7 @@ class GuidedDecodingParams:
         if isinstance(schema, str):
             try:
                 schema = _json.loads(schema)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:  # also: huge integers, deep nesting
                 raise ValueError(f"GuidedDecodingParams.json is not valid JSON: {exc}") from None
         if not isinstance(schema, (dict, bool)):
             raise ValueError("GuidedDecodingParams.json must be a JSON schema (an object), "
@@ -189,6 +189,11 @@ class SamplingParams:
                self.guided_decoding, "must be None or a GuidedDecodingParams")
 
 
+# Beam scores are divided by length ** length_penalty: within this bound that stays a finite,
+# non-zero float for any length up to 2**20 tokens (2**(20 * 50) < 2**1024). Used values are
+# about 0.5 to 2.
+MAX_LENGTH_PENALTY = 50.0
+
 _BEAM_SEARCH_DEFAULTS = (("temperature", 0.0, "must be 0 with use_beam_search (beam search is "
                          "deterministic)"), ("top_p", 1.0, "must be 1"), ("top_k", -1, "must be -1"),
                          ("min_p", 0.0, "must be 0"), ("repetition_penalty", 1.0, "must be 1"),
@@ -212,8 +217,9 @@ def check_best_of(params: SamplingParams) -> None:
         params.use_beam_search = True
     _check(params.use_beam_search in (True, False), "use_beam_search", params.use_beam_search,
            "must be a bool")
-    _check(_is_num(params.length_penalty), "length_penalty", params.length_penalty,
-           "must be a number")
+    _check(_is_num(params.length_penalty) and abs(params.length_penalty) <= MAX_LENGTH_PENALTY,
+           "length_penalty", params.length_penalty,
+           f"must be a number in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}]")
     _check(isinstance(params.early_stopping, bool) or params.early_stopping == "never",
            "early_stopping", params.early_stopping, 'must be True, False or "never"')
     if not params.use_beam_search:

@@ -150,3 +150,45 @@ def test_bad_guidance_is_400_and_the_server_keeps_serving(http, fields, param):
     ok = http.post("/v1/chat/completions", json={"model": MODEL, "messages": ASK,
                                                  "max_tokens": 2})
     assert ok.status_code == 200, ok.text
+
+
+# ---- issue 31: guidance no output can satisfy ----
+
+IMPOSSIBLE_OBJECT = {"type": "object", "properties": {
+    "x": {"type": "string", "pattern": "[^\\s\\S]"}}, "required": ["x"]}
+UNSATISFIABLE = [
+    ("/v1/chat/completions", {"guided_regex": "[^\\s\\S]"}, "guided_regex"),
+    ("/v1/chat/completions", {"guided_grammar": 'root ::= root "a"'}, "guided_grammar"),
+    ("/v1/chat/completions", {"guided_grammar": "root ::= x\nx ::= x"}, "guided_grammar"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": IMPOSSIBLE_OBJECT}}}, "response_format"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x",
+                                           "schema": IMPOSSIBLE_OBJECT}}}, "text.format"),
+]
+BODIES = {"/v1/chat/completions": {"model": MODEL, "messages": ASK, "max_tokens": 8},
+          "/v1/responses": {"model": MODEL, "input": "Hi", "max_output_tokens": 8}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path,fields,param", UNSATISFIABLE,
+                         ids=[c[2] + ":" + json.dumps(c[1])[:40] for c in UNSATISFIABLE])
+def test_unsatisfiable_guidance_is_a_400_before_any_work(http, path, fields, param, stream):
+    """They failed after 3-4 s with "token 0 does not continue the grammar" (a 500; streamed:
+    an internal_error event)."""
+    response = http.post(path, json={**BODIES[path], **fields, "stream": stream})
+    error = assert_openai_error(response, 400)
+    assert error["param"] == param and "admits no output" in error["message"], error
+
+
+def test_a_dead_end_met_while_generating_is_a_400(http):
+    """Three letters, then nothing: beyond what the check at submission searches; the
+    request fails at the dead end, alone, as the client's error."""
+    body = {**BODIES["/v1/chat/completions"], "guided_regex": "[a-z]{3}[^\\s\\S]"}
+    error = assert_openai_error(http.post("/v1/chat/completions", json=body), 400)
+    assert error["code"] == "unsatisfiable_grammar", error
+    response = http.post("/v1/chat/completions", json={**body, "stream": True})
+    assert response.status_code == 200
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "unsatisfiable_grammar")

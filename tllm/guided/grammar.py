@@ -9,6 +9,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any
 
+from tllm.guided.probe import probe
 from tllm.sampling_params import GuidedDecodingParams
 
 
@@ -29,7 +30,8 @@ class GrammarCache:
         self.num_compiles = 0
 
     def compile(self, params: GuidedDecodingParams) -> Any:
-        """The compiled grammar; ValueError with xgrammar's message when it does not compile."""
+        """The compiled grammar; ValueError with xgrammar's message when it does not compile,
+        or when it provably admits no output (tllm.guided.probe)."""
         key = params.cache_key
         with self._lock:
             if key in self._grammars:
@@ -40,11 +42,19 @@ class GrammarCache:
             except Exception as exc:  # xgrammar raises RuntimeError/ValueError of its own
                 raise ValueError(f"guided_decoding.{params.kind} does not compile: "
                                  f"{exc}") from None
+            self._check_satisfiable(compiled, params.kind)
             self.num_compiles += 1
             self._grammars[key] = compiled
             if len(self._grammars) > self._max_entries:
                 self._grammars.popitem(last=False)
             return compiled
+
+    def _check_satisfiable(self, compiled: Any, kind: str) -> None:
+        stop_token_ids = set(self.tokenizer_info.stop_token_ids)
+        if stop_token_ids and probe(compiled, self.vocab_size, stop_token_ids) is False:
+            raise ValueError(f"guided_decoding.{kind} admits no output: no sequence of this "
+                             "model's tokens satisfies it (an empty character class such as "
+                             "[^\\s\\S], a rule that never ends, an impossible pattern)")
 
     def _compile(self, params: GuidedDecodingParams) -> Any:
         kind, compiler = params.kind, self._compiler

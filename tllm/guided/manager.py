@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tllm.guided.grammar import GrammarCache, grammar_cache, register_engine_vocab_size
+from tllm.guided.probe import UnsatisfiableGrammarError, admits_no_token
 from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
@@ -108,7 +109,8 @@ class GuidedDecoding(ResourceManager):
 
     def accept(self, request: Request, token_id: int) -> bool:
         """Advance the request's matcher by its new token; True once the grammar has ended
-        (the request stops). A token the grammar refuses fails the request."""
+        (the request stops). A token the grammar refuses fails the request: with
+        UnsatisfiableGrammarError where the grammar admitted no token at all."""
         matcher = self._matchers.get(request)
         if matcher is None:
             return False
@@ -120,6 +122,11 @@ class GuidedDecoding(ResourceManager):
                     self._gates[request] = after
                 return False
         if not matcher.accept_token(token_id):
+            if admits_no_token(matcher, self.cache.vocab_size):
+                raise UnsatisfiableGrammarError(
+                    "guided decoding: the grammar admits no further token and has not "
+                    "ended: no output satisfies it (an impossible pattern, or a rule that "
+                    "never ends)")
             raise ValueError(f"guided decoding: token {token_id} does not continue the "
                              f"grammar of request {request.request_id}")
         return matcher.is_terminated()

@@ -114,7 +114,7 @@ class ProcessLLM:
         sent = False
         try:
             engine.send(("submit", batch_id, items))
-            engine.num_sent += len(items)
+            engine.num_sent += _num_sequences(items)
             sent = True
             await accepted
         except BaseException:
@@ -400,7 +400,7 @@ class _EngineServer:
         else:
             self.aborts.update(aborts)
             self._post(("accepted", batch_id))
-        self.num_received += len(items)
+        self.num_received += _num_sequences(items)
 
     def _forget_finished(self) -> None:
         while True:
@@ -480,6 +480,12 @@ def _unpickled_tokenizer(data: bytes | None, model: str):
             pass
     from tllm import loader
     return loader.load_tokenizer(loader.resolve_model(model))
+
+
+def _num_sequences(items: list) -> int:
+    """The engine's requests for these (id, prompt, params) items: n, best_of or the beams
+    each (the engine's num_waiting counts these)."""
+    return sum(params.num_sequences for _, _, params in items)
 
 
 def _picklable(exc: BaseException) -> BaseException:

@@ -10,6 +10,7 @@ A group's first step has one live beam (the prompt's), as HF starts the other be
 -1e9; its B beams exist from then on and step together."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -124,7 +125,9 @@ class BeamGroup:
             tokens = self.live_requests[parent].output_token_ids + [token]
             is_stop = token in stops
             stop_reason = token if is_stop and token not in eos else None
-            self.finished.append(Hypothesis(tokens, value, value / gen_len ** self.length_penalty,
+            self.finished.append(Hypothesis(tokens, value,
+                                            _length_normalized(value, gen_len,
+                                                               self.length_penalty),
                                             "stop" if is_stop else "length", stop_reason))
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.beam_width:]
@@ -137,10 +140,22 @@ class BeamGroup:
         else:
             best_len = self.num_generated
         if is_full:
-            best_running = self.scores[0] / best_len ** self.length_penalty
+            best_running = _length_normalized(self.scores[0], best_len, self.length_penalty)
             self.is_improvable &= best_running > self.finished[-1].score
         self.is_done = (not self.is_improvable or (is_full and self.early_stopping is True)
                         or no_continuation)
+
+
+def _length_normalized(score: float, length: int, length_penalty: float) -> float:
+    """score / length ** length_penalty (HF's), kept in the floats where the power leaves
+    them (|penalty| in the hundreds): 0 or an infinity of the score's sign, never an
+    OverflowError or a ZeroDivisionError."""
+    try:
+        return score / length ** length_penalty
+    except OverflowError:       # the power is past the largest float: the score ends at 0
+        return score * 0.0
+    except ZeroDivisionError:   # ... below the smallest: the score grows without bound
+        return math.copysign(math.inf, score) if score else 0.0
 
 
 # ---- the candidates of a step, on the device ----

@@ -23,7 +23,8 @@ from tllm.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChu
                                  DeltaMessage, DeltaToolCall, Usage)
 from tllm.serve.choice_stream import ChoiceStream, OutputFormat, StreamUpdate
 from tllm.serve.reasoning import after_reasoning, reasoning_parser
-from tllm.serve.tool_parsers import ANY_OBJECT, ToolRequest, forced_schema, tool_parser
+from tllm.serve.tool_parsers import (ANY_OBJECT, JSON_ERRORS, ToolRequest, forced_schema,
+                                     tool_parser)
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request,
@@ -102,7 +103,7 @@ def _arguments(arguments: str | dict) -> dict | str:
         return arguments
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         return arguments
 
 

@@ -75,6 +75,10 @@ def _add_server_args(group) -> None:
     group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
                        help="answer 429 while this many requests wait beyond the free "
                             "batch slots (default 1024; 0 means no limit)")
+    group.add_argument("--max-sequences-per-request", type=non_negative_int, default=256,
+                       help="answer 400 to a request of more sequences (prompts x n, or x "
+                            "best_of / the beam width) than this (default 256; 0 means no "
+                            "limit)")
     add_http_limit_args(group)
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
@@ -82,6 +86,10 @@ def _add_server_args(group) -> None:
     group.add_argument("--image-url-ttl", type=positive_float, default=3600.0,
                        help="visual models: seconds a response_format=url image stays served "
                             "(default 3600, as OpenAI's)")
+    group.add_argument("--max-image-pixels", type=positive_int, default=4096 * 4096,
+                       help="visual models: answer 400 to an input image (`image`, "
+                            "`input_reference`) of more pixels than this, read from its "
+                            "header before decoding (default 16,777,216: 4096 x 4096)")
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="text models: run the engine in a process of its own, so HTTP "
                             "work does not slow its loop (default; --no-engine-process keeps "
@@ -159,10 +167,12 @@ def server_config(args: argparse.Namespace, model: str):
     from tllm.serve.context import ServerConfig
     return ServerConfig(model=model, served_model_name=args.served_model_name,
                         api_key=args.api_key, max_queue_size=args.max_queue_size or None,
+                        max_sequences_per_request=args.max_sequences_per_request or None,
                         max_body_bytes=args.max_body_bytes,
                         chat_template=_read_chat_template(args.chat_template),
                         stuck_timeout_s=args.stuck_timeout,
                         image_url_ttl_s=args.image_url_ttl,
+                        max_image_pixels=args.max_image_pixels,
                         body_read_timeout_s=args.body_read_timeout,
                         max_header_bytes=args.max_header_bytes,
                         keep_alive_timeout_s=args.keep_alive_timeout,

@@ -22,6 +22,8 @@ async def create_completion(ctx: ServingContext, request: Request,
     arrival = time.monotonic()
     lora = ctx.check_model(body.model)
     _check_options(body)
+    # before tokenizing: a batch of prompts x n may be refused outright
+    ctx.engine.check_fan_out(len(body.prompts()), body.n, max(body.n, body.best_of or 0))
     prompts = await _prompt_inputs(ctx, body)
     params = [_sampling_params(ctx, body, prompt) for prompt in prompts]
     generation = await ctx.engine.start(prompts, params, arrival,

@@ -14,7 +14,9 @@ from starlette.responses import StreamingResponse
 
 from tllm.serve.errors import APIError, bad_request, internal_error
 from tllm.lora.request import LoRARequest
-from tllm.serve.generation import EngineClient, Generation, abort_on_disconnect
+from tllm.serve.generation import (DEFAULT_MAX_SEQUENCES, EngineClient, Generation,
+                                   abort_on_disconnect)
+from tllm.serve.image_input import DEFAULT_MAX_IMAGE_PIXELS
 from tllm.serve.http_limits import HttpLimits
 from tllm.serve.logprobs import LogprobFormatter
 from tllm.serve.lora import LoraRegistry
@@ -34,10 +36,12 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     max_queue_size: int | None = 1024
+    max_sequences_per_request: int | None = DEFAULT_MAX_SEQUENCES  # prompts x n (x best_of)
     max_body_bytes: int = 16 << 20
     chat_template: str | None = None
     stuck_timeout_s: float = 120.0
     image_url_ttl_s: float = 3600.0     # images server: how long "url" files stay
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS  # visual servers: larger inputs get 400
     body_read_timeout_s: float = 10.0   # 408 when a body has not all arrived by then
     max_header_bytes: int = 16 << 10    # uvicorn/h11: larger request heads get a 400
     keep_alive_timeout_s: float = 5.0   # connections without a request closed after
@@ -84,7 +88,8 @@ class ServingContext:
             exit_on_failure=config.exit_on_engine_failure,
             max_restarts=config.max_engine_restarts))
         engine = EngineClient(llm, metrics, config.max_queue_size, config.stuck_timeout_s,
-                              supervisor=supervisor)
+                              supervisor=supervisor,
+                              max_sequences_per_request=config.max_sequences_per_request)
         loras = lora_registry(llm, config)
         supervisor.start()
         return cls(llm, config, metrics, engine, LogprobFormatter(llm.tokenizer), supervisor,

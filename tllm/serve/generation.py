@@ -1,5 +1,6 @@
-"""Runs one API request in the engine: admission (engine alive; fewer requests waiting beyond
-the free batch slots than the queue cap), submission of its prompts x n samples, one merged
+"""Runs one API request in the engine: admission (engine alive; no more sequences than the
+per-request cap; its sequences that would wait beyond the free batch slots within the queue
+cap and within one request's share of it), submission of its prompts x n samples, one merged
 stream of the engine's per-sequence deltas (as the engine built them: nothing is diffed
 here), metrics, and abort of whatever is unfinished when the request ends early or its client
 goes away."""
@@ -13,6 +14,7 @@ from typing import AsyncIterator, Callable, Protocol
 
 from starlette.requests import Request
 
+from tllm.guided.probe import UnsatisfiableGrammarError
 from tllm.llmapi.process_llm import EngineDeadError
 from tllm.outputs import CompletionDelta, PositionLogprobs
 from tllm.sampling_params import SamplingParams
@@ -183,14 +185,29 @@ async def _pump(prompt_index: int, result: DeltaSource, queue: asyncio.Queue) ->
     except EngineDeadError:     # the engine process died under it
         queue.put_nowait(engine_stopped())
     except Exception as exc:  # handed to the consumer, which raises it
-        queue.put_nowait(exc)
+        queue.put_nowait(_client_error(exc) or exc)
     finally:
         queue.put_nowait(None)
+
+
+def _client_error(exc: Exception) -> APIError | None:
+    """The 400 for a request the engine failed because of what the client asked (a grammar
+    that admits no output, met mid-generation); None for the engine's own failures."""
+    cause = exc if isinstance(exc, UnsatisfiableGrammarError) else exc.__cause__
+    if isinstance(cause, UnsatisfiableGrammarError):
+        return APIError(400, str(cause), code="unsatisfiable_grammar")
+    return None
 
 
 def engine_stopped() -> APIError:
     return APIError(503, "the engine stopped while this request was running",
                     code="engine_unavailable")
+
+
+# The default cap on one request's sequences: twice OpenAI's largest n (128), so two prompts
+# at n 128 still pass, and the batch of vLLM's V0 default (max_num_seqs 256): one request
+# fills at most one such batch.
+DEFAULT_MAX_SEQUENCES = 256
 
 
 class EngineClient:
@@ -199,10 +216,12 @@ class EngineClient:
     def __init__(self, llm, metrics: ServerMetrics, max_queue_size: int | None,
                  stuck_timeout_s: float, retry_after_s: int = 1,
                  liveness_interval_s: float = 1.0,
-                 supervisor: EngineSupervisor | None = None) -> None:
+                 supervisor: EngineSupervisor | None = None,
+                 max_sequences_per_request: int | None = DEFAULT_MAX_SEQUENCES) -> None:
         self.llm = llm
         self.metrics = metrics
         self.max_queue_size = max_queue_size
+        self.max_sequences_per_request = max_sequences_per_request
         self.max_batch_size: int | None = getattr(getattr(llm, "args", None),
                                                   "max_batch_size", None)
         self.supervisor = supervisor
@@ -221,7 +240,8 @@ class EngineClient:
         """Submit every prompt (n samples each, with its own params), or none: raises
         APIError when refused (naming prompt_param when the engine refuses a prompt)."""
         self._check_alive()
-        self._check_queue()
+        self.check_fan_out(len(prompts), params[0].n, params[0].num_sequences)
+        self._check_queue(sum(p.num_sequences for p in params))
         inputs = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
         if lora_request is not None:  # the adapter the request's "model" names
             for item in inputs:
@@ -289,19 +309,64 @@ class EngineClient:
                         code="engine_unavailable",
                         headers={"Retry-After": str(self.retry_after_s)})
 
-    def _check_queue(self) -> None:
-        """429 once max_queue_size requests wait beyond what the free batch slots take: a
-        request that fits a free slot is never refused by the cap (a burst arrives before
-        the engine schedules any of it, so every request of it is 'waiting' at first)."""
+    def check_fan_out(self, num_prompts: int, n: int, per_prompt: int) -> None:
+        """400 for a request of more sequences (prompts x n, or x best_of / the beam width:
+        `per_prompt`) than --max-sequences-per-request, or than it could ever be admitted
+        with."""
+        num_sequences = num_prompts * per_prompt
+        limit = self.max_sequences_per_request
+        prompts = f"{num_prompts} prompt{'s' if num_prompts != 1 else ''}"
+        what = f"{num_sequences} sequences ({prompts} x {per_prompt} each)"
+        param = "best_of" if per_prompt > n else "n" if n > 1 else "prompt"
+        if limit is not None and num_sequences > limit:
+            raise APIError(400, f"the request asks for {what}; at most {limit} are allowed "
+                           "per request (--max-sequences-per-request)", param=param,
+                           code="too_many_sequences")
+        most = self._most_admitted()
+        if most is not None and num_sequences > most:
+            raise APIError(400, f"the request asks for {what}; this server admits at most "
+                           f"{most} of one request (its batch slots and half of "
+                           f"--max-queue-size {self.max_queue_size})", param=param,
+                           code="too_many_sequences")
+
+    def _most_admitted(self) -> int | None:
+        """The most sequences one request could be admitted with, on an idle engine."""
+        if self.max_queue_size is None:
+            return None
+        return (self.max_batch_size or 0) + self._queue_share
+
+    @property
+    def _queue_share(self) -> int:
+        """What one request may hold of the queue: half, so one request's fan-out never
+        fills the waiting room and locks every other client out."""
+        return max(1, self.max_queue_size // 2)
+
+    def _check_queue(self, num_sequences: int = 1) -> None:
+        """429 unless the request's own sequences fit: those beyond what the free batch
+        slots take at once may wait, as long as no more than max_queue_size sequences wait
+        then, and this request holds no more than half of that room. A request that fits a
+        free slot is never refused by the cap (a burst arrives before the engine schedules
+        any of it, so every request of it is 'waiting' at first)."""
         if self.max_queue_size is None:
             return
         stats = self.llm.get_stats()
-        num_queued = stats["num_waiting"] - self._num_free_slots(stats)
-        if num_queued >= self.max_queue_size:
-            raise APIError(429, f"the server is busy: {num_queued} requests are waiting "
-                           f"beyond the free batch slots (max_queue_size "
-                           f"{self.max_queue_size}); retry later",
-                           code="queue_full", headers={"Retry-After": str(self.retry_after_s)})
+        free_slots = self._num_free_slots(stats)
+        num_queued = stats["num_waiting"] - free_slots
+        num_own_queued = num_sequences - max(0, -num_queued)   # after the unclaimed slots
+        if num_queued + num_sequences > self.max_queue_size:
+            raise self._busy(f"{max(0, num_queued)} sequences are waiting beyond the free "
+                             f"batch slots; this request's {num_sequences} would pass "
+                             f"max_queue_size {self.max_queue_size}")
+        if num_own_queued > self._queue_share:
+            raise self._busy(f"this request's {num_sequences} sequences would hold "
+                             f"{num_own_queued} places of the queue beyond the free batch "
+                             f"slots, more than one request's share "
+                             f"({self._queue_share}, half of max_queue_size "
+                             f"{self.max_queue_size})")
+
+    def _busy(self, why: str) -> APIError:
+        return APIError(429, f"the server is busy: {why}; retry later", code="queue_full",
+                        headers={"Retry-After": str(self.retry_after_s)})
 
     def _num_free_slots(self, stats: dict[str, int]) -> int:
         if self.max_batch_size is None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import io
 import re
 import shutil
@@ -39,6 +38,7 @@ from tllm import __version__
 from tllm.serve.auth import Grant, UrlSigner, install_api_key_guard
 from tllm.serve.context import ServerConfig
 from tllm.serve.errors import APIError, bad_request, install_error_handlers, internal_error
+from tllm.serve.image_input import decode_image
 from tllm.serve.generation import abort_on_disconnect
 from tllm.serve.http_limits import install_request_limits
 from tllm.serve.http_server import run_uvicorn
@@ -273,14 +273,7 @@ def _input_image(ctx: ImagesContext, body: ImageGenerationRequest):
     if body.image is None:
         raise bad_request("this model decomposes an input image into layers: send it as "
                           "base64 in `image`", param="image")
-    from PIL import Image, UnidentifiedImageError
-    try:
-        image = Image.open(io.BytesIO(base64.b64decode(body.image, validate=True)))
-        image.load()
-    except (binascii.Error, UnidentifiedImageError, OSError) as exc:
-        raise bad_request("image must be a base64-encoded PNG or JPEG file",
-                          param="image") from exc
-    return image
+    return decode_image(body.image, "image", ctx.config.max_image_pixels)
 
 
 def _generate_pngs(gen, prompt: str, params, image, cancellation) -> list[bytes]:

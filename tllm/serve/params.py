@@ -57,11 +57,21 @@ class ModelLimits:
 
 
 def _token_key(key: str) -> int:
-    """A logit_bias key as a token id: ASCII digits only (int() also takes "²", "٣", " 5")."""
+    """A logit_bias key as a token id: ASCII digits only (int() also takes "²", "٣", " 5"),
+    and no longer than a 64-bit integer (int() refuses past 4,300 digits, with a ValueError
+    that would be a 500)."""
     if not (key.isascii() and key.isdigit()):
-        raise bad_request(f"logit_bias keys must be token ids (decimal digits), got {key!r}",
+        raise bad_request(f"logit_bias keys must be token ids (decimal digits), got "
+                          f"{_shortened(key)}", param="logit_bias")
+    if len(key.lstrip("0")) > len(str(INT64_MAX)):
+        raise bad_request(f"logit_bias: token id {_shortened(key)} is outside the vocabulary",
                           param="logit_bias")
     return int(key)
+
+
+def _shortened(text: str, limit: int = 40) -> str:
+    """A client's text for an error message, cut (it may be megabytes)."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def max_new_tokens(prompt_len: int, requested: int | None, max_seq_len: int,

@@ -32,7 +32,8 @@ from tllm.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputI
                                            OutputFunctionCall, OutputItem, OutputMessage,
                                            OutputText, ResponseObject, ResponsesRequest,
                                            ResponseUsage, TextFormat)
-from tllm.serve.tool_parsers import ToolRequest, forced_schema, new_call_id, tool_parser
+from tllm.serve.tool_parsers import (JSON_ERRORS, ToolRequest, forced_schema, new_call_id,
+                                     tool_parser)
 
 MAX_STORED_RESPONSES = 1000
 
@@ -194,7 +195,7 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
 def _arguments(arguments: str) -> dict:
     try:
         parsed = json.loads(arguments)
-    except json.JSONDecodeError as exc:
+    except JSON_ERRORS as exc:
         raise bad_request(f"input: a function_call's arguments are not JSON: {exc}",
                           param="input") from exc
     if not isinstance(parsed, dict):
@@ -282,7 +283,7 @@ def _loaded(arguments: str) -> dict | str:
     """Arguments as a template takes them (text when cut short by length)."""
     try:
         return json.loads(arguments)
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         return arguments
 
 

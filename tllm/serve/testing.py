@@ -89,13 +89,17 @@ class FakeLLM:
         self.running: set[FakeResult] = set()    # ... and given a batch slot
 
     def get_stats(self) -> dict[str, int]:
-        num_running = len(self.active) if self.args.max_batch_size is None else len(self.running)
-        return {"num_running": num_running, "num_waiting": len(self.active) - num_running,
+        """Counts sequences (n of each prompt), as the engine's stats do."""
+        num_active = _num_sequences(self.active)
+        num_running = (num_active if self.args.max_batch_size is None
+                       else _num_sequences(self.running))
+        return {"num_running": num_running, "num_waiting": num_active - num_running,
                 "kv_blocks_total": 1000, "kv_blocks_free": 1000 - len(self.active),
                 "num_steps": self.num_steps}
 
-    def has_free_slot(self) -> bool:
-        return self.args.max_batch_size is None or len(self.running) < self.args.max_batch_size
+    def has_free_slot(self, num_sequences: int = 1) -> bool:
+        return (self.args.max_batch_size is None or not self.running
+                or _num_sequences(self.running) + num_sequences <= self.args.max_batch_size)
 
     def generate_async(self, inputs: dict, params: SamplingParams,
                        streaming: bool = False) -> FakeResult:
@@ -109,6 +113,10 @@ class FakeLLM:
     async def submit_batch(self, inputs: list[dict], params: list[SamplingParams],
                            streaming: bool = False) -> list[FakeResult]:
         return submit_all_or_none(self.generate_async, inputs, params, streaming)
+
+
+def _num_sequences(results) -> int:
+    return sum(getattr(r, "num_sequences", 1) for r in results)
 
 
 class FakeResult:
@@ -126,12 +134,16 @@ class FakeResult:
             self.prompt_logprobs = [None] + [{t: Logprob(-1.0, 1)} for t in prompt_token_ids[1:]]
         llm.active.add(self)
 
+    @property
+    def num_sequences(self) -> int:
+        return self._params.n
+
     def abort(self) -> None:
         self._is_aborted = True
 
     async def deltas(self):
         try:
-            while not self._llm.has_free_slot() and not self._is_aborted:
+            while not self._llm.has_free_slot(self.num_sequences) and not self._is_aborted:
                 await asyncio.sleep(0.005)
             self._llm.running.add(self)
             for step in range(self._params.max_tokens):

@@ -14,6 +14,11 @@ from typing import Any
 from tllm.serve.protocol import (ChatCompletionRequest, FunctionCall, FunctionDefinition,
                                  NamedToolChoice, ToolCall)
 
+# What json.loads raises for text that is not a JSON value it can hold: JSONDecodeError, a
+# ValueError for an integer past Python's 4,300 digits, RecursionError for deep nesting (a
+# client's text or a model's output may be any of these)
+JSON_ERRORS = (ValueError, RecursionError)
+
 ANY_OBJECT = {"type": "object"}
 
 
@@ -39,7 +44,7 @@ def _call(obj: Any, arguments_key: str = "arguments") -> ParsedCall | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return None
     if not isinstance(arguments, dict):
         return None
@@ -95,7 +100,7 @@ class HermesToolParser(ToolParser):
             return text, []
         try:
             objs = [json.loads(block) for block in self._BLOCK.findall(text[start:])]
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return text, []
         calls = _calls(objs)
         if calls is None:
@@ -133,7 +138,7 @@ class Llama3JsonToolParser(ToolParser):
                 obj, at = decoder.raw_decode(body, at)
                 objs.append(obj)
                 at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return text, []
         calls = _calls(objs, arguments_key="parameters")
         return (None, calls) if calls else (text, [])
@@ -171,7 +176,7 @@ class MistralToolParser(ToolParser):
             return text, []
         try:
             objs, _ = json.JSONDecoder().raw_decode(body.strip())
-        except json.JSONDecodeError:
+        except JSON_ERRORS:
             return text, []
         calls = _calls(objs if isinstance(objs, list) else [objs])
         if calls is None:
@@ -252,7 +257,7 @@ def parse_forced(text: str, tools: ToolRequest) -> list[ParsedCall]:
     """The calls in a forced output ([] when it is cut short and does not parse)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except JSON_ERRORS:
         return []
     if tools.named is not None:
         call = _call({"name": tools.named, "arguments": value})

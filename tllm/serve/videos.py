@@ -15,9 +15,6 @@ steps, seed, negative_prompt, guidance_scale, input_reference (a base64 image: i
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import io
 import re
 import threading
 import time
@@ -33,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 
 from tllm.serve.errors import APIError, bad_request
 from tllm.serve.generation import abort_on_disconnect
+from tllm.serve.image_input import decode_image
 from tllm.serve.openai_server import read_body
 from tllm.serve.protocol import INT64_MAX
 
@@ -184,7 +182,7 @@ async def _new_job(ctx, request: Request, jobs: VideoJobs) -> VideoJob:
         raise APIError(429, f"too many video requests waiting ({limit})", code="queue_full",
                        headers={"retry-after": "1"})
     params = _params(ctx, body)
-    image = _input_image(body)
+    image = _input_image(body, ctx.config.max_image_pixels)
     try:
         ctx.gen.check_request(body.prompt, params, image)
     except ValueError as exc:
@@ -234,17 +232,10 @@ def _seconds(value) -> float:
     return seconds
 
 
-def _input_image(body: VideoGenerationRequest):
+def _input_image(body: VideoGenerationRequest, max_pixels: int):
     if body.input_reference is None:
         return None
-    from PIL import Image, UnidentifiedImageError
-    try:
-        image = Image.open(io.BytesIO(base64.b64decode(body.input_reference, validate=True)))
-        image.load()
-    except (binascii.Error, UnidentifiedImageError, OSError) as exc:
-        raise bad_request("input_reference must be a base64-encoded PNG or JPEG file",
-                          param="input_reference") from exc
-    return image
+    return decode_image(body.input_reference, "input_reference", max_pixels)
 
 
 def _run_job(ctx, job: VideoJob) -> None:

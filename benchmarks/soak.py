@@ -2,13 +2,14 @@
 under mixed load.
 
 Starts `tllm serve MODEL` on a free 127.0.0.1 port (a small KV pool, so the load cycles
-through all of it), fills the KV pool to the brim twice with distinct prompts (every block
-written at least once: the pool is allocated lazily and its pages count in RSS only once
-touched), runs --warmup-minutes of the mixed load, takes the server's and the engine
-process's RSS (psutil) as the baseline, then runs --minutes more of it, sampling RSS every
---sample-s. The mix, from --clients concurrent clients: streamed completions and chats read
-to the end, streams dropped mid-way, non-streamed requests with n > 1, clients that give up
-before the answer, and requests from a small catalogue of hostile ones (each must get a 4xx).
+through all of it) and takes the server's and the engine process's RSS (psutil) at start: the
+engine writes its CPU KV pool once when it builds it, so that figure holds the whole pool.
+Then it fills the KV pool to the brim twice with distinct prompts (every block written at
+least once; RSS again: it should barely move), runs --warmup-minutes of the mixed load, takes
+RSS as the baseline, then runs --minutes more of it, sampling RSS every --sample-s. The mix,
+from --clients concurrent clients: streamed completions and chats read to the end, streams
+dropped mid-way, non-streamed requests with n > 1, clients that give up before the answer,
+and requests from a small catalogue of hostile ones (each must get a 4xx).
 At the end, once every request has finished: 5xx seen by the clients and counted by the
 server's /metrics, KV blocks still in use (leaked), RSS growth over the baseline.
 
@@ -402,10 +403,13 @@ async def soak(args, base_url: str, pids: dict[str, int]) -> dict:
     load = Load(base_url, args.model, max_token_id=49152)
     result: dict = {"kv_capacity_tokens": capacity}
     rss = RssLog(pids, args.sample_s)
+    rss.phase = "start"  # these two samples stay out of the warm-up baseline
     rss.sample()
     result["rss_at_start"] = rss.samples[0]
     result["kv_fill_peaks"] = [await fill_kv_pool(load, int(capacity), args.seed + i)
                                for i in range(2)]
+    result["rss_after_kv_fill"] = rss.sample()
+    rss.phase = "warm-up"
     sampler = asyncio.create_task(rss.run())
     tally = Tally()
     await run_load(load, args.warmup_minutes * 60, args.clients, args.seed, tally)
@@ -418,7 +422,9 @@ async def soak(args, base_url: str, pids: dict[str, int]) -> dict:
     sampler.cancel()
     result["end"] = await drain(base_url)
     baseline, final, peak = rss.mean_of("warm-up"), rss.mean_of("soak"), rss.max_of("soak")
-    result["rss"] = {name: {"after_warmup": baseline[name], "end": final[name],
+    result["rss"] = {name: {"at_start": result["rss_at_start"][name],
+                            "after_kv_fill": result["rss_after_kv_fill"][name],
+                            "after_warmup": baseline[name], "end": final[name],
                             "max": peak[name], "growth": final[name] / baseline[name] - 1,
                             "max_growth": peak[name] / baseline[name] - 1}
                      for name in pids}
@@ -446,6 +452,9 @@ def verdict(result: dict) -> list[tuple[str, str, str, bool]]:
             ("KV blocks in use at the end", str(result["leaked_blocks"]), "0",
              result["leaked_blocks"] == 0)]
     for name, r in result["rss"].items():
+        rows.append((f"{name} RSS at start, after the KV fill (MiB)",
+                     f"{r['at_start'] / mib:.0f}, {r['after_kv_fill'] / mib:.0f} "
+                     f"({r['after_kv_fill'] / r['at_start'] - 1:+.2%})", "", True))
         rows.append((f"{name} RSS after warm-up -> end (max)",
                      f"{r['after_warmup'] / mib:.0f} -> {r['end'] / mib:.0f} MiB "
                      f"({r['growth']:+.2%}; max {r['max'] / mib:.0f}, {r['max_growth']:+.2%})",

@@ -154,6 +154,10 @@ def test_bad_adapter_folders_are_refused_and_nothing_breaks(llm, adapters, expec
     cases["unknown"] = (unknown, "'lm_head'")
     cases["shapes"] = (_wrong_shapes(adapters, tmp_path), "the model needs")
     cases["nowhere"] = (tmp_path / "does_not_exist", "no adapter_config.json")
+    cases["pickled"] = (_pickled_bin(adapters, tmp_path), "weights_only")
+    layer = bad_copy(adapters, tmp_path, "layer")
+    _edit_weights(layer, lambda w: {k.replace("layers.1.", "layers.5."): v for k, v in w.items()})
+    cases["layer"] = (layer, "no projection 'layers.5.")
     for i, (name, (path, message)) in enumerate(cases.items()):
         bad = LoRARequest(name, 100 + i, str(path))
         with pytest.raises(ValueError, match=message):
@@ -161,6 +165,25 @@ def test_bad_adapter_folders_are_refused_and_nothing_breaks(llm, adapters, expec
     good = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=adapters["qv"][0])
     assert tokens(good) == expected["qv"]
     assert_all_free(llm)
+
+
+def _edit_weights(path, edit) -> None:
+    from safetensors.torch import load_file, save_file
+    weights = path / "adapter_model.safetensors"
+    save_file(edit(load_file(weights)), weights)
+
+
+class _CallsPrint:
+    def __reduce__(self):
+        return print, ("a pickled call ran",)
+
+
+def _pickled_bin(adapters, tmp_path):
+    """adapter_model.bin whose pickle calls a function: weights_only refuses it."""
+    path = bad_copy(adapters, tmp_path, "pickled")
+    (path / "adapter_model.safetensors").unlink()
+    torch.save({"x": _CallsPrint()}, path / "adapter_model.bin")
+    return path
 
 
 def _wrong_shapes(adapters, tmp_path):

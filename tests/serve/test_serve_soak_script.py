@@ -47,3 +47,17 @@ def test_soak_load_runs_clean_against_the_engine_double():
     assert end["http_5xx"] == 0 and end["running"] == 0 and end["kv_use"] == 0
     assert len(soak.hostile_catalogue(load)) >= 15
     assert rss.max_of("warm-up")["server"] <= psutil.Process().memory_info().rss * 2
+
+
+def test_verdict_shows_rss_at_start_and_after_the_kv_fill():
+    """The table shows each process's RSS at start (the engine's CPU KV pool is pre-faulted,
+    so it is in there), after the KV fill, and its growth after warm-up."""
+    soak = load_soak()
+    mib = 1 << 20
+    rss = {"at_start": 1000 * mib, "after_kv_fill": 1010 * mib, "after_warmup": 1020 * mib,
+           "end": 1030 * mib, "max": 1040 * mib, "growth": 10 / 1020, "max_growth": 20 / 1020}
+    result = {"requests": 5, "by_kind": {}, "client_5xx": [], "hostile_not_4xx": [],
+              "end": {"http_5xx": 0}, "leaked_blocks": 0, "rss": {"engine": rss}}
+    rows = {figure: (value, met) for figure, value, _, met in soak.verdict(result)}
+    assert rows["engine RSS at start, after the KV fill (MiB)"] == ("1000, 1010 (+1.00%)", True)
+    assert rows["engine RSS after warm-up -> end (max)"][0].startswith("1020 -> 1030 MiB (+0.98%")

@@ -15,6 +15,7 @@ from tllm.llmapi.result import GenerationResult
 from tllm.llmapi.sequence_groups import bind_outputs, make_beam_group
 from tllm.loader import DEFAULT_MODEL
 from tllm.lora.request import LoRARequest
+from tllm.lora.targets import LoraTargets
 from tllm.outputs import CompletionDelta, RequestOutput
 from tllm.sampling_params import SamplingParams
 from tllm.scheduler.policy import check_priority
@@ -69,6 +70,13 @@ class LLM:
         if self._engine.disagg is not None:
             stats.update(self._engine.disagg.stats())
         return stats
+
+    @property
+    def lora_targets(self) -> LoraTargets | None:
+        """What adapters may target here (None: LoRA is off): a server checks an adapter
+        against it when it registers one, not at its first request."""
+        lora = self._engine.lora
+        return None if lora is None else lora.model.targets
 
     @property
     def disagg_info(self) -> dict[str, str] | None:

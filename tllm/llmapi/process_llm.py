@@ -52,8 +52,8 @@ class EngineDeadError(RuntimeError):
 
 class ProcessLLM:
     """The server's handle on an engine process: `submit_batch`, `get_stats`, `is_alive`,
-    `tokenizer`, `max_seq_len`, `shutdown` (what the server uses of an LLM), and `restart`
-    once the process has died."""
+    `tokenizer`, `max_seq_len`, `lora_targets`, `shutdown` (what the server uses of an LLM),
+    and `restart` once the process has died."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.args = LlmArgs(model=model, **kwargs)     # bad arguments fail here, at once
@@ -65,6 +65,7 @@ class ProcessLLM:
         self._engine, ready = self._start_engine()
         self.max_seq_len: int = ready["max_seq_len"]
         self.disagg_info: dict[str, str] | None = ready.get("disagg_info")
+        self.lora_targets = ready.get("lora_targets")   # tllm.lora.adapter.LoraTargets | None
         self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], model)
 
     # ---- what the server uses ----
@@ -345,7 +346,7 @@ def engine_main(args: LlmArgs, commands, events) -> None:
     gc.collect()
     gc.freeze()
     events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
-                           "disagg_info": llm.disagg_info,
+                           "disagg_info": llm.disagg_info, "lora_targets": llm.lora_targets,
                            "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
     _EngineServer(llm, events).run(commands)
 

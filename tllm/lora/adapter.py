@@ -1,7 +1,9 @@
 """A PEFT LoRA adapter folder read into plain tensors: `adapter_config.json` parsed by peft's
 own `LoraConfig` (rank, lora_alpha, rslora, rank/alpha patterns, target modules), the
-`lora_A` / `lora_B` weights from `adapter_model.safetensors` (or `adapter_model.bin`), each
-projection's scale. Anything we cannot serve is a ValueError naming it."""
+`lora_A` / `lora_B` weights from `adapter_model.safetensors` (or an `adapter_model.bin` that
+torch loads with `weights_only`: plain tensors, nothing executed), each projection's scale;
+checked against what an engine's layers accept (`LoraTargets`) before it is served. Anything
+we cannot serve is a ValueError naming it."""
 from __future__ import annotations
 
 import math
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tllm.lora.request import LoRARequest
+from tllm.lora.targets import LoraTargets
 
 # The projections of a decoder layer an adapter may target (checkpoint names).
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -53,11 +56,6 @@ def read_adapter(request: LoRARequest, max_rank: int) -> Adapter:
         raise ValueError(f"lora_request {request.lora_name!r}: rank {adapter.max_rank} is "
                          f"above max_lora_rank ({max_rank})")
     return adapter
-
-
-def check_adapter_folder(request: LoRARequest, max_rank: int) -> None:
-    """What can be checked without the model (the server's load endpoint)."""
-    read_adapter(request, max_rank)
 
 
 def _read_config(request: LoRARequest):
@@ -105,8 +103,23 @@ def _read_tensors(path: str) -> dict[str, torch.Tensor]:
                              f"{exc}") from None
     bin_path = os.path.join(path, "adapter_model.bin")
     if os.path.isfile(bin_path):
-        return torch.load(bin_path, map_location="cpu", weights_only=True)
+        return _read_bin(bin_path)
     raise ValueError(f"no adapter_model.safetensors (or adapter_model.bin) in {path!r}")
+
+
+def _read_bin(path: str) -> dict[str, torch.Tensor]:
+    """A pickled state dict, loaded only if it holds nothing but tensors (weights_only: a
+    pickle that would build other objects or call functions is refused, never run)."""
+    refusal = (f"adapter weights {path!r} are not a plain state dict of tensors (torch.load "
+               "with weights_only refused {}); save the adapter as adapter_model.safetensors")
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch's advice (weights_only=False) is not for a client
+        raise ValueError(refusal.format(type(exc).__name__)) from None
+    if not isinstance(tensors, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tensors.items()):
+        raise ValueError(refusal.format(f"nothing, but it holds a {type(tensors).__name__}"))
+    return tensors
 
 
 def _pair_weights(request: LoRARequest, config, tensors: dict[str, torch.Tensor]
@@ -133,12 +146,24 @@ def _pair_weights(request: LoRARequest, config, tensors: dict[str, torch.Tensor]
             raise ValueError(f"lora_request {name!r}: {module} has lora_{''.join(pair)} "
                              "without its other half")
         a, b = pair["A"], pair["B"]
-        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1] or a.shape[0] < 1:
             raise ValueError(f"lora_request {name!r}: {module} has lora_A {tuple(a.shape)} "
-                             f"and lora_B {tuple(b.shape)}; expected [r, in] and [out, r]")
+                             f"and lora_B {tuple(b.shape)}; expected [r, in] and [out, r], "
+                             "r >= 1")
+        if not (a.is_floating_point() and b.is_floating_point()):
+            raise ValueError(f"lora_request {name!r}: {module} has lora_A of {a.dtype} and "
+                             f"lora_B of {b.dtype}; expected floating-point weights")
         rank = a.shape[0]
         alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), module),
                                          config.lora_alpha)
         scale = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
         modules[module.removeprefix("model.")] = LoraWeights(a, b, float(scale))
     return modules
+
+
+def check_adapter(request: LoRARequest, targets: LoraTargets) -> Adapter:
+    """The adapter read and checked against an engine's layers: what the engine would
+    refuse at its first request is refused here (rank, files, modules, shapes)."""
+    adapter = read_adapter(request, targets.max_rank)
+    targets.check(adapter)
+    return adapter

@@ -28,8 +28,9 @@ from tllm.kernels.lora_batch import LoraBatch
 from tllm.layers.linear import (ColumnParallelLinear, Linear, MergedLinear, QKVLinear,
                                 RowParallelLinear)
 from tllm.layers.quant.base import QuantMethod
-from tllm.lora.adapter import TARGET_MODULES, Adapter, read_adapter
+from tllm.lora.adapter import TARGET_MODULES, Adapter, check_adapter
 from tllm.lora.request import LoRARequest
+from tllm.lora.targets import LoraTargets
 
 
 class TokenSlots:
@@ -118,19 +119,6 @@ class LoraLinearMethod(QuantMethod):
             self.a_stack[slot, s * r_max:s * r_max + r].copy_(a)
             self.b_stack[slot, proj.out_start:proj.out_start + proj.out_rows, :r].copy_(b)
 
-    def check(self, adapter: Adapter, module: str) -> None:
-        for proj in self.projections:
-            weights = adapter.modules.get(checkpoint_name(module, proj))
-            if weights is None:
-                continue
-            want_a, want_b = (weights.rank, proj.full_in), (proj.full_out, weights.rank)
-            if tuple(weights.a.shape) != want_a or tuple(weights.b.shape) != want_b:
-                raise ValueError(
-                    f"lora_request {adapter.request.lora_name!r}: "
-                    f"{checkpoint_name(module, proj)} has "
-                    f"lora_A {tuple(weights.a.shape)} and lora_B {tuple(weights.b.shape)}; "
-                    f"the model needs {want_a} and {want_b}")
-
 
 class LoraModel:
     """This rank's LoRA layers of `model` and a cache of adapters read from disk (the
@@ -141,8 +129,6 @@ class LoraModel:
         self.max_loras, self.max_rank = max_loras, max_rank
         self.token_slots = TokenSlots(max_tokens, max_loras, device)
         self.layers: dict[str, LoraLinearMethod] = {}
-        self._stage_layers = set(getattr(model, "stage_layers", ()))
-        self._num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
         for name, layer, projections in _lora_targets(model):
             method = LoraLinearMethod(layer.quant, layer, projections, max_loras, max_rank,
                                       self.token_slots, dtype, device)
@@ -151,6 +137,7 @@ class LoraModel:
         if not self.layers:
             raise ValueError(f"enable_lora: {type(model).__name__} has no projections LoRA "
                              f"can target ({', '.join(TARGET_MODULES)})")
+        self.targets = _targets_of(model, self.layers, max_rank)
         self._cache: OrderedDict[int, Adapter] = OrderedDict()
         self._max_cached = max_cpu_loras
         self._lock = threading.Lock()  # submissions read adapters on their own threads
@@ -162,8 +149,7 @@ class LoraModel:
             if cached is not None and cached.request == request:
                 self._cache.move_to_end(request.lora_int_id)
                 return cached
-        adapter = read_adapter(request, self.max_rank)
-        self._check(adapter)
+        adapter = check_adapter(request, self.targets)
         with self._lock:
             self._cache[request.lora_int_id] = adapter
             self._cache.move_to_end(request.lora_int_id)
@@ -174,23 +160,6 @@ class LoraModel:
     def forget(self, lora_int_id: int) -> None:
         with self._lock:
             self._cache.pop(lora_int_id, None)
-
-    def _check(self, adapter: Adapter) -> None:
-        served = {checkpoint_name(name, p) for name, method in self.layers.items()
-                  for p in method.projections}
-        for module in adapter.modules:
-            if module not in served and not self._on_other_stage(module):
-                raise ValueError(f"lora_request {adapter.request.lora_name!r}: the model has no "
-                             f"projection {module!r} to adapt")
-        for name, method in self.layers.items():
-            method.check(adapter, name)
-
-    def _on_other_stage(self, module: str) -> bool:
-        parts = module.split(".")
-        if len(parts) < 2 or parts[0] != "layers" or not parts[1].isdigit():
-            return False
-        index = int(parts[1])
-        return index < self._num_layers and index not in self._stage_layers
 
     def load(self, slot: int, request: LoRARequest) -> None:
         adapter = self.adapter(request)
@@ -203,6 +172,16 @@ class LoraModel:
         for slot, request in loads:
             self.load(slot, request)
         self.token_slots.set(slots, query_lens)
+
+
+def _targets_of(model: nn.Module, layers: dict[str, LoraLinearMethod],
+                max_rank: int) -> LoraTargets:
+    """Each projection's full (in, out) features, and the layers other stages hold."""
+    shapes = {checkpoint_name(name, p): (p.full_in, p.full_out)
+              for name, method in layers.items() for p in method.projections}
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", 0)
+    stage_layers = getattr(model, "stage_layers", range(num_layers))  # no stages: all
+    return LoraTargets(shapes, max_rank, frozenset(range(num_layers)) - set(stage_layers))
 
 
 def _lora_targets(model: nn.Module):

@@ -152,13 +152,14 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptIn
                                   finish_reason=finish_reason, stop_reason=c.stop_reason))
     usage = Usage(prompt_tokens=len(prompt.token_ids),
                   completion_tokens=sum(len(c.token_ids) for c in choices))
-    return ChatCompletionResponse(id=_request_id(), model=ctx.config.model_name,
-                                  choices=answers, usage=usage)
+    model = body.model or ctx.config.model_name  # an adapter's name, as asked (checked)
+    return ChatCompletionResponse(id=_request_id(), model=model, choices=answers, usage=usage)
 
 
 async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,
                   generation: Generation, output: OutputFormat) -> AsyncIterator[str]:
-    request_id, created, model = _request_id(), int(time.time()), ctx.config.model_name
+    request_id, created = _request_id(), int(time.time())
+    model = body.model or ctx.config.model_name  # an adapter's name, as asked (checked)
     usage = ChoiceUsage([len(prompt.token_ids)] * body.n, body.continuous_usage_stats)
 
     def event(choice: ChatStreamChoice) -> str:

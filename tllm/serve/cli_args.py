@@ -104,6 +104,10 @@ def _add_server_args(group) -> None:
     group.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                        help="with --enable-lora: serve these PEFT adapter folders as models "
                             "(\"model\": NAME); more through POST /v1/load_lora_adapter")
+    group.add_argument("--lora-allowed-paths", nargs="+", metavar="DIR",
+                       help="POST /v1/load_lora_adapter may load adapters from these folders "
+                            "and below them (symlinks and .. resolved first), besides the "
+                            "--lora-modules folders; any other lora_path gets a 403")
     group.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"])
     group.add_argument("--grpc-port", type=int, help="also serve gRPC (tllm/serve/grpc/"
@@ -183,7 +187,8 @@ def server_config(args: argparse.Namespace, model: str):
                         max_engine_restarts=args.max_engine_restarts,
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
-                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)))
+                        lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
+                        lora_allowed_paths=tuple(getattr(args, "lora_allowed_paths", None) or ()))
 
 
 def _read_chat_template(value: str | None) -> str | None:

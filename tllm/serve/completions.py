@@ -84,8 +84,8 @@ def _response(ctx: ServingContext, body: CompletionRequest, prompts: list[Prompt
     num_generated = sum(len(c.token_ids) for c in choices)
     usage = Usage(prompt_tokens=sum(len(p.token_ids) for p in prompts),
                   completion_tokens=0 if body.max_tokens == 0 else num_generated)
-    return CompletionResponse(id=_request_id(), model=ctx.config.model_name,
-                              choices=answers, usage=usage)
+    model = body.model or ctx.config.model_name  # an adapter's name, as asked (checked)
+    return CompletionResponse(id=_request_id(), model=model, choices=answers, usage=usage)
 
 
 def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
@@ -107,7 +107,8 @@ def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
 
 async def _events(ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput],
                   generation: Generation) -> AsyncIterator[str]:
-    request_id, created, model = _request_id(), int(time.time()), ctx.config.model_name
+    request_id, created = _request_id(), int(time.time())
+    model = body.model or ctx.config.model_name  # an adapter's name, as asked (checked)
     num_choices = len(prompts) * body.n
     usage = ChoiceUsage([len(prompts[i // body.n].token_ids) for i in range(num_choices)],
                         body.continuous_usage_stats)

@@ -53,6 +53,7 @@ class ServerConfig:
     tool_call_parser: str | None = None     # tool_choice auto: the model's format (hermes ...)
     reasoning_parser: str | None = None     # <think> split into reasoning_content (qwen3 ...)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder) served at start
+    lora_allowed_paths: tuple[str, ...] = ()    # load_lora_adapter: these folders and below
 
     @property
     def model_name(self) -> str:
@@ -123,12 +124,11 @@ class ServingContext:
 
 def lora_registry(llm, config: ServerConfig) -> LoraRegistry:
     """The adapters served: --lora-modules now, more through /v1/load_lora_adapter (only
-    when the engine was built with enable_lora)."""
-    args = getattr(llm, "args", None)
-    max_rank = args.max_lora_rank if getattr(args, "enable_lora", False) else None
-    registry = LoraRegistry(config.model_name, max_rank)
+    when the engine was built with enable_lora) from those folders and --lora-allowed-paths."""
+    allowed = (*config.lora_allowed_paths, *(path for _, path in config.lora_modules))
+    registry = LoraRegistry(config.model_name, getattr(llm, "lora_targets", None), allowed)
     for name, path in config.lora_modules:
-        registry.load(name, path)  # a bad folder stops the server's start (ValueError)
+        registry.add(name, path)  # a bad folder stops the server's start (ValueError)
     return registry
 
 

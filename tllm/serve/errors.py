@@ -17,8 +17,8 @@ from tllm.serve.protocol import ErrorInfo, ErrorResponse
 
 
 logger = logging.getLogger(__name__)
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          405: "invalid_request_error", 408: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
           413: "invalid_request_error", 415: "invalid_request_error",
           429: "rate_limit_error", 431: "invalid_request_error", 500: "server_error",
           503: "service_unavailable"}
@@ -29,6 +29,7 @@ _NOT_A_FIELD = re.compile(r"[\[\-]|^(str|int|float|bool|list|dict)$")
 _DESCRIPTIONS = {
     400: "Invalid request (the error names the field in `param`)",
     401: "Missing or wrong API key",
+    403: "Not permitted (a lora_path outside --lora-allowed-paths)",
     404: "Unknown model or route",
     408: "The body did not arrive within --body-read-timeout",
     413: "The body is larger than --max-body-bytes",

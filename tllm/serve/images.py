@@ -180,7 +180,7 @@ def _api_routes(ctx: ImagesContext) -> APIRouter:
 
     @api.get("/models")
     async def models() -> Response:
-        card = ModelCard(id=config.model_name, root=config.model)
+        card = ModelCard(id=config.model_name, root=config.model_name)  # no server path
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     return api

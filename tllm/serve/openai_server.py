@@ -88,9 +88,10 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
     @api.get("/models", summary="List the served model and its LoRA adapters",
              responses={200: {"model": ModelList}})
     async def models() -> Response:
-        card = ModelCard(id=config.model_name, root=config.model,
+        # names only: a server path (the model's, an adapter's folder) is no client's business
+        card = ModelCard(id=config.model_name, root=config.model_name,
                          max_model_len=ctx.llm.max_seq_len)
-        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path, parent=config.model_name,
+        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_name, parent=config.model_name,
                               max_model_len=ctx.llm.max_seq_len) for lora in ctx.loras.all()]
         return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
 

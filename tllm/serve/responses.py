@@ -108,7 +108,7 @@ def responses_routes(ctx: ServingContext, limits: ModelLimits, dependencies: lis
 async def create_response(ctx: ServingContext, store: ResponseStore, request: Request,
                           body: ResponsesRequest) -> Response:
     arrival = time.monotonic()
-    ctx.check_model(body.model)
+    lora = ctx.check_model(body.model)
     history = (store.get(body.previous_response_id, "previous_response_id").messages
                if body.previous_response_id is not None else [])
     messages = history + input_messages(body)
@@ -121,7 +121,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     if guided is not None:  # compiling a grammar takes a while: off the event loop
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
     params = sampling_params(body, max_tokens, guided_decoding=guided)
-    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="input")
+    generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="input",
+                                        lora_request=lora)
     response = _echo(ctx, body)
     output = OutputFormat.of(None, tool_parser(ctx.config.tool_call_parser), tools)
     on_done = functools.partial(_finish, store, body, messages, len(prompt.token_ids))
@@ -235,7 +236,8 @@ def _echo(ctx: ServingContext, body: ResponsesRequest) -> ResponseObject:
     """The response in progress, with the request's settings as OpenAI echoes them."""
     text = {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
                        if body.text and body.text.format else {"type": "text"})}
-    return ResponseObject(model=ctx.config.model_name, instructions=body.instructions,
+    return ResponseObject(model=body.model or ctx.config.model_name,  # as asked (checked)
+                          instructions=body.instructions,
                           max_output_tokens=body.max_output_tokens,
                           temperature=body.temperature, top_p=body.top_p,
                           previous_response_id=body.previous_response_id, store=body.store,

@@ -2,10 +2,10 @@
 under mixed load.
 
 Starts `tllm serve MODEL` on a free 127.0.0.1 port (a small KV pool, so the load cycles
-through all of it) and takes the server's and the engine process's RSS (psutil) at start: the
-engine writes its CPU KV pool once when it builds it, so that figure holds the whole pool.
-Then it fills the KV pool to the brim twice with distinct prompts (every block written at
-least once; RSS again: it should barely move), runs --warmup-minutes of the mixed load, takes
+through all of it) and takes the server's and the engine process's RSS (psutil) at start
+(the engine's CPU KV pool allocated, its pages not yet touched). Then it fills the KV pool to
+the brim twice with distinct prompts (every block written at least once; RSS again: the
+pool's real size is in it now), runs --warmup-minutes of the mixed load, takes
 RSS as the baseline, then runs --minutes more of it, sampling RSS every --sample-s. The mix,
 from --clients concurrent clients: streamed completions and chats read to the end, streams
 dropped mid-way, non-streamed requests with n > 1, clients that give up before the answer,

@@ -50,8 +50,9 @@ def test_soak_load_runs_clean_against_the_engine_double():
 
 
 def test_verdict_shows_rss_at_start_and_after_the_kv_fill():
-    """The table shows each process's RSS at start (the engine's CPU KV pool is pre-faulted,
-    so it is in there), after the KV fill, and its growth after warm-up."""
+    """The table shows each process's RSS at start, after the KV fill (every block of the
+    engine's CPU KV pool written once, so the pool is in there), and its growth after
+    warm-up."""
     soak = load_soak()
     mib = 1 << 20
     rss = {"at_start": 1000 * mib, "after_kv_fill": 1010 * mib, "after_warmup": 1020 * mib,

@@ -91,12 +91,10 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         self.has_windows = any(w is not None for w in self.windows)
         self.max_step_tokens = max_step_tokens
         shape = (num_blocks, tokens_per_block, num_kv_heads, head_dim)
-        # On a CPU, written once (pre-faulted): the pool is in the resident memory from the
-        # start, so RSS tells its real size and a machine short of memory fails here, not
-        # once the load has touched every page (a GPU's memory is committed at allocation).
-        alloc = torch.zeros if torch.device(device).type == "cpu" else torch.empty
-        self.slot_caches = [(alloc(shape, dtype=dtype, device=device),
-                             alloc(shape, dtype=dtype, device=device))
+        # (Not written here: on a CPU, writing a pool of gigabytes costs seconds of start-up,
+        # so its pages join the resident memory as steps first touch them.)
+        self.slot_caches = [(torch.empty(shape, dtype=dtype, device=device),
+                             torch.empty(shape, dtype=dtype, device=device))
                             for _ in range(self.layout.num_slots)]
         self.kv_caches = [self.slot_caches[s] for s in self.layout.layer_slots]
         self.host_capacity_blocks = host_cache_blocks

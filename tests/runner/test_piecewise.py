@@ -75,3 +75,29 @@ def test_an_attention_call_runs_on_the_steps_tokens_and_view():
     assert seen == [(5, 5, "view1", 2.0)]
     torch.testing.assert_close(out[:5], q[:5] * 2)
     assert not out[5:].any()
+
+
+@cuda
+def test_sampling_options_on_the_gpu_give_the_eager_tokens(tiny_llama):
+    """Seeded sampling with top-k/top-p, penalties (counted on the device) and logprobs:
+    the same tokens with every kind of graph as without any (the noise is keyed by seed
+    and position, so only the logits could differ, and in float32 they agree)."""
+    path, model = tiny_llama
+    batch = prompts(model.config.vocab_size, 6)
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_k=40, top_p=0.9, seed=i,
+                             repetition_penalty=1.2, presence_penalty=0.3,
+                             frequency_penalty=0.2, logprobs=2, ignore_eos=True)
+              for i in range(len(batch))]
+
+    def sample(config):
+        with LLM(str(path), dtype="float32", max_batch_size=8, max_num_tokens=64,
+                 kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=8192),
+                 cuda_graph_config=config) as llm:
+            outs = llm.generate(batch, params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [sorted(lp) for lp in o.outputs[0].logprobs])
+                for o in outs]
+
+    eager = sample(None)
+    graphed = sample(CudaGraphConfig(batch_sizes=[1, 2, 4, 8], token_buckets=[16, 48]))
+    assert graphed == eager
+    assert len({tuple(tokens) for tokens, _ in eager}) == len(batch)  # really sampled

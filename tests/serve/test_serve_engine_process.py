@@ -57,7 +57,9 @@ def test_streams_and_refusals(remote, process_llm):
             "model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "stream": True,
             "ignore_eos": True}) as response:
         chunks = [line for line in response.iter_lines() if line.startswith("data: {")]
-    assert len(chunks) >= 8
+    # streamed in pieces (a piece may carry two steps' tokens when the client reads slower
+    # than the engine steps: deltas are built off the loop thread and coalesce)
+    assert len(chunks) >= 3
     error = assert_openai_error(remote.post("/v1/completions", json={
         "model": MODEL, "prompt": [1, 10_000_000], "max_tokens": 2}), 400)
     assert error["param"] == "prompt"

@@ -109,8 +109,7 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
     config = args.cuda_graph_config
     if config is None or device.type != "cuda" or backend != "triton":
         return None
-    limit = min(config.max_batch_size or args.max_batch_size, args.max_batch_size)
-    sizes = [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s < limit] + [limit]
+    sizes = captured_batch_sizes(args)
     eager_model = model
     if config.torch_compile:
         from tllm.runner.compiled import CompiledDecodeModel
@@ -182,7 +181,9 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     if kv_config.max_tokens is not None:  # the memory of that many tokens of every layer
         num_blocks = kv_config.max_tokens * spec.num_layers * layer_bytes_per_token // block_bytes
     else:
-        budget = kv_cache_budget(kv_config, device, activation_bytes(config, args, dtype))
+        reserved = activation_bytes(config, args, dtype) + graph_bytes(config, args, dtype,
+                                                                         device)
+        budget = kv_cache_budget(kv_config, device, reserved)
         useful = args.max_batch_size * -(-max_seq_len // block) * layout.num_groups
         num_blocks = min(int(budget // block_bytes), useful + int(layout.num_groups > 1))
     num_blocks = max(1 + any(layout.windows), num_blocks)
@@ -233,6 +234,24 @@ def activation_bytes(config, args: LlmArgs, dtype: torch.dtype) -> int:
     per_token = (2 * max(dense, experts_width) + 6 * config.hidden_size) * size
     logits = args.max_batch_size * config.vocab_size * 4 * 3
     return args.max_num_tokens * per_token * 2 + logits
+
+
+def graph_bytes(config, args: LlmArgs, dtype: torch.dtype, device: torch.device) -> int:
+    """What CUDA graphs keep besides the eager step's activations: their own pool holds a
+    step's working set (the piecewise graphs' largest bucket) and each decode graph's logits
+    [batch, vocab], which stay allocated."""
+    if args.cuda_graph_config is None or device.type != "cuda":
+        return 0
+    size = torch.empty((), dtype=dtype).element_size()
+    return (sum(captured_batch_sizes(args)) * config.vocab_size * size
+            + activation_bytes(config, args, dtype))
+
+
+def captured_batch_sizes(args: LlmArgs) -> list[int]:
+    """The decode batch sizes graphs are captured for, up to the engine's max batch."""
+    config = args.cuda_graph_config
+    limit = min(config.max_batch_size or args.max_batch_size, args.max_batch_size)
+    return [s for s in (config.batch_sizes or DEFAULT_BATCH_SIZES) if s < limit] + [limit]
 
 
 def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device,

@@ -20,6 +20,10 @@ class CompiledDecodeModel:
 
     def __init__(self, model: nn.Module) -> None:
         from tllm.kernels import custom_ops  # noqa: F401  (registers torch.ops.tllm.*)
+        # Dynamo's cache keys on the forward's code and its inputs' shapes, not on the
+        # settings that chose kernels while it traced (the dense GEMV's, say): an earlier
+        # engine's traces in this process must not be replayed for this one.
+        torch._dynamo.reset()
         self.model = model
         self._forward = torch.compile(model.forward, dynamic=False)
         self._logits = torch.compile(model.compute_logits, dynamic=False)

@@ -130,23 +130,24 @@ class CudaGraphRunner:
         shapes = [(1, self.batch_sizes, self.graphs)]
         if self.verify_query_len is not None:
             shapes.append((self.verify_query_len, self.verify_batch_sizes, self.verify_graphs))
-        for query_len, sizes, graphs in shapes:
+        stream = torch.cuda.Stream(self.device)  # one for every warm-up: a stream's freed
+        for query_len, sizes, graphs in shapes:  # memory is cached for that stream alone
             # every request a full query at capture; replays rewrite these
             self.seq_lens.fill_(query_len)
             self.verify_query_start_loc.copy_(torch.arange(
                 0, query_len * len(self.verify_query_start_loc), query_len,
                 dtype=torch.int32, device=self.device))
             for batch_size in reversed(sizes):
-                graphs[batch_size] = self._capture_one(batch_size, query_len, pool)
+                graphs[batch_size] = self._capture_one(batch_size, query_len, pool, stream)
         self.seq_lens.zero_()
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the warm-ups' memory
         logger.info("captured CUDA graphs for decode batch sizes %s%s", self.batch_sizes,
                     f" and verify batch sizes {self.verify_batch_sizes} "
                     f"({self.verify_query_len} tokens a request)" if self.verify_query_len
                     else "")
 
-    def _capture_one(self, batch_size: int, query_len: int, pool):
-        stream = torch.cuda.Stream()
+    def _capture_one(self, batch_size: int, query_len: int, pool, stream):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: compile kernels, settle the allocator

@@ -12,7 +12,15 @@ graph's pool, fixed from then on), gets a fixed output buffer, and the next grap
 replay copies the step's token ids into the static input buffer and alternates graph
 replays with the recorded attention calls. A step of T tokens replays the smallest bucket
 of at least T: its padding rows compute on stale inputs, write no KV (attention sees only
-the step's T rows) and are never read."""
+the step's T rows) and are never read.
+
+Memory: only one step runs at a time, so every bucket (and the decode graphs) share one
+pool, and the tensors the eager calls read (q, k, v, the last hidden states) are kept as
+non-owning aliases: the pool may hand their memory to the next bucket's capture, as it does
+within one graph (vLLM keeps weak references for the same reason). Holding them would keep
+32 layers' q, k, v of every bucket: tens of GB for an 8B model. The calls' output buffers
+are one per shape, sliced by bucket, shared by every layer (each is read once, by the next
+piece's output projection, before the next call writes it)."""
 from __future__ import annotations
 
 import bisect
@@ -57,11 +65,12 @@ class AttentionCall:
 class PiecewiseRecorder:
     """Set on the capture metadata: attention backends hand it their call (`defer`)."""
 
-    def __init__(self, pool) -> None:
+    def __init__(self, pool, outputs: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.pool = pool
         self.pieces: list[torch.cuda.CUDAGraph] = []
         self.calls: list[AttentionCall] = []
         self._views: dict[int, int] = {}
+        self._outputs = outputs  # the fixed output buffer for an attention input like q
 
     def begin(self, metadata: AttentionMetadata) -> None:
         self._views = {id(metadata): -1, **{id(v): g for g, v in
@@ -72,14 +81,21 @@ class PiecewiseRecorder:
               kv_cache, metadata: AttentionMetadata, *rest) -> torch.Tensor:
         """End the piece being captured at this attention call; its output buffer."""
         self.pieces[-1].capture_end()
-        out = torch.zeros_like(q)  # zero rows past a step's tokens stay finite
-        self.calls.append(AttentionCall(method, (q, k, v, kv_cache, *rest),
+        out = self._outputs(q)
+        self.calls.append(AttentionCall(method, (alias(q), alias(k), alias(v), kv_cache, *rest),
                                         self._views[id(metadata)], out))
         self._next_piece()
         return out
 
     def end(self) -> None:
         self.pieces[-1].capture_end()
+
+    def abandon(self) -> None:
+        """The forward failed mid-capture: end the capture, so the stream can run again."""
+        try:
+            self.pieces[-1].capture_end()
+        except Exception:  # the capture was invalidated: ending it reports that again
+            pass
 
     def _next_piece(self) -> None:
         graph = torch.cuda.CUDAGraph()
@@ -115,6 +131,7 @@ class PiecewiseGraphRunner:
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self._slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
         self.graphs: dict[int, PiecewiseGraph] = {}
+        self._outputs: dict[tuple, torch.Tensor] = {}  # attention outputs, by shape
 
     @property
     def max_tokens(self) -> int:
@@ -151,16 +168,29 @@ class PiecewiseGraphRunner:
         for _ in range(2):  # warm-up: compile kernels, settle the allocator
             self.model(self.input_ids[:bucket], self.kv_cache.kv_caches, metadata)
         gc.collect()
-        recorder = PiecewiseRecorder(self.pool)
+        recorder = PiecewiseRecorder(self.pool, self._output_buffer)
         capturing = dataclasses.replace(metadata, capture=recorder)
         capturing.add_group_views(metadata.layer_groups, [
             (view.slot_mapping, view.block_tables) for view in metadata.group_views])
         for view in capturing.group_views:
             view.capture = recorder
         recorder.begin(capturing)
-        hidden = self.model(self.input_ids[:bucket], self.kv_cache.kv_caches, capturing)
+        try:
+            hidden = self.model(self.input_ids[:bucket], self.kv_cache.kv_caches, capturing)
+        except BaseException:
+            recorder.abandon()
+            raise
         recorder.end()
-        return PiecewiseGraph(recorder.pieces, recorder.calls, hidden)
+        return PiecewiseGraph(recorder.pieces, recorder.calls, alias(hidden))
+
+    def _output_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """The fixed buffer an attention call like `like` writes (zeros: rows past a step's
+        tokens stay finite), a view of one buffer per shape for every bucket and layer."""
+        key = (tuple(like.shape[1:]), like.dtype)
+        if key not in self._outputs:  # outside any capture: plain memory, kept
+            self._outputs[key] = torch.zeros(self.max_tokens, *like.shape[1:],
+                                             dtype=like.dtype, device=like.device)
+        return self._outputs[key][:like.shape[0]]
 
     def _metadata(self, bucket: int) -> AttentionMetadata:
         """One sequence of `bucket` tokens writing no KV: what warm-up and capture see."""
@@ -177,6 +207,15 @@ class PiecewiseGraphRunner:
             metadata.add_group_views(self.kv_cache.layer_groups, [
                 (self._slots[:bucket], tables) for _ in range(self.kv_cache.num_groups - 1)])
         return metadata
+
+
+def alias(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over the same memory that does not keep it allocated (see Memory above)."""
+    storage = tensor.untyped_storage()
+    weak = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), tensor.device,
+                                                         storage.nbytes())
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(
+        weak, tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 def token_buckets(max_num_tokens: int, configured: list[int] | None = None) -> list[int]:

@@ -38,6 +38,7 @@ from tllm.bench.offline import (LatencyConfig, ThroughputConfig, run_latency,  #
 
 from gpu_common import interval_union  # noqa: E402
 from gpu_fastpath import _profiler, _trace_events  # noqa: E402
+from gpu_latency import time_graphed  # noqa: E402
 
 MODEL = "dummy:llama-3.1-8b"
 OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
@@ -74,25 +75,7 @@ def gemm_floor_ms(batch: int, fp8: bool) -> float:
                 xq, wq.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16))
         else:
             ops.append(lambda x=x, w=w: x @ w.t())
-    for op in ops:
-        op()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for op in ops:
-            op()
-    return time_replays(graph)
-
-
-def time_replays(graph, repeats: int = 10) -> float:
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return time_graphed(lambda: [op() for op in ops], repeats=10) / 1e3
 
 
 def part_gemm() -> dict:
@@ -152,7 +135,9 @@ def step_profile(llm: LLM, batch: int, num_steps: int = 24) -> dict:
     try:
         first = executor.num_steps
         results_async = [llm.generate_async(p, params) for p in prompts]
-        while executor.num_steps < first + 12:   # past the prefill, into steady decode
+        # past the prefill (batch x 128 tokens, max_num_tokens a step), into steady decode
+        prefill_steps = -(-batch * 128 // llm.args.max_num_tokens)
+        while executor.num_steps < first + prefill_steps + 6:
             time.sleep(0.002)
         with _profiler(torch.device("cuda")) as prof:
             start_steps, wall = executor.num_steps, time.perf_counter()
@@ -204,7 +189,7 @@ def part_engine(quantized: bool, args) -> dict:
             out[f"profile_{batch}"] = step_profile(llm, batch)
             save()
         scheduler = llm._engine.executor.scheduler
-        for cap in ((256, 512, 1024) if quantized else (1024,)):
+        for cap in ((256, 512, 1024) if quantized else (512,)):
             scheduler.max_batch_size = cap  # as an engine built with this cap schedules
             out[f"load_128_128_batch{cap}"] = throughput(llm, 128, 128, args.requests, 100)
             save()
@@ -212,7 +197,7 @@ def part_engine(quantized: bool, args) -> dict:
         if quantized and not args.quick:
             out["load_1000_1000"] = throughput(llm, 1000, 1000, 500, 100)
             save()
-            out["load_128_2048"] = throughput(llm, 128, 2048, 600, 100)
+            out["load_128_2048"] = throughput(llm, 128, 2048, 300, 100)
             save()
             out["load_2048_128"] = throughput(llm, 2048, 128, 600, 100)
             save()

@@ -116,8 +116,13 @@ case $section in
       --clients 4 --num-prompts 800 --out "$OUT/stall40.json"
     grep -h "slow executor\|triton compiled" "$OUT"/*.log "$OUT"/*/*.log 2>/dev/null | cut -c1-260 | head -60
     ;;
+  suite)  # issue 32: the GPU test suite (its own call: it takes most of one)
+    GPU_SUITE_TIMEOUT=560 bash benchmarks/gpu_suite.sh ;;
+  scale)  # issue 32: max load, decode TPOT, host time and GPU idle per step, GEMM floors
+    export PYTHONUNBUFFERED=1
+    step scale 570 python3 benchmarks/gpu_scale.py --parts fp8,bf16,gemm ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|stage|smollm2 ..."; exit 2 ;;
 esac
 done

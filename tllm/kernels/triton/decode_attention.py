@@ -33,8 +33,13 @@ _WAVES = 4                # programs per SM to aim for: enough loads in flight f
 
 
 # As the context kernel: what changes every step is not specialized on (eager mixed steps
-# pass request-offset tables and lengths), so no compile lands mid-serving.
-@triton.jit(do_not_specialize=["stride_table"],
+# pass request-offset tables and lengths), so no compile lands mid-serving. The partial
+# buffers' strides follow the split count (the LSE's row stride is heads x splits: divisible
+# by 16 or not as the count changes), so they are not specialized on either.
+_PARTIAL_STRIDES = ["stride_pt", "stride_ph", "stride_lt", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=["stride_table", *_PARTIAL_STRIDES],
             do_not_specialize_on_alignment=["block_tables_ptr", "query_start_loc_ptr",
                                             "seq_lens_ptr"])
 def _decode_attention_kernel(
@@ -113,7 +118,8 @@ def _decode_attention_kernel(
                  (acc / l_i[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-@triton.jit(do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr"])
+@triton.jit(do_not_specialize=_PARTIAL_STRIDES,
+            do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr"])
 def _merge_partitions_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr, partition,
         stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,

@@ -45,12 +45,14 @@ class Engine:
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2",
                                                              marks=pytest.mark.slow)])
 def engine(request, tiny_model_dir):
-    """Each test that takes `engine` runs on the tiny random model and on SmolLM2."""
+    """Each test that takes `engine` runs on the tiny random model and on SmolLM2 (dense in
+    float32: the mixed-batch check compares a request's tokens across batch compositions,
+    which only float32 keeps to ~1e-6; README, The CPU path: batch invariance)."""
     if request.param == "tiny":
         with LLM(tiny_model_dir, **LLM_ARGS) as tiny:
             yield Engine(tiny, uses_chat_template=False)
     else:
-        with LLM("smollm2", max_seq_len=768, max_batch_size=32, max_num_tokens=2048,
+        with LLM("smollm2", quantization="none", max_seq_len=768, max_batch_size=32, max_num_tokens=2048,
                  kv_cache_config=KvCacheConfig(max_tokens=32768)) as smollm2:
             yield Engine(smollm2, uses_chat_template=True)
 

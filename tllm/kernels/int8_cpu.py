@@ -15,15 +15,15 @@ A weight is int8 per output channel, `qweight` [N, K] with `scale` [N] (w = q * 
     (24 rows: 2.2-3.1 ms vs 2.7-3.7 widened; 64 rows: 5.7-7.1 vs 4.3-6.4; 256: 22-24 vs
     14).
 
-Both paths see the same bf16 activations and int8 weights; they differ only in where the
-float32 scale meets the sum, so a row's result barely depends on the batch it is in.
+With native bf16 both paths see the same bf16 activations and int8 weights and differ only in
+where the float32 scale meets the sum; without it the widened path keeps float32 activations,
+so a row's result depends on its batch by about bf16's rounding.
 `int8_matmul_ref` is what both compute, in float64."""
 from __future__ import annotations
 
 import threading
 
 import torch
-
 
 
 def _has_native_bf16() -> bool:
@@ -35,7 +35,7 @@ def _has_native_bf16() -> bool:
 
 NATIVE_BF16 = _has_native_bf16()
 DEQUANT_MIN_ROWS = 24 if NATIVE_BF16 else 40
-_SCRATCH_ELEMENTS = 1 << 21   # 4 MB of bf16 a slice: a layer's weight, or the LM head in parts
+_SCRATCH_ELEMENTS = 1 << 21   # 4 MB of bf16 (8 of float32) a slice: a layer's weight, or the LM head in parts
 _scratch = threading.local()  # one buffer per thread: engines in one process may run at once
 
 

@@ -16,9 +16,11 @@ from tllm.loader import DEFAULT_MODEL
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-batch-size", "3",
                 "--max-num-tokens", "64", "--max-seq-len", "48", "--tp-size", "1",
                 "--pp-size", "1", "--kv-cache-tokens", "512",
-                "--kv-cache-free-memory-fraction", "0.5"]
+                "--kv-cache-free-memory-fraction", "0.5", "--revision", "v2",
+                "--download-dir", "/tmp/hf"]
 ENGINE_KWARGS = {"dtype": "float32", "device": "cpu", "max_batch_size": 3, "max_num_tokens": 64,
-                 "max_seq_len": 48, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+                 "max_seq_len": 48, "tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                 "revision": "v2", "download_dir": "/tmp/hf"}
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -189,7 +191,8 @@ def test_every_command_lists_the_engine_flags_in_its_help(command, capsys):
     out = capsys.readouterr().out
     for flag in ("--config", "--extra-llm-api-options", "--dtype", "--device", "--max-batch-size",
                  "--max-num-tokens", "--max-seq-len", "--tp-size", "--pp-size",
-                 "--kv-cache-tokens", "--kv-cache-free-memory-fraction"):
+                 "--kv-cache-tokens", "--kv-cache-free-memory-fraction", "--revision",
+                 "--download-dir"):
         assert flag in out, (command, flag)
 
 

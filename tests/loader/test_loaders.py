@@ -65,6 +65,21 @@ def test_sharded_checkpoint_loads(tmp_path):
     assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
 
 
+def test_pytorch_bin_checkpoint_loads(tiny_llama, tmp_path):
+    """An older checkpoint without safetensors: its pytorch_model.bin (weights_only)."""
+    from safetensors.torch import load_file
+    shutil.copytree(tiny_llama[0], tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    torch.save(load_file(weights), tmp_path / "m" / "pytorch_model.bin")
+    weights.unlink()
+    ids = [4, 8, 15, 16, 23, 42]
+    with LLM(str(tmp_path / "m"), kv_cache_config=KV) as llm:
+        out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    ref = tiny_llama[1].generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False,
+                                 pad_token_id=0)
+    assert out.outputs[0].token_ids == ref[0, len(ids):].tolist()
+
+
 def test_unpermute_undoes_llama_cpp_permutation():
     n_head, head_dim, cols = 3, 8, 5
     w = torch.randn(n_head * head_dim, cols)

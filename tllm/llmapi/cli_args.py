@@ -19,7 +19,7 @@ CONFIG_FLAGS = ("--config", "--extra-llm-api-options")  # ours, TensorRT-LLM's
 _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
               "tensor_parallel_size", "pipeline_parallel_size", "quantization",
               "model_impl", "enable_expert_parallel", "enable_lora", "max_loras",
-              "max_lora_rank", "max_cpu_loras")
+              "max_lora_rank", "max_cpu_loras", "revision", "download_dir")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
@@ -53,6 +53,7 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument(*CONFIG_FLAGS, dest="config", metavar="YAML", action=_ConfigFile,
                        help="a YAML mapping of LLM(...) arguments (model, kv_cache_config, "
                             "scheduler_config, cuda_graph_config, ...); the flags win over it")
+    _add_hub_args(group)
     group.add_argument("--dtype", choices=DTYPES, help=text["dtype"])
     group.add_argument("--device", help=text["device"])
     group.add_argument("--max-batch-size", type=positive_int, help=text["max_batch_size"])
@@ -90,6 +91,14 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                        help="KV cache storage, kv_cache_config.dtype (default auto: the "
                             "model's dtype; fp8 halves its bytes)")
     _add_scheduling_args(group)
+
+def _add_hub_args(group) -> None:
+    group.add_argument("--revision", metavar="REV",
+                       help="a hub model's branch, tag or commit (default: main)")
+    group.add_argument("--download-dir", metavar="DIR",
+                       help="the Hugging Face cache a hub model is looked for and downloaded "
+                            "into (default: HF_HUB_CACHE, else $HF_HOME/hub)")
+
 
 def _add_lora_args(group) -> None:
     group.add_argument("--enable-lora", action="store_true", default=None,

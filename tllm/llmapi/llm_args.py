@@ -234,6 +234,11 @@ class LlmArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     model: str
+    # For a hub id ("org/name"): the branch, tag or commit of its repository (default:
+    # main), and the HF cache folder it is looked for and downloaded into (default:
+    # HF_HUB_CACHE, else $HF_HOME/hub). Local paths and built-in names ignore both.
+    revision: str | None = None
+    download_dir: str | None = None
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     # "fp8": quantize a 16/32-bit checkpoint's linear layers to FP8 at load (per-channel
     # weights, per-token activations). A quantized checkpoint is detected from its own config.

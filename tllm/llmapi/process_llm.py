@@ -66,7 +66,7 @@ class ProcessLLM:
         self.max_seq_len: int = ready["max_seq_len"]
         self.disagg_info: dict[str, str] | None = ready.get("disagg_info")
         self.lora_targets = ready.get("lora_targets")   # tllm.lora.adapter.LoraTargets | None
-        self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], model)
+        self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], self.args)
 
     # ---- what the server uses ----
 
@@ -472,7 +472,7 @@ def _pickled_tokenizer(tokenizer) -> bytes | None:
         return None
 
 
-def _unpickled_tokenizer(data: bytes | None, model: str):
+def _unpickled_tokenizer(data: bytes | None, args: LlmArgs):
     """The engine's tokenizer, or, if it did not survive pickling, one loaded here."""
     if data is not None:
         try:
@@ -480,7 +480,8 @@ def _unpickled_tokenizer(data: bytes | None, model: str):
         except Exception:
             pass
     from tllm import loader
-    return loader.load_tokenizer(loader.resolve_model(model))
+    return loader.load_tokenizer(loader.resolve_model(args.model, args.revision,
+                                                      args.download_dir))
 
 
 def _num_sequences(items: list) -> int:

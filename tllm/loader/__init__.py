@@ -1,4 +1,4 @@
-"""Resolve a model argument (HF directory, .gguf file, `smollm2`, `dummy:<preset>`) into a
+"""Resolve a model argument (HF directory, .gguf file, hub id, `smollm2`, `dummy:<preset>`) into a
 built model with its weights, its HF config and its tokenizer."""
 from __future__ import annotations
 
@@ -28,16 +28,24 @@ class ModelSource:
     preset: str | None = None
 
 
-def resolve_model(model: str) -> ModelSource:
+def resolve_model(model: str, revision: str | None = None,
+                  download_dir: str | None = None) -> ModelSource:
+    """Where `model` is: a built-in name, a local path, or a hub id ("org/name", from the
+    HF cache or downloaded into it; `revision` and `download_dir` apply to those only)."""
     if not isinstance(model, str) or not model:
-        raise ValueError(f"model must be a path, 'smollm2' or 'dummy:<preset>', got {model!r}")
+        raise ValueError(f"model must be a path, a hub id, 'smollm2' or 'dummy:<preset>', "
+                         f"got {model!r}")
     if model.startswith("dummy:"):
         return ModelSource("dummy", None, model.removeprefix("dummy:"))
     if model == DEFAULT_MODEL:
         return ModelSource("gguf", smollm2_path())
     path = Path(model).expanduser()
     if not path.exists():
-        raise CheckpointError(f"model path {model!r} does not exist")
+        from tllm.loader import hub
+        if hub.looks_like_hub_id(model):
+            return ModelSource("hf", hub.resolve_hub_model(model, revision, download_dir))
+        raise CheckpointError(f"model path {model!r} does not exist (nor is it a hub id "
+                              "such as 'Qwen/Qwen2.5-0.5B-Instruct')")
     if path.is_file():
         if path.suffix != ".gguf":
             raise CheckpointError(f"{model}: expected a .gguf file or an HF model directory")
@@ -127,7 +135,7 @@ def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int) -
         weights = checkpoint.weights(model.config)
     else:  # read straight onto the model's device: no second copy through host memory
         device = next(model.parameters()).device
-        weights = hf.iter_safetensors(hf.safetensors_files(source.path), str(device))
+        weights = hf.iter_weights(hf.weight_files(source.path), str(device))
     loaded = model.load_weights(weights)
     missing = model.expected_weights() - loaded
     if missing:

@@ -1,4 +1,5 @@
-"""HF model directories: config.json, safetensors weights (sharded or not), tokenizer files."""
+"""HF model directories: config.json, safetensors weights (sharded or not; PyTorch .bin
+files in older ones), tokenizer files."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,36 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if not files:
         raise CheckpointError(f"{model_dir} has no *.safetensors weight files")
     return files
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files, else (an older checkpoint) its PyTorch .bin files."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        files = sorted(model_dir.glob("pytorch_model*.bin"))
+    if not files:
+        raise CheckpointError(f"{model_dir} has no *.safetensors (or pytorch_model*.bin) "
+                              "weight files")
+    return files
+
+
+def iter_weights(files: list[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    if files and files[0].suffix == ".bin":
+        return iter_torch_bins(files, device)
+    return iter_safetensors(files, device)
+
+
+def iter_torch_bins(files: list[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Plain state dicts of tensors only: weights_only refuses anything that would run code."""
+    for file in files:
+        try:
+            state = torch.load(file, map_location=device, weights_only=True)
+        except (OSError, RuntimeError, EOFError) as exc:
+            raise CheckpointError(f"corrupt or unreadable weight file {file}: {exc}") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{file} is not a state dict of tensors")
+        yield from state.items()
+        del state
 
 
 def iter_safetensors(files: list[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:

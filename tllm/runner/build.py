@@ -61,7 +61,7 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         off = comm.setup_all_reduce(args.allreduce_config)
         logger.info("tensor-parallel all-reduce: %s", f"NCCL/gloo ({off})" if off else
                     "custom one-/two-shot for small messages, NCCL for large")
-    source = loader.resolve_model(args.model)
+    source = loader.resolve_model(args.model, args.revision, args.download_dir)
     config, checkpoint = loader.load_config(source)
     dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
     # a config without max_position_embeddings (T5's) reaches build_model, which says why

@@ -23,6 +23,7 @@ from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.cli_args import FRONT_COMMANDS, add_serve_parser
 from tllm.visual_gen.cli import add_visual_parser
+from tllm.cli_parser import FlagParser
 from tllm.cli_types import positive_int
 from tllm.extras import MissingExtraError
 
@@ -49,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tllm", description="LLM inference with tllm.")
+    # FlagParser: no prefix matching, peers' spellings, "did you mean" (its subparsers too)
+    parser = FlagParser(prog="tllm", description="LLM inference with tllm.")
     parser.add_argument("--version", action="version", version=f"tllm {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_generate(commands)

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from tllm.cli_types import fraction, positive_int
+from tllm.llmapi.flag_aliases import (PEER_KV_CACHE_FLAGS, add_peer_engine_flags,
+                                      apply_peer_flags, register_aliases)
 from tllm.loader import DEFAULT_MODEL
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -23,7 +25,7 @@ _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_le
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
-                   "kv_cache_dtype": "dtype"}
+                   "kv_cache_dtype": "dtype", **PEER_KV_CACHE_FLAGS}
 # Flags that set a field of scheduler_config: dest -> field.
 _SCHEDULER_FLAGS = {"scheduling_policy": "scheduling_policy",
                     "step_token_budget": "step_token_budget",
@@ -91,6 +93,9 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                        help="KV cache storage, kv_cache_config.dtype (default auto: the "
                             "model's dtype; fp8 halves its bytes)")
     _add_scheduling_args(group)
+    add_peer_engine_flags(group)   # vLLM's and trtllm-serve's names, last: see flag_aliases
+    register_aliases(group)
+
 
 def _add_hub_args(group) -> None:
     group.add_argument("--revision", metavar="REV",
@@ -146,6 +151,7 @@ def llm_kwargs(args: argparse.Namespace, model: str | None = None,
         merged = _merged_config(name, kwargs.pop(name, None), flags, args, flag)
         if merged:
             kwargs[name] = merged
+    apply_peer_flags(args, kwargs)
     for name, value in (defaults or {}).items():
         if name not in kwargs:
             kwargs[name] = value(kwargs) if callable(value) else value

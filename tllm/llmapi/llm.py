@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 
 from tllm.request import Request
 from tllm.llmapi.engine import build_engine
+from tllm.llmapi.flag_aliases import llm_args
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.llmapi.result import GenerationResult
 from tllm.llmapi.sequence_groups import bind_outputs, make_beam_group
@@ -33,7 +34,7 @@ class LLM:
     max_batch_size=64, kv_cache_config=KvCacheConfig(max_tokens=65536))`."""
 
     def __init__(self, model: str = DEFAULT_MODEL, **kwargs: Any) -> None:
-        self._build(LlmArgs(model=model, **kwargs))
+        self._build(llm_args(model, kwargs))    # vLLM's keyword names taken too
 
     @classmethod
     def from_args(cls, args: LlmArgs) -> LLM:

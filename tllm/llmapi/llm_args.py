@@ -33,6 +33,18 @@ class KvCacheConfig(BaseModel):
     # Sliding-window layers give back the blocks their window has passed (their own block
     # tables, beside the full-attention layers'); off, every layer keeps every block.
     enable_sliding_window_savings: bool = True
+    # vLLM's gpu_memory_utilization: the share of the device's whole memory this engine may
+    # hold, weights and activations included; the KV cache gets the rest (on a CPU: this
+    # share of the available RAM). Replaces free_memory_fraction, so not with it.
+    gpu_memory_utilization: float | None = Field(None, gt=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check_memory_share(self) -> KvCacheConfig:
+        if (self.gpu_memory_utilization is not None
+                and "free_memory_fraction" in self.model_fields_set):
+            raise ValueError("kv_cache_config: set free_memory_fraction or "
+                             "gpu_memory_utilization, not both")
+        return self
 
 
 class CapacitySchedulerPolicy(str, Enum):

@@ -36,6 +36,7 @@ import signal
 import threading
 from typing import Any, Callable, Sequence
 
+from tllm.llmapi.flag_aliases import llm_args
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.llmapi.result import DeltaStream
 from tllm.outputs import CompletionDelta
@@ -56,7 +57,7 @@ class ProcessLLM:
     and `restart` once the process has died."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
-        self.args = LlmArgs(model=model, **kwargs)     # bad arguments fail here, at once
+        self.args = llm_args(model, kwargs)     # bad arguments fail here, at once
         self._context = multiprocessing.get_context("spawn")
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None

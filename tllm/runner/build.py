@@ -256,8 +256,15 @@ def captured_batch_sizes(args: LlmArgs) -> list[int]:
 
 def kv_cache_budget(kv_config: KvCacheConfig, device: torch.device,
                     reserved_bytes: int) -> float:
+    share = kv_config.gpu_memory_utilization
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(0, free - reserved_bytes) * kv_config.free_memory_fraction
+        free, total = torch.cuda.mem_get_info(device)
+        budget = max(0, free - reserved_bytes)
+        if share is None:
+            return budget * kv_config.free_memory_fraction
+        # vLLM's meaning: this engine holds at most `share` of the device, what it holds
+        # already (weights, the allocator's cache) included, and never more than is free
+        held = torch.cuda.memory_reserved(device)
+        return max(0, min(budget, share * total - held - reserved_bytes))
     available = min(psutil.virtual_memory().available, _CPU_KV_CAP_BYTES)
-    return available * kv_config.free_memory_fraction
+    return available * (share or kv_config.free_memory_fraction)

@@ -11,6 +11,7 @@ from typing import Any
 from tllm.cli_types import non_negative_int, positive_float, positive_int
 from tllm.extras import require_extra
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
+from tllm.llmapi.flag_aliases import add_peer_server_flags
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
 from tllm.serve.http_limits import add_http_limit_args
@@ -113,6 +114,7 @@ def _add_server_args(group) -> None:
     group.add_argument("--grpc-port", type=int, help="also serve gRPC (tllm/serve/grpc/"
                        "tllm.proto: Generate, Abort, Health, ModelInfo) on this port")
     add_disagg_args(group)
+    add_peer_server_flags(group)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -162,6 +164,8 @@ def run_serve(args: argparse.Namespace) -> int:
 def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     """(model, LLM keyword arguments): the --config file's, overridden by the flags given."""
     kwargs = llm_kwargs(args, model=args.model_arg or args.model_opt)
+    if getattr(args, "seed", None) is not None:
+        kwargs["seed"] = args.seed
     if getattr(args, "role", None) is not None:
         kwargs["disaggregation"] = disagg_kwargs(args)
     return kwargs.pop("model"), kwargs

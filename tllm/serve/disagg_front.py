@@ -14,7 +14,6 @@ need the prompt computed where they are answered (echo with logprobs: prompt log
 that hold several prompts, run whole on a generation server."""
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import uuid
@@ -26,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tllm import __version__
+from tllm.cli_parser import FlagParser
 from tllm.serve.auth import install_api_key_guard
 from tllm.serve.disagg_worker import KV_SOURCE_HEADER
 from tllm.serve.errors import APIError, install_error_handlers
@@ -198,9 +198,9 @@ def _forward(front: DisaggFront, path: str):
 def run_disaggregated(argv: list[str]) -> int:
     """`tllm serve disaggregated -c disagg.yml [--host H] [--port P]`."""
     from tllm.serve.http_server import run_uvicorn
-    parser = argparse.ArgumentParser(prog="tllm serve disaggregated",
-                                     description="An OpenAI-compatible front over context "
-                                     "and generation servers (tllm serve MODEL --role ...).")
+    parser = FlagParser(prog="tllm serve disaggregated",
+                        description="An OpenAI-compatible front over context "
+                        "and generation servers (tllm serve MODEL --role ...).")
     parser.add_argument("-c", "--config", required=True, metavar="YAML",
                         help="hostname, port, context_servers and generation_servers "
                              "({num_instances, urls}), as TensorRT-LLM's disagg config")

@@ -11,7 +11,6 @@ replica has more than `balance_abs` requests in flight over the idlest and `bala
 times as many): then, as when nothing matches, the least loaded replica takes it."""
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
@@ -27,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tllm import __version__
+from tllm.cli_parser import FlagParser
 from tllm.serve.auth import install_api_key_guard
 from tllm.serve.errors import install_error_handlers
 from tllm.serve.http_limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
@@ -259,9 +259,9 @@ def _forward(router: Router, path: str):
 def run_router(argv: list[str]) -> int:
     """`tllm serve router --replica URL [--replica URL ...] [--policy P] [--model M]`."""
     from tllm.serve.http_server import run_uvicorn
-    parser = argparse.ArgumentParser(prog="tllm serve router",
-                                     description="An OpenAI-compatible front over replicas "
-                                     "of `tllm serve MODEL`.")
+    parser = FlagParser(prog="tllm serve router",
+                        description="An OpenAI-compatible front over replicas "
+                        "of `tllm serve MODEL`.")
     parser.add_argument("--replica", action="append", required=True, metavar="URL")
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
     parser.add_argument("--model", help="the replicas' model, for its tokenizer (cache_aware; "

@@ -194,7 +194,6 @@ def test_input_items_through_the_template(fake_http):
     ({"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": []}]},
      "tools.0"),
     ({"input": "hi", "n": 2}, "n"),
-    ({"input": "hi", "bogus": 1}, "bogus"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[1"}]},
      "input"),
     ({"input": "hi", "text": {"format": {"type": "json_schema", "name": "x"}}},

@@ -1,6 +1,7 @@
-"""POST /v1/chat/completions: messages (and tools) through the model's chat template (or the
-server's --chat-template), logprobs in the chat format, streaming; response_format and vLLM's
-guided_* fields as guided decoding; tool calls and reasoning split from the output."""
+"""POST /v1/chat/completions: messages (and tools, documents, chat_template_kwargs) through the
+model's chat template (or the server's --chat-template), logprobs in the chat format,
+streaming; response_format and vLLM's guided_* fields as guided decoding; tool calls and
+reasoning split from the output."""
 from __future__ import annotations
 
 import functools
@@ -111,10 +112,38 @@ async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prom
     messages = [_template_message(m) for m in body.messages]
     for message in messages:
         check_text(message["content"], "messages")
-    kwargs = {"add_generation_prompt": body.add_generation_prompt}
+    return await encode_messages(ctx, messages, "messages", **template_kwargs(body))
+
+
+# apply_chat_template's own settings, and the variables it sets itself: not for a request's
+# chat_template_kwargs (a client's template would run in the server's place, and a clash
+# of names is a TypeError, not a template error).
+_NOT_TEMPLATE_VARIABLES = frozenset({
+    "chat_template", "conversation", "messages", "tokenize", "sanitize_control_tokens",
+    "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's keyword arguments the request asks for (chat_template_kwargs
+    over the fields of their own, as in vLLM); 400 for a name the template may not take."""
+    kwargs: dict[str, Any] = {"add_generation_prompt": body.add_generation_prompt,
+                              "continue_final_message": body.continue_final_message}
     if body.tools and body.tool_choice != "none":
         kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
-    return await encode_messages(ctx, messages, "messages", **kwargs)
+    if body.documents is not None:
+        kwargs["documents"] = body.documents
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+    reserved = sorted(_NOT_TEMPLATE_VARIABLES.intersection(body.chat_template_kwargs or {}))
+    if reserved:
+        raise bad_request(f"chat_template_kwargs: {reserved[0]!r} is not a template "
+                          "variable a request may set", param="chat_template_kwargs")
+    kwargs.update(body.chat_template_kwargs or {})
+    if kwargs["continue_final_message"] and kwargs["add_generation_prompt"]:
+        raise bad_request("continue_final_message needs add_generation_prompt set to false",
+                          param="continue_final_message")
+    return kwargs
 
 
 async def encode_messages(ctx: ServingContext, messages: list[dict], param: str,
@@ -126,7 +155,7 @@ async def encode_messages(ctx: ServingContext, messages: list[dict], param: str,
     encode = functools.partial(ctx.tokenizer.encode_chat, messages, **kwargs)
     try:
         token_ids = await ctx.run_in_tokenizer(encode)
-    except (ValueError, TemplateError) as exc:
+    except (ValueError, TypeError, TemplateError) as exc:  # TypeError: `1 + "a"` in Jinja
         raise bad_request(f"{param}: the chat template failed: {exc}", param=param) from exc
     if not token_ids:
         raise bad_request(f"{param}: the chat template produced an empty prompt",

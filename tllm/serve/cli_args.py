@@ -13,6 +13,7 @@ from tllm.extras import require_extra
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.llmapi.flag_aliases import add_peer_server_flags
 from tllm.loader import DEFAULT_MODEL
+from tllm.serve.cors import add_cors_args, parse_origins
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
 from tllm.serve.http_limits import add_http_limit_args
 from tllm.serve.lora import parse_lora_modules
@@ -81,6 +82,11 @@ def _add_server_args(group) -> None:
                             "best_of / the beam width) than this (default 256; 0 means no "
                             "limit)")
     add_http_limit_args(group)
+    group.add_argument("--strict-request-fields", action="store_true",
+                       help="answer 400 to a request field the server does not know "
+                            "(default: ignore it, with a warning in the log and its name in "
+                            "the X-Ignored-Fields response header, as vLLM does)")
+    add_cors_args(group)
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
                             "/health answers 503 (default 120)")
@@ -192,7 +198,9 @@ def server_config(args: argparse.Namespace, model: str):
                         tool_call_parser=args.tool_call_parser,
                         reasoning_parser=args.reasoning_parser,
                         lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
-                        lora_allowed_paths=tuple(getattr(args, "lora_allowed_paths", None) or ()))
+                        lora_allowed_paths=tuple(getattr(args, "lora_allowed_paths", None) or ()),
+                        strict_request_fields=getattr(args, "strict_request_fields", False),
+                        allowed_origins=parse_origins(getattr(args, "allowed_origins", None)))
 
 
 def _read_chat_template(value: str | None) -> str | None:

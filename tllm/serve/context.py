@@ -54,6 +54,8 @@ class ServerConfig:
     reasoning_parser: str | None = None     # <think> split into reasoning_content (qwen3 ...)
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder) served at start
     lora_allowed_paths: tuple[str, ...] = ()    # load_lora_adapter: these folders and below
+    strict_request_fields: bool = False     # unknown request fields: 400, not ignored
+    allowed_origins: tuple[str, ...] = ()   # CORS: browser pages of these origins ("*": any)
 
     @property
     def model_name(self) -> str:

@@ -17,6 +17,7 @@ from tllm.serve.chat import create_chat_completion
 from tllm.serve.completions import create_completion
 from tllm.serve.context import SSE_CONTENT, ServerConfig, ServingContext
 from tllm.serve.auth import SessionStore, install_api_key_guard
+from tllm.serve.cors import install_cors
 from tllm.serve.dashboard import dashboard_grant, dashboard_routes
 from tllm.serve.disagg_worker import KVSourceHeader, disagg_routes
 from tllm.serve.errors import (APIError, bad_request, error_responses,
@@ -28,6 +29,7 @@ from tllm.serve.params import ModelLimits
 from tllm.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                  CompletionRequest, CompletionResponse,
                                  HealthResponse, ModelCard, ModelList, VersionResponse)
+from tllm.serve.request_fields import check_fields, mark_ignored
 from tllm.serve.responses import responses_routes
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     if getattr(llm, "disagg_info", None) is not None:
         app.include_router(disagg_routes(llm))
         app.add_middleware(KVSourceHeader, llm=llm)
+    install_cors(app, config.allowed_origins)
     return app
 
 
@@ -74,31 +77,47 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
                                "description": "The completion; with `stream`, its chunks"},
                          **body_errors})
     async def completions(request: Request, body: CompletionRequest) -> Response:
+        ignored = check_fields(body, config.strict_request_fields)
         limits.check(body)
-        return await create_completion(ctx, request, body)
+        return mark_ignored(await create_completion(ctx, request, body), ignored)
 
     @api.post("/chat/completions", dependencies=with_body, summary="Create a chat completion",
               responses={200: {"model": ChatCompletionResponse, "content": SSE_CONTENT,
                                "description": "The chat completion; with `stream`, "
                                "ChatCompletionChunk events"}, **body_errors})
     async def chat_completions(request: Request, body: ChatCompletionRequest) -> Response:
+        ignored = check_fields(body, config.strict_request_fields)
         limits.check(body)
-        return await create_chat_completion(ctx, request, body)
+        return mark_ignored(await create_chat_completion(ctx, request, body), ignored)
 
     @api.get("/models", summary="List the served model and its LoRA adapters",
              responses={200: {"model": ModelList}})
     async def models() -> Response:
-        # names only: a server path (the model's, an adapter's folder) is no client's business
-        card = ModelCard(id=config.model_name, root=config.model_name,
-                         max_model_len=ctx.llm.max_seq_len)
-        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_name, parent=config.model_name,
-                              max_model_len=ctx.llm.max_seq_len) for lora in ctx.loras.all()]
-        return JSONResponse(ModelList(data=[card, *adapters]).model_dump())
+        return JSONResponse(ModelList(data=_model_cards(ctx)).model_dump())
+
+    # :path, as a served name may hold a slash (Qwen/Qwen3-8B)
+    @api.get("/models/{model_id:path}", summary="Retrieve the served model or an adapter",
+             responses={200: {"model": ModelCard}, **error_responses(404)})
+    async def model(model_id: str) -> Response:
+        card = next((card for card in _model_cards(ctx) if card.id == model_id), None)
+        if card is None:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves "
+                           f"{config.model_name!r}", param="model", code="model_not_found")
+        return JSONResponse(card.model_dump())
 
     api.include_router(lora_routes(ctx.loras, with_body))
 
     api.include_router(responses_routes(ctx, limits, with_body))
     return api
+
+
+def _model_cards(ctx: ServingContext) -> list[ModelCard]:
+    """The base model's card, then its adapters'. Names only: a server path (the model's, an
+    adapter's folder) is no client's business."""
+    name, max_len = ctx.config.model_name, ctx.llm.max_seq_len
+    adapters = [ModelCard(id=lora.lora_name, root=lora.lora_name, parent=name,
+                          max_model_len=max_len) for lora in ctx.loras.all()]
+    return [ModelCard(id=name, root=name, max_model_len=max_len), *adapters]
 
 
 def _ops_routes(ctx: ServingContext) -> APIRouter:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible wire format. Request bodies are validated strictly (no string-to-number
-coercion, no NaN or infinity, unknown fields rejected, as OpenAI does); response bodies are
-plain models serialised as they are."""
+coercion, no NaN or infinity); unknown fields are kept aside for the server to ignore or refuse
+(tllm/serve/request_fields.py). Response bodies are plain models serialised as they are."""
 from __future__ import annotations
 
 import time
@@ -32,7 +32,9 @@ _PROMPT_SCHEMA = {"anyOf": [
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    # extra="allow": the server decides what unknown fields mean (ignored, as vLLM does, or
+    # refused with --strict-request-fields); validation alone cannot, as it knows no server.
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -251,7 +253,15 @@ class ChatCompletionRequest(_SamplingRequest):
     metadata: Optional[dict[str, str]] = None
     store: Optional[bool] = None
     service_tier: Optional[str] = None
+    # vLLM's and trtllm-serve's chat template fields: the template's variables
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="end the prompt inside the last "
+                                         "(assistant) message, for the model to continue it")
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="more template variables, e.g. {\"enable_thinking\": false}")
+    documents: Optional[list[dict[str, Any]]] = Field(
+        None, description="documents for retrieval-augmented templates")
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     # vLLM's guided decoding fields (at most one of them, checked when building the params)
     guided_json: Optional[dict[str, Any] | str] = None
     guided_regex: Optional[str] = None

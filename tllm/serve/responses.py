@@ -27,6 +27,7 @@ from tllm.serve.params import (ModelLimits, guided_decoding, guided_request, max
                                sampling_params)
 from tllm.serve.protocol import FunctionDefinition
 from tllm.serve.reasoning import after_reasoning
+from tllm.serve.request_fields import check_fields, mark_ignored
 from tllm.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputItem,
                                            FunctionToolChoice, IncompleteDetails, MessageItem,
                                            OutputFunctionCall, OutputItem, OutputMessage,
@@ -94,8 +95,9 @@ def responses_routes(ctx: ServingContext, limits: ModelLimits, dependencies: lis
                                   "description": "The response; with `stream`, its events"},
                             **error_responses(400, 404, 408, 413, 415, 429, 503)})
     async def create(request: Request, body: ResponsesRequest) -> Response:
+        ignored = check_fields(body, ctx.config.strict_request_fields)
         limits.check(body)
-        return await create_response(ctx, store, request, body)
+        return mark_ignored(await create_response(ctx, store, request, body), ignored)
 
     @router.get("/responses/{response_id}", summary="Retrieve a stored response",
                 responses={200: {"model": ResponseObject}, **error_responses(404)})

@@ -3,6 +3,7 @@ the scheduler, model runner, sampler and the loop thread; with tensor/pipeline p
 the worker ranks too (each builds its own parts with the same `build_rank`)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from tllm.scheduler.scheduler import Scheduler
 from tllm.tokenizer import Tokenizer
 
 WORKER = WorkerEntry("tllm.executor.worker", worker.run_worker)
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,8 +95,38 @@ def build_engine(args: LlmArgs) -> Engine:
         except BaseException:
             executor.shutdown()
             raise
+    line, fields = engine_summary(args, parts)
+    logger.info("%s", line, extra={"fields": fields})
     return Engine(parts.config, tokenizer, executor, parts.kv_cache, parts.device, parts.dtype,
                   parts.max_seq_len, workers, disagg)
+
+
+def engine_summary(args: LlmArgs, parts: RankParts) -> tuple[str, dict]:
+    """The start-up line (what was built, for the log's reader) and its numbers."""
+    kv = parts.kv_cache
+    fields = {"model": args.model, "dtype": str(parts.dtype).removeprefix("torch."),
+              "device": str(parts.device), "world_size": args.world_size,
+              "kv_capacity_tokens": kv.capacity_tokens, "kv_blocks": kv.num_blocks,
+              "kv_tokens_per_block": kv.tokens_per_block,
+              "kv_dtype": str(kv.dtype).removeprefix("torch."),
+              "max_batch_size": args.max_batch_size, "max_num_tokens": args.max_num_tokens,
+              "max_seq_len": parts.max_seq_len, "cuda_graphs": cuda_graphs(parts)}
+    line = ("engine ready: {model}, {dtype} on {device} (x{world_size}); KV cache "
+            "{kv_capacity_tokens} tokens ({kv_blocks} blocks of {kv_tokens_per_block}, "
+            "{kv_dtype}); max batch size {max_batch_size}, max_num_tokens {max_num_tokens}, "
+            "max_seq_len {max_seq_len}; CUDA graphs: {cuda_graphs}").format(**fields)
+    return line, fields
+
+
+def cuda_graphs(parts: RankParts) -> str:
+    """Which CUDA graphs were captured ("none": eager)."""
+    captured = []
+    if parts.graphs is not None and parts.graphs.graphs:
+        captured.append(f"decode batch sizes {sorted(parts.graphs.graphs)}")
+    if parts.piecewise is not None and parts.piecewise.graphs:
+        captured.append(f"piecewise, {len(parts.piecewise.graphs)} token buckets up to "
+                        f"{max(parts.piecewise.graphs)}")
+    return " and ".join(captured) or "none"
 
 
 def start_workers(args: LlmArgs, mapping: Mapping, device: torch.device) -> WorkerGroup:

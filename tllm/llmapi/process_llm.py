@@ -39,6 +39,7 @@ from typing import Any, Callable, Sequence
 from tllm.llmapi.flag_aliases import llm_args
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.llmapi.result import DeltaStream
+from tllm.log import LogSettings, active_settings, apply_settings
 from tllm.outputs import CompletionDelta
 from tllm.sampling_params import SamplingParams
 
@@ -170,8 +171,8 @@ class ProcessLLM:
         commands, engine_commands = self._context.Pipe(duplex=False)[::-1]
         engine_events, events = self._context.Pipe(duplex=False)[::-1]
         process = self._context.Process(
-            target=engine_main, args=(self.args, engine_commands, engine_events),
-            name="tllm-engine")
+            target=engine_main, name="tllm-engine",  # logging as this process's (tllm.log)
+            args=(self.args, engine_commands, engine_events, active_settings()))
         process.start()
         engine_commands.close()
         engine_events.close()
@@ -330,12 +331,12 @@ class _EngineProcess:
         self.events.close()
 
 
-def engine_main(args: LlmArgs, commands, events) -> None:
+def engine_main(args: LlmArgs, commands, events, log_settings: LogSettings | None = None) -> None:
     """The engine process: build the LLM, then serve commands until shutdown or until the
     server's end of the pipe closes (the server died)."""
     from tllm.llmapi.llm import LLM
-    # Ctrl-C reaches the whole process group: the server, not this process, decides when
-    # the engine stops (it sends "shutdown" after its graceful shutdown).
+    apply_settings(log_settings)
+    # Ctrl-C reaches the whole process group: the server decides when the engine stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         llm = LLM.from_args(args)

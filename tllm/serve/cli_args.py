@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
+import logging
 from pathlib import Path
 from typing import Any
 
-from tllm.cli_types import non_negative_int, positive_float, positive_int
+from tllm.cli_types import (non_negative_float, non_negative_int, positive_float,
+                             positive_int)
 from tllm.extras import require_extra
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.llmapi.flag_aliases import add_peer_server_flags
+from tllm.log import add_log_args, configure_logging
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.cors import add_cors_args, parse_origins
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
@@ -20,6 +22,8 @@ from tllm.serve.lora import parse_lora_modules
 from tllm.serve.reasoning import REASONING_PARSERS
 from tllm.serve.tool_parsers import TOOL_PARSERS
 from tllm.visual_gen.registry import is_visual_model
+
+logger = logging.getLogger(__name__)
 
 
 def _run_disaggregated(argv: list[str]) -> int:
@@ -115,8 +119,10 @@ def _add_server_args(group) -> None:
                        help="POST /v1/load_lora_adapter may load adapters from these folders "
                             "and below them (symlinks and .. resolved first), besides the "
                             "--lora-modules folders; any other lora_path gets a 403")
-    group.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+    add_log_args(group)
+    group.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
+                       metavar="SECONDS", help="log a stats line (running, waiting, KV use, "
+                       "tokens/s) this often while busy (default 10; 0: never)")
     group.add_argument("--grpc-port", type=int, help="also serve gRPC (tllm/serve/grpc/"
                        "tllm.proto: Generate, Abort, Health, ModelInfo) on this port")
     add_disagg_args(group)
@@ -129,7 +135,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from tllm.llmapi.process_llm import ProcessLLM
     from tllm.serve.http_server import build_server
     from tllm.serve.openai_server import build_app
+    from tllm.serve.stats_log import StatsLogger, server_stats
 
+    configure_logging(args.log_level, args.log_format)
     model, llm_kwargs = llm_arguments(args)
     config = server_config(args, model)
     if is_visual_model(model):  # a diffusers folder or a dummy: visual name
@@ -147,22 +155,24 @@ def run_serve(args: argparse.Namespace) -> int:
     # CPU and stall the event loop every stream shares (vLLM's API server does the same).
     gc.collect()
     gc.freeze()
-    print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    logger.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
+    stats_log = StatsLogger(server_stats(llm, app.state.ctx.metrics),
+                            args.log_stats_interval).start()
     try:
         if args.grpc_port is not None:
             require_extra("grpc", "--grpc-port")
             from tllm.serve.grpc_server import run_with_grpc
-            print(f"gRPC on {args.host}:{args.grpc_port}", file=sys.stderr)
+            logger.info("gRPC on %s:%d", args.host, args.grpc_port)
             run_with_grpc(server, app.state.ctx, args.host, args.grpc_port)
         else:
             server.run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
         pass
     finally:
+        stats_log.close()
         app.state.ctx.close()
         llm.shutdown()
-    if supervisor.fatal_reason is not None:
-        print(f"error: {supervisor.fatal_reason}", file=sys.stderr)
+    if supervisor.fatal_reason is not None:    # the supervisor has logged why
         return 1
     return 0 if server.started else 1
 

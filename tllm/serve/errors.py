@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tllm.log import current_request_id
 from tllm.serve.protocol import ErrorInfo, ErrorResponse
 
 
@@ -116,7 +117,7 @@ def from_error_list(errors, is_body_loc: bool = False) -> APIError:
 def internal_error(exc: BaseException) -> APIError:
     """A 500 that tells the client a request id and nothing of the exception; the exception
     and its traceback go to the log under that id."""
-    request_id = f"req-{uuid.uuid4().hex[:20]}"
+    request_id = current_request_id() or f"req-{uuid.uuid4().hex[:20]}"
     logger.error("internal error, request id %s: %s", request_id, type(exc).__name__,
                  exc_info=exc)
     return APIError(500, f"internal server error (request id {request_id}; the server's log "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Protocol
@@ -21,6 +22,8 @@ from tllm.sampling_params import SamplingParams
 from tllm.serve.errors import APIError, from_value_error
 from tllm.serve.metrics import RequestTracker, ServerMetrics
 from tllm.serve.supervisor import EngineSupervisor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -262,6 +265,9 @@ class EngineClient:
         except EngineDeadError as exc:     # it died since _check_alive
             raise self._unavailable() from exc
         num_samples = params[0].n
+        # the HTTP request's id comes with the line (tllm.log): this maps it to the engine's
+        logger.debug("submitted as engine request(s) %s",
+                     ", ".join(str(getattr(r, "request_id", "?")) for r in results))
         tracker = self.metrics.track([len(p.token_ids) for p in prompts], num_samples, arrival,
                                      submitted)
         generation = Generation(results, num_samples, tracker, on_close=self._open.discard)

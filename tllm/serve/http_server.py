@@ -20,20 +20,18 @@ import asyncio
 import functools
 import json
 import logging
-import re
 import sys
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+# redact: re-exported (tests and older callers import it from here)
+from tllm.log import RedactSecrets, active_settings, redact  # noqa: F401
 from tllm.serve.http_limits import HttpLimits
 
 logger = logging.getLogger(__name__)
 WARN_EVERY_S = 10.0     # the cap's warning, at most this often (a flood would fill the log)
-SECRET_QUERY = re.compile(
-    r"(?i)([?&](?:api[_-]?key|key|token|access_token|session|signature|sig|password|secret)=)"
-    r"[^&\s\"]*")
 
 
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000,
@@ -45,6 +43,8 @@ def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000,
                    http=functools.partial(LimitedH11Protocol, guard=ConnectionGuard(limits)),
                    h11_max_incomplete_event_size=limits.max_header_bytes,
                    timeout_keep_alive=limits.keep_alive_timeout_s)
+    if active_settings("uvicorn") is not None:  # `tllm serve` set up logging: keep its handler
+        options["log_config"] = None
     config = uvicorn.Config(app, **{**options, **overrides})
     redact_access_log()     # after Config(), which (re)configures uvicorn's loggers
     return config
@@ -203,21 +203,6 @@ _REQUEST_TIMEOUT = _raw_error("408 Request Timeout", "the request line and heade
 _SERVICE_UNAVAILABLE = _raw_error("503 Service Unavailable", "too many open connections "
                                   "(--max-connections), each with a request in progress",
                                   "too_many_connections", "service_unavailable")
-
-
-class RedactSecrets(logging.Filter):
-    """Replaces the values of secret-looking query parameters in a log record's text."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = redact(record.msg)
-        if isinstance(record.args, tuple):
-            record.args = tuple(redact(a) if isinstance(a, str) else a for a in record.args)
-        return True
-
-
-def redact(text: str) -> str:
-    return SECRET_QUERY.sub(r"\1***", text)
 
 
 def redact_access_log() -> None:

@@ -44,6 +44,7 @@ from tllm.serve.http_limits import install_request_limits
 from tllm.serve.http_server import run_uvicorn
 from tllm.serve.openai_server import read_body
 from tllm.serve.protocol import INT64_MAX, ModelCard, ModelList
+from tllm.serve.request_ids import RequestIdMiddleware
 
 MAX_N = 10              # OpenAI's cap on images per request
 MAX_STEPS = 200
@@ -145,6 +146,7 @@ def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = N
     install_request_limits(app, config.http_limits)
     install_api_key_guard(app, config.api_key, config.protect_metrics,
                           grants=[ctx.files_grant()])
+    app.add_middleware(RequestIdMiddleware)     # outermost: every response names its id
     app.include_router(_api_routes(ctx))
     if getattr(gen, "makes_video", False):
         from tllm.serve.videos import video_routes

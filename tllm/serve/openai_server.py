@@ -26,6 +26,7 @@ from tllm.serve.http_limits import install_request_limits
 from tllm.serve.lora import lora_routes
 from tllm.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tllm.serve.params import ModelLimits
+from tllm.serve.request_ids import RequestIdMiddleware
 from tllm.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                  CompletionRequest, CompletionResponse,
                                  HealthResponse, ModelCard, ModelList, VersionResponse)
@@ -55,6 +56,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     install_api_key_guard(app, config.api_key, config.protect_metrics,
                           grants=[dashboard_grant(config.api_key, sessions)])
     app.add_middleware(_HttpGuard, metrics=ctx.metrics)
+    app.add_middleware(RequestIdMiddleware)     # outermost: every response names its id
     app.include_router(_api_routes(ctx, ModelLimits.of(llm)))
     app.include_router(_ops_routes(ctx))
     app.include_router(_docs_routes(app))

@@ -85,6 +85,7 @@ class FakeLLM:
         self.fail_with: Exception | None = None
         self.fail_midway: Exception | None = None
         self.num_steps = 0
+        self.num_submitted = 0
         self.active: set[FakeResult] = set()     # submitted and not finished
         self.running: set[FakeResult] = set()    # ... and given a batch slot
 
@@ -108,7 +109,10 @@ class FakeLLM:
         token_ids = inputs["prompt_token_ids"]
         if not token_ids or max(token_ids) >= 256 or min(token_ids) < 0:
             raise ValueError("inputs: prompt token ids must be in [0, 256)")
-        return FakeResult(self, token_ids, params)
+        result = FakeResult(self, token_ids, params)
+        result.request_id = str(self.num_submitted)    # as the engine numbers its requests
+        self.num_submitted += 1
+        return result
 
     async def submit_batch(self, inputs: list[dict], params: list[SamplingParams],
                            streaming: bool = False) -> list[FakeResult]:

@@ -13,6 +13,7 @@ from torch import nn
 
 from tllm.layers.linear import process_loaded_weights
 from tllm.loader.hf import CheckpointError
+from tllm.progress import progress_bar
 from tllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -125,24 +126,43 @@ def quant_config(source: ModelSource, config, requested: str | None):
     return resolve_quant_config(source.kind, source.path, config, requested)
 
 
-def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int) -> None:
+def load_weights(model: nn.Module, source: ModelSource, checkpoint, seed: int,
+                 show_progress: bool = True) -> None:
+    """The checkpoint's weights into `model` (random ones for dummy:), with a progress bar
+    over the checkpoint's tensors unless `show_progress` is False (tllm.progress)."""
     from tllm.loader import dummy, hf
     if source.kind == "dummy":
         dummy.init_dummy_weights(model, seed)
         process_loaded_weights(model)
         return
-    if source.kind == "gguf":
-        weights = checkpoint.weights(model.config)
-    else:  # read straight onto the model's device: no second copy through host memory
-        device = next(model.parameters()).device
-        weights = hf.iter_weights(hf.weight_files(source.path), str(device))
-    loaded = model.load_weights(weights)
+    files = hf.weight_files(source.path) if source.kind == "hf" else []
+    total = checkpoint.num_weight_tensors if source.kind == "gguf" else hf.count_tensors(files)
+    with progress_bar(total=total, desc="Loading weights", unit="tensor",
+                      disable=not show_progress) as bar:
+        loaded = model.load_weights(_weight_stream(model, checkpoint, files, bar))
     missing = model.expected_weights() - loaded
     if missing:
         names = sorted(m.split("#")[0] for m in missing)
         raise CheckpointError(f"checkpoint {source.path} lacks {len(names)} weights, "
                               f"e.g. {names[:3]}")
     process_loaded_weights(model)
+
+
+def _weight_stream(model: nn.Module, checkpoint, files: list[Path], bar):
+    """(name, tensor) pairs of the GGUF checkpoint or the HF weight files, advancing `bar`
+    once per stored tensor."""
+    from tllm.loader import hf
+    if checkpoint is not None:
+        return checkpoint.weights(model.config, on_tensor=bar.update)
+    # read straight onto the model's device: no second copy through host memory
+    device = next(model.parameters()).device
+    return _counted(hf.iter_weights(files, str(device)), bar)
+
+
+def _counted(weights, bar):
+    for item in weights:
+        yield item
+        bar.update()
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer | None:

@@ -188,9 +188,16 @@ class GGUFCheckpoint:
     def _floats(self, tensor_name: str) -> list[float]:
         return [float(v) for v in self._dequantized(self.tensors[f"{tensor_name}.weight"])]
 
-    def weights(self, config) -> Iterator[tuple[str, torch.Tensor]]:
+    @property
+    def num_weight_tensors(self) -> int:
+        """The file's tensors that hold weights (not those only the config reads)."""
+        return sum(kind not in _CONFIG_ONLY for kind, _, _ in self.kinds.values())
+
+    def weights(self, config, on_tensor: Callable[[], object] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every weight: blocks where GgufConfig keeps them, float32
-        otherwise; fused tensors cut into their parts, experts one at a time."""
+        otherwise; fused tensors cut into their parts, experts one at a time. `on_tensor`
+        is called after each of the file's tensors (a progress bar's update)."""
         kept = GgufConfig(self.tensor_types)
         for name, tensor in self.tensors.items():
             kind, layer, suffix = self.kinds[name]
@@ -203,6 +210,8 @@ class GGUFCheckpoint:
                 weight = self._dequantized(tensor)
             weight = self._convert(kind, suffix, weight, config)
             yield from self._split(kind, targets, weight, config)
+            if on_tensor is not None:
+                on_tensor()
 
     @staticmethod
     def _blocks(tensor) -> torch.Tensor:

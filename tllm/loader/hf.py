@@ -54,6 +54,22 @@ def iter_weights(files: list[Path], device: str = "cpu") -> Iterator[tuple[str, 
     return iter_safetensors(files, device)
 
 
+def count_tensors(files: list[Path]) -> int | None:
+    """How many tensors the safetensors files hold (their headers only); None for .bin
+    files, which tell only once loaded."""
+    if not files or files[0].suffix == ".bin":
+        return None
+    from safetensors import SafetensorError, safe_open
+    count = 0
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                count += len(f.keys())
+        except (SafetensorError, OSError) as exc:
+            raise CheckpointError(f"corrupt or unreadable weight file {file}: {exc}") from None
+    return count
+
+
 def iter_torch_bins(files: list[Path], device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Plain state dicts of tensors only: weights_only refuses anything that would run code."""
     for file in files:

@@ -74,7 +74,8 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     if max_seq_len is None:
         raise ValueError("max_seq_len: the model's config has no max_position_embeddings; "
                          "set max_seq_len")
-    loader.load_weights(model, source, checkpoint, args.seed + mapping.rank)
+    loader.load_weights(model, source, checkpoint, args.seed + mapping.rank,
+                        show_progress=mapping.rank == 0)  # one bar, not one per rank
     lora = build_lora(model, args, dtype, device)  # before the KV cache takes the memory
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)

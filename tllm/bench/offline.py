@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from tllm.llmapi.llm import LLM
+from tllm.progress import progress_bar
 from tllm.sampling_params import SamplingParams
 from tllm.bench.serve_metrics import percentile
 from tllm.runner.build import pick_backend
@@ -106,15 +107,19 @@ def exact_length_params(osl: int, temperature: float = 0.0) -> SamplingParams:
 # ---- running requests ----
 
 def run_requests(llm: LLM, prompts: list[dict], params: SamplingParams,
-                 concurrency: int | None = None,
-                 time_limit_s: float | None = None) -> RunRecord:
-    """Stream every prompt through the engine, at most `concurrency` at a time."""
+                 concurrency: int | None = None, time_limit_s: float | None = None,
+                 progress: str | None = None) -> RunRecord:
+    """Stream every prompt through the engine, at most `concurrency` at a time; with
+    `progress`, a bar so labelled counts the finished requests."""
     if not prompts:
         return RunRecord([], 0.0, 0)
-    return asyncio.run(_run_requests(llm, prompts, params, concurrency, time_limit_s))
+    with progress_bar(total=len(prompts), desc=progress, unit="req",
+                      disable=progress is None) as bar:
+        return asyncio.run(_run_requests(llm, prompts, params, concurrency, time_limit_s,
+                                         bar))
 
 
-async def _run_requests(llm, prompts, params, concurrency, time_limit_s) -> RunRecord:
+async def _run_requests(llm, prompts, params, concurrency, time_limit_s, bar) -> RunRecord:
     limit = asyncio.Semaphore(concurrency or len(prompts))
     in_flight = {}            # index -> GenerationResult
     records: dict[int, RequestRecord] = {}
@@ -133,6 +138,7 @@ async def _run_requests(llm, prompts, params, concurrency, time_limit_s) -> RunR
                 records[index] = await _consume(result)
             finally:
                 del in_flight[index]
+            bar.update()
 
     start = time.perf_counter()
     tasks = [asyncio.ensure_future(one(i, p)) for i, p in enumerate(prompts)]
@@ -170,8 +176,9 @@ async def _consume(result) -> RequestRecord:
 
 # ---- benchmarks ----
 
-def run_throughput(llm: LLM, config: ThroughputConfig) -> dict:
-    """Warm up, then run `num_requests` requests (max load or `concurrency` in flight)."""
+def run_throughput(llm: LLM, config: ThroughputConfig, show_progress: bool = False) -> dict:
+    """Warm up, then run `num_requests` requests (max load or `concurrency` in flight);
+    `show_progress`: bars over the finished requests."""
     _check_fits(llm, config.isl, config.osl)
     generator = torch.Generator().manual_seed(config.seed)
     vocab = model_vocab_size(llm)
@@ -179,10 +186,11 @@ def run_throughput(llm: LLM, config: ThroughputConfig) -> dict:
     _reset_peak_memory(llm)
     if config.warmup:
         run_requests(llm, synthetic_prompts(config.warmup, config.isl, vocab, generator), params,
-                     config.concurrency)
+                     config.concurrency, progress="Warm-up" if show_progress else None)
     prompts = synthetic_prompts(config.num_requests, config.isl, vocab, generator)
     before = llm.get_stats()
-    run = run_requests(llm, prompts, params, config.concurrency, config.time_limit_s)
+    run = run_requests(llm, prompts, params, config.concurrency, config.time_limit_s,
+                       progress="Requests" if show_progress else None)
     after = llm.get_stats()
     done = run.complete
     duration = max(run.duration_s, 1e-9)
@@ -223,9 +231,10 @@ def speculation_counters(before: dict, after: dict) -> dict:
             "spec_mean_accepted_length": (accepted + steps) / steps if steps else 0.0}
 
 
-def run_latency(llm: LLM, config: LatencyConfig) -> dict:
+def run_latency(llm: LLM, config: LatencyConfig, show_progress: bool = False) -> dict:
     """`batch_size` requests run together, `iterations` times (fresh prompts each time, so
-    no prefix-cache hits); medians over the iterations."""
+    no prefix-cache hits); medians over the iterations. `show_progress`: a bar over the
+    iterations, warm-up included."""
     _check_fits(llm, config.isl, config.osl)
     if config.batch_size > llm.args.max_batch_size:
         raise ValueError(f"batch size {config.batch_size} is more than the engine's "
@@ -235,9 +244,27 @@ def run_latency(llm: LLM, config: LatencyConfig) -> dict:
     vocab = model_vocab_size(llm)
     params = exact_length_params(config.osl, config.temperature)
     _reset_peak_memory(llm)
-    for _ in range(config.warmup):
-        run_requests(llm, synthetic_prompts(config.batch_size, config.isl, vocab, generator),
-                     params)
+    with progress_bar(total=config.warmup + config.iterations, desc="Iterations",
+                      unit="batch", disable=not show_progress) as bar:
+        for _ in range(config.warmup):
+            run_requests(llm, synthetic_prompts(config.batch_size, config.isl, vocab,
+                                                generator), params)
+            bar.update()
+        iterations, itls = _timed_iterations(llm, config, params, vocab, generator, bar)
+    return {
+        "benchmark": "latency", "model": llm.args.model, "engine": engine_summary(llm),
+        "workload": asdict(config), "num_iterations": len(iterations),
+        **{key: statistics.median(it[key] for it in iterations) for key in
+           ("latency_s", "output_tokens_per_s", "ttft_ms", "tpot_ms")},
+        "itl_ms": latency_stats(itls),
+        "num_wrong_length": sum(it["num_wrong_length"] for it in iterations),
+        "per_iteration": iterations,
+        "peak_gpu_memory_gib": _peak_memory_gib(llm)}
+
+
+def _timed_iterations(llm: LLM, config: LatencyConfig, params: SamplingParams, vocab: int,
+                      generator: torch.Generator, bar) -> tuple[list[dict], list[float]]:
+    """The timed batches' figures, and every inter-token latency of them."""
     start = time.perf_counter()
     iterations, itls = [], []
     while len(iterations) < config.iterations:
@@ -248,15 +275,8 @@ def run_latency(llm: LLM, config: LatencyConfig) -> dict:
         run = run_requests(llm, prompts, params)
         iterations.append(_iteration_figures(run, config))
         itls += [x for r in run.requests for x in r.itl_s]
-    return {
-        "benchmark": "latency", "model": llm.args.model, "engine": engine_summary(llm),
-        "workload": asdict(config), "num_iterations": len(iterations),
-        **{key: statistics.median(it[key] for it in iterations) for key in
-           ("latency_s", "output_tokens_per_s", "ttft_ms", "tpot_ms")},
-        "itl_ms": latency_stats(itls),
-        "num_wrong_length": sum(it["num_wrong_length"] for it in iterations),
-        "per_iteration": iterations,
-        "peak_gpu_memory_gib": _peak_memory_gib(llm)}
+        bar.update()
+    return iterations, itls
 
 
 def _iteration_figures(run: RunRecord, config: LatencyConfig) -> dict:

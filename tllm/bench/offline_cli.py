@@ -69,10 +69,17 @@ def _add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="0 (default) samples greedily")
     parser.add_argument("--seed", type=int, default=0, help="prompts, sampling, dummy weights")
     parser.add_argument("--json", metavar="PATH", help="write every figure here as JSON")
+    add_progress_arg(parser)
     group = parser.add_argument_group(
         "engine", "LLM arguments; these flags win over --extra-llm-api-options (--config)")
     add_engine_args(group, help_text={
         "max_seq_len": "default: ISL + OSL, rounded up to whole KV blocks"})
+
+
+def add_progress_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--disable-tqdm", "--disable-progress", action="store_true",
+                        help="no progress bars on stderr (also: TQDM_DISABLE=1, or a log "
+                             "level above info)")
 
 
 # ---- running ----
@@ -83,7 +90,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         concurrency=args.concurrency, warmup=args.warmup, temperature=args.temperature,
         seed=args.seed, time_limit_s=args.time_limit)
     with _load_llm(engine_kwargs(args)) as llm:
-        result = run_throughput(llm, config)
+        result = run_throughput(llm, config, show_progress=not args.disable_tqdm)
     return _report(result, args.json)
 
 
@@ -93,7 +100,7 @@ def run_bench_latency(args: argparse.Namespace) -> int:
         warmup=args.warmup, temperature=args.temperature, seed=args.seed,
         time_limit_s=args.time_limit)
     with _load_llm(engine_kwargs(args, max_batch_size=args.batch_size)) as llm:
-        result = run_latency(llm, config)
+        result = run_latency(llm, config, show_progress=not args.disable_tqdm)
     return _report(result, args.json)
 
 

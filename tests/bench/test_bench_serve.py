@@ -102,12 +102,12 @@ def test_a_failing_server_is_reported(server, capsys, num_clients):
 def test_random_requests_have_the_asked_lengths():
     config = BenchConfig(base_url="", num_prompts=50, input_len=100, output_len=20)
     requests = random_requests(config)
-    assert {len(r.prompt_token_ids) for r in requests} == {100}
+    assert {len(r.prompt) for r in requests} == {100}
     assert {r.max_tokens for r in requests} == {20}
     assert requests == random_requests(config)  # seeded
     varied = random_requests(BenchConfig(base_url="", num_prompts=200, input_len=100,
                                          output_len=20, range_ratio=0.5))
-    lengths = [len(r.prompt_token_ids) for r in varied]
+    lengths = [len(r.prompt) for r in varied]
     assert 50 <= min(lengths) < 70 and 130 < max(lengths) <= 150
 
 

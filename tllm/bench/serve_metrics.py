@@ -47,11 +47,17 @@ def summarize(run: BenchRun, percentiles: list[float],
     duration = max(run.duration_s, 1e-9)
     num_input = sum(r.num_prompt_tokens for r in done)
     num_output = sum(r.num_output_tokens for r in done)
+    config = run.config
+    is_random = config.dataset_name == "random"
     summary = {
-        "model": run.model, "num_prompts": len(run.results), "completed": len(done),
-        "failed": len(run.results) - len(done), "duration_s": run.duration_s,
-        "request_rate": run.config.request_rate, "max_concurrency": run.config.max_concurrency,
-        "input_len": run.config.input_len, "output_len": run.config.output_len,
+        "model": run.model, "endpoint": config.endpoint, "dataset_name": config.dataset_name,
+        "dataset_path": config.dataset_path, "num_prompts": len(run.results),
+        "completed": len(done), "failed": len(run.results) - len(done),
+        "duration_s": run.duration_s, "request_rate": config.request_rate,
+        "max_concurrency": config.max_concurrency,
+        # the random dataset's lengths; a file's vary by request (see "requests")
+        "input_len": config.input_len if is_random else None,
+        "output_len": config.output_len if is_random else config.fixed_output_len,
         "total_input_tokens": num_input, "total_output_tokens": num_output,
         "request_throughput": len(done) / duration,
         "output_throughput": num_output / duration,

@@ -19,8 +19,10 @@ def plot_run(run: BenchRun, path: str, bin_s: float = 1.0) -> None:
                   title=f"Output throughput ({bin_s:g} s bins)")
     rate_axes.grid(True, alpha=0.3)
     config = run.config
-    figure.suptitle(f"{run.model}: {len(done)}/{len(run.results)} requests, "
-                    f"isl {config.input_len}, osl {config.output_len}, "
+    workload = (f"isl {config.input_len}, osl {config.output_len}"
+                if config.dataset_name == "random" else config.dataset_name)
+    figure.suptitle(f"{run.model} ({config.endpoint}): {len(done)}/{len(run.results)} "
+                    f"requests, {workload}, "
                     f"rate {config.request_rate:g}/s, "
                     f"concurrency {config.max_concurrency or 'unbounded'}")
     figure.tight_layout()

@@ -5,6 +5,7 @@ under tqdm's own TQDM_DISABLE=1, which turns every bar off."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Iterable
 
@@ -15,7 +16,10 @@ _LOG_INTERVAL_S = 2.0
 
 
 def is_quiet() -> bool:
-    """True when the "tllm" logger was set above INFO: progress would be noise there."""
+    """True under TQDM_DISABLE (read here, at each bar: tqdm reads it once, at import) or
+    when the "tllm" logger was set above INFO, where progress would be noise."""
+    if os.environ.get("TQDM_DISABLE", "").lower() in ("1", "true", "yes", "on"):
+        return True
     level = logging.getLogger("tllm").level
     return level != logging.NOTSET and level > logging.INFO
 
@@ -27,7 +31,6 @@ def progress_bar(iterable: Iterable | None = None, *, total: float | None = None
     if not _is_terminal(sys.stderr):
         options["mininterval"] = _LOG_INTERVAL_S   # a log file gets a few updates, not dozens
     if disable or is_quiet():
-        # only when off: an explicit disable=False would override tqdm's TQDM_DISABLE
         options["disable"] = True
     return tqdm(iterable, **options)
 

@@ -30,10 +30,19 @@ def sizes(model: str) -> list[str]:
     return ["--model", model, "--isl", str(ISL), "--osl", str(OSL)]
 
 
-def test_throughput_prints_table_and_writes_json(model, tmp_path, capsys):
+@pytest.fixture()
+def bars_allowed(monkeypatch):
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+
+
+def test_throughput_prints_table_and_writes_json(model, tmp_path, capsys, bars_allowed):
     out = tmp_path / "throughput.json"
     assert bench("throughput", *sizes(model), "--num-requests", "6", "--json", str(out)) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    # progress on stderr: loading, warm-up, the timed requests
+    assert "Loading weights: 100%" in err
+    assert "Warm-up: 100%" in err and "2/2" in err
+    assert "Requests: 100%" in err and "6/6" in err
     for label in ("tllm bench throughput", "Output tokens/s", "Total tokens/s", "Requests/s",
                   "TTFT", "TPOT", "ITL", "max load"):
         assert label in printed
@@ -72,11 +81,12 @@ def test_throughput_time_limit_aborts_and_says_so(model, tmp_path, capsys):
     assert result["num_incomplete"] == 300 - result["num_completed"]
 
 
-def test_latency_prints_table_and_writes_json(model, tmp_path, capsys):
+def test_latency_prints_table_and_writes_json(model, tmp_path, capsys, bars_allowed):
     out = tmp_path / "latency.json"
     assert bench("latency", *sizes(model), "--batch-size", "3", "--iterations", "2",
                  "--json", str(out)) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
+    assert "Iterations: 100%" in err and "3/3" in err   # 1 warm-up + 2 timed
     for label in ("tllm bench latency", "Latency (s), median", "Output tokens/s, median",
                   "TTFT (ms), median", "TPOT (ms), median"):
         assert label in printed
@@ -87,6 +97,13 @@ def test_latency_prints_table_and_writes_json(model, tmp_path, capsys):
     assert result["engine"]["max_batch_size"] == 3
     for key in ("latency_s", "output_tokens_per_s", "ttft_ms", "tpot_ms"):
         assert result[key] > 0
+
+
+def test_disable_tqdm_turns_the_bars_off(model, capsys, bars_allowed):
+    assert bench("throughput", *sizes(model), "--num-requests", "2", "--warmup", "0",
+                 "--disable-tqdm") == 0
+    err = capsys.readouterr().err
+    assert "Requests" not in err and "Loading weights" in err   # the engine's own bar
 
 
 def test_extra_llm_api_options_reach_the_engine_and_flags_win(model, tmp_path):

@@ -12,31 +12,6 @@ from tllm.bench.serve import (BenchConfig, BenchRun, RequestResult, arrival_offs
                               random_requests)
 from tllm.bench.serve_cli import add_bench_serve_parser
 from tllm.bench.serve_metrics import percentile, summarize
-from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.testing import FakeLLM, ServerThread
-
-
-class CountingLLM(FakeLLM):
-    """Remembers the most requests it ever had in flight."""
-
-    max_active = 0
-
-    def generate_async(self, inputs, params, streaming=False):
-        result = super().generate_async(inputs, params, streaming)
-        self.max_active = max(self.max_active, len(self.active))
-        return result
-
-
-@pytest.fixture()
-def fake():
-    return CountingLLM(token_delay_s=0.002)
-
-
-@pytest.fixture()
-def server(fake):
-    with ServerThread(build_app(fake, ServerConfig(model="fake"))) as srv:
-        yield srv
 
 
 def bench(*argv: str) -> int:
@@ -74,14 +49,18 @@ def test_max_concurrency_is_respected(server, fake, tmp_path):
     assert fake.max_active <= 3
 
 
-def test_several_client_processes_share_the_load(server, fake, tmp_path):
+def test_several_client_processes_share_the_load(server, fake, tmp_path, capsys,
+                                                 monkeypatch):
     """The same requests as one process would send, dealt over three processes that start
-    together; one merged result (the per-request list in the original order)."""
+    together; one merged result (the per-request list in the original order), and one
+    progress bar over all of them."""
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
     result = tmp_path / "result.json"
     code = bench("--base-url", server.base_url, "--num-prompts", "10", "--isl", "8",
                  "--osl", "5", "--random-vocab-size", "256", "--num-clients", "3",
                  "--max-concurrency", "6", "--result-file", str(result), "--plot-file", "")
     assert code == 0
+    assert "Requests: 100%" in capsys.readouterr().err
     record = json.loads(result.read_text())
     assert record["summary"]["completed"] == 10 and record["summary"]["failed"] == 0
     assert record["summary"]["total_output_tokens"] == 10 * 5

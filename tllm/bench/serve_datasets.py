@@ -154,12 +154,16 @@ def load_tokenizer(name: str):
     from tllm.loader import DEFAULT_MODEL
     from tllm.loader import load_tokenizer as model_tokenizer
     from tllm.loader import resolve_model
+    from tllm.loader.hub import looks_like_hub_id
     from tllm.tokenizer import Tokenizer
+    local = Path(name).expanduser()
+    if name != DEFAULT_MODEL and not local.exists() and not looks_like_hub_id(name):
+        raise ValueError(f"--tokenizer {name!r}: no such file or folder, nor a hub id")
     try:
         if name == DEFAULT_MODEL or name.endswith(".gguf"):
             tokenizer = model_tokenizer(resolve_model(name))
         else:
-            tokenizer = Tokenizer.from_pretrained(name)
+            tokenizer = Tokenizer.from_pretrained(str(local) if local.exists() else name)
     except (OSError, ValueError) as exc:
         raise ValueError(f"--tokenizer {name!r}: cannot load a tokenizer ({exc}); name "
                          "the served model's folder, .gguf file or hub id") from None

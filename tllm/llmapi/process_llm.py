@@ -27,6 +27,7 @@ starts a new process in its place (the server's supervisor decides whether and w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import multiprocessing
@@ -345,12 +346,25 @@ def engine_main(args: LlmArgs, commands, events, log_settings: LogSettings | Non
         return
     # The model, KV block tables and caches live as long as the process: keep them out of
     # the collector's full passes, which would otherwise pause the loop while it serves.
+    with frozen_heap():
+        events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
+                               "disagg_info": llm.disagg_info,
+                               "lora_targets": llm.lora_targets,
+                               "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
+        _EngineServer(llm, events).run(commands)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Everything alive now out of the garbage collector's passes (gc.freeze) while the
+    block runs. Unfrozen after: frozen objects are never freed at exit, and native
+    extensions (triton's nanobind types) then print pages of "leaked" warnings."""
     gc.collect()
     gc.freeze()
-    events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
-                           "disagg_info": llm.disagg_info, "lora_targets": llm.lora_targets,
-                           "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
-    _EngineServer(llm, events).run(commands)
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class _EngineServer:

@@ -12,7 +12,6 @@ from tllm.cli_types import (non_negative_float, non_negative_int, positive_float
 from tllm.extras import require_extra
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.llmapi.flag_aliases import add_peer_server_flags
-from tllm.llmapi.process_llm import frozen_heap
 from tllm.log import add_log_args, configure_logging
 from tllm.loader import DEFAULT_MODEL
 from tllm.serve.cors import add_cors_args, parse_origins
@@ -136,7 +135,7 @@ def _add_server_args(group) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from tllm.llmapi.llm import LLM
-    from tllm.llmapi.process_llm import ProcessLLM
+    from tllm.llmapi.process_llm import ProcessLLM, frozen_heap
     from tllm.serve.http_server import build_server, run_until_stopped
     from tllm.serve.openai_server import build_app
     from tllm.serve.stats_log import StatsLogger, server_stats

@@ -1,5 +1,5 @@
-"""The optional extras: tllm's text commands run without matplotlib, diffusers and pillow, and
-the features that need them say which extra to install, in one line. Each test runs Python in
+"""The optional extras: tllm's text commands run without matplotlib, diffusers, pillow and
+compressed-tensors, and the features that need them say which extra to install, in one line. Each test runs Python in
 a subprocess where those modules cannot be imported (`sys.modules[name] = None`)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OPTIONAL = ("matplotlib", "diffusers", "PIL")
+OPTIONAL = ("matplotlib", "diffusers", "PIL", "compressed_tensors")
 VISUAL_MESSAGE = "needs diffusers: pip install 'tllm[visual]'"
 
 
@@ -99,3 +99,17 @@ def test_generate_runs_without_the_extras():
                        timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() and "1 prompt, " in proc.stderr
+
+
+def test_a_compressed_tensors_checkpoint_names_the_quant_extra(monkeypatch):
+    import types
+
+    from tllm.extras import MissingExtraError
+    from tllm.loader.quantization import checkpoint_quant_config
+    monkeypatch.setitem(sys.modules, "compressed_tensors", None)   # as if not installed
+    config = types.SimpleNamespace(quantization_config={
+        "quant_method": "compressed-tensors", "format": "float-quantized"})
+    with pytest.raises(MissingExtraError) as info:
+        checkpoint_quant_config(None, config)
+    assert str(info.value) == ("a compressed-tensors checkpoint needs compressed-tensors: "
+                               "pip install 'tllm[quant]'")

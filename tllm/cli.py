@@ -91,8 +91,8 @@ def _add_generate(commands) -> None:
 def _run_generate(args: argparse.Namespace) -> int:
     if args.stream and (len(args.prompt) > 1 or args.n > 1):
         raise ValueError("--stream prints one answer: give a single --prompt and --n 1")
-    params = _sampling_params(args, n=args.n)
     with _load_llm(args, max_batch_size=len(args.prompt) * args.n) as llm:
+        params = _sampling_params(args, llm, n=args.n)
         prompts = [_prompt_input(llm, text, args.system, args.use_chat_template)
                    for text in args.prompt]
         start = time.perf_counter()
@@ -147,8 +147,8 @@ def _add_chat(commands) -> None:
 
 
 def _run_chat(args: argparse.Namespace) -> int:
-    params = _sampling_params(args)
     with _load_llm(args, max_batch_size=1) as llm:
+        params = _sampling_params(args, llm)
         if llm.tokenizer is None:
             raise ValueError(f"model {llm.args.model!r} has no tokenizer, so it cannot chat")
         if not _has_chat_template(llm):
@@ -211,16 +211,24 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int) -> None
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=positive_int, default=max_tokens,
                        help=f"most tokens per answer (default: {max_tokens})")
-    group.add_argument("--temperature", "-t", type=float, default=0.0,
-                       help="0 (default) is greedy, so answers are reproducible")
-    group.add_argument("--top-k", type=int, default=-1, help="-1 (default) disables it")
-    group.add_argument("--top-p", type=float, default=1.0, help="1.0 (default) disables it")
+    group.add_argument("--temperature", "-t", type=float,
+                       help="default: the model's generation_config.json value (see "
+                            "--generation-config), else 0: greedy, so answers are "
+                            "reproducible")
+    group.add_argument("--top-k", type=int, help="default: the model's, else -1 (off)")
+    group.add_argument("--top-p", type=float, help="default: the model's, else 1.0 (off)")
     group.add_argument("--seed", type=int, help="seed for sampling and dummy weights")
 
 
-def _sampling_params(args: argparse.Namespace, n: int = 1) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed, n=n)
+# The CLI's own sampling defaults, under the model's (LLM.sampling_defaults) and the flags.
+_CLI_SAMPLING = {"temperature": 0.0, "top_k": -1, "top_p": 1.0}
+
+
+def _sampling_params(args: argparse.Namespace, llm: LLM, n: int = 1) -> SamplingParams:
+    given = {name: value for name in _CLI_SAMPLING
+             if (value := getattr(args, name)) is not None}
+    return SamplingParams(max_tokens=args.max_tokens, seed=args.seed, n=n,
+                          **{**_CLI_SAMPLING, **llm.sampling_defaults, **given})
 
 
 def _load_llm(args: argparse.Namespace, max_batch_size: int) -> LLM:

@@ -1,14 +1,16 @@
 """Optional dependencies and the package extras that install them (pyproject.toml):
-`pip install 'tllm[bench]'` for plots, `'tllm[visual]'` for visual generation. A feature
-checks its extra where it starts, so the rest of tllm runs without them."""
+`pip install 'tllm[bench]'` for plots, `'tllm[visual]'` for visual generation, `'tllm[quant]'`
+for llm-compressor (compressed-tensors) checkpoints. A feature checks its extra where it
+starts, so the rest of tllm runs without them."""
 from __future__ import annotations
 
 import importlib.util
 
 # extra -> the modules it provides (import names)
 EXTRAS = {"bench": ("matplotlib",), "visual": ("diffusers", "PIL"),
-          "grpc": ("grpc", "google.protobuf")}
-_PIP_NAMES = {"PIL": "pillow", "grpc": "grpcio", "google.protobuf": "protobuf"}
+          "grpc": ("grpc", "google.protobuf"), "quant": ("compressed_tensors",)}
+_PIP_NAMES = {"PIL": "pillow", "grpc": "grpcio", "google.protobuf": "protobuf",
+              "compressed_tensors": "compressed-tensors"}
 
 
 class MissingExtraError(ImportError):

@@ -41,6 +41,7 @@ def test_same_greedy_tokens_as_in_process(process_llm, tiny_llama):
     with LLM(str(tiny_llama[0]), **KWARGS) as local:
         ours = local.generate([{"prompt_token_ids": p} for p in PROMPTS], params,
                               use_tqdm=False)
+        assert process_llm.sampling_defaults == local.sampling_defaults == {}  # none in file
     for remote, here in zip(theirs, ours):
         assert remote.outputs[0].token_ids == here.outputs[0].token_ids
         assert remote.outputs[0].finish_reason == here.outputs[0].finish_reason == "length"

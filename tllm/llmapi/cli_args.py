@@ -21,7 +21,8 @@ CONFIG_FLAGS = ("--config", "--extra-llm-api-options")  # ours, TensorRT-LLM's
 _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_len",
               "tensor_parallel_size", "pipeline_parallel_size", "quantization",
               "model_impl", "enable_expert_parallel", "enable_lora", "max_loras",
-              "max_lora_rank", "max_cpu_loras", "revision", "download_dir")
+              "max_lora_rank", "max_cpu_loras", "revision", "download_dir",
+              "generation_config")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
@@ -71,6 +72,11 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--model-impl", choices=["auto", "tllm", "transformers"],
                        help="whose modeling code runs (default auto: tllm's where it has the "
                             "architecture, else transformers' with tllm's KV cache)")
+    group.add_argument("--generation-config", metavar="auto|vllm|PATH",
+                       help="default sampling parameters (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty) of requests that do not set them: auto "
+                            "(default), the model folder's generation_config.json, as vLLM; "
+                            "vllm, tllm's own; PATH, that folder's file")
     _add_lora_args(group)
     group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,

@@ -4,7 +4,7 @@ the worker ranks too (each builds its own parts with the same `build_rank`)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,6 +18,7 @@ from tllm.executor import worker
 from tllm.executor.py_executor import OVERLAP, SYNC, PyExecutor, pipelined
 from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.loader.generation_config import sampling_defaults
 from tllm.llmapi.llm_args import LlmArgs
 from tllm.lora.manager import LoraManager
 from tllm.runner.build import RankParts, build_rank
@@ -42,6 +43,8 @@ class Engine:
     max_seq_len: int
     workers: WorkerGroup | None = None  # the other ranks, with several
     disagg: DisaggAgent | None = None   # a context or generation server's part
+    # generation_config.json's sampling defaults (args.generation_config)
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def lora(self) -> LoraManager | None:
@@ -69,6 +72,8 @@ def build_engine(args: LlmArgs) -> Engine:
     try:
         parts = build_rank(args, device)
         tokenizer = loader.load_tokenizer(parts.source)
+        defaults = sampling_defaults(args.generation_config,
+                                     parts.source.path if parts.source.kind == "hf" else None)
         executor = build_executor(args, parts)
         if tokenizer is not None:  # xgrammar loads on the first guided request only
             executor.enable_guided_decoding(GuidedDecoding(
@@ -98,7 +103,7 @@ def build_engine(args: LlmArgs) -> Engine:
     line, fields = engine_summary(args, parts)
     logger.info("%s", line, extra={"fields": fields})
     return Engine(parts.config, tokenizer, executor, parts.kv_cache, parts.device, parts.dtype,
-                  parts.max_seq_len, workers, disagg)
+                  parts.max_seq_len, workers, disagg, defaults)
 
 
 def engine_summary(args: LlmArgs, parts: RankParts) -> tuple[str, dict]:

@@ -61,6 +61,17 @@ class LLM:
         return self._engine.max_seq_len
 
     @property
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """What the model's generation_config.json recommends (temperature, top_p, top_k,
+        min_p, repetition_penalty; see `generation_config`): the defaults of calls and
+        server requests that do not set them."""
+        return dict(self._engine.sampling_defaults)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a call without any: tllm's, under the model's defaults."""
+        return SamplingParams(**self._engine.sampling_defaults)
+
+    @property
     def is_alive(self) -> bool:
         """Whether the executor loop thread is running."""
         return not self._closed and self._engine.executor.is_alive
@@ -109,6 +120,8 @@ class LLM:
         `priority`: every prompt's, or one per prompt (lower runs first; needs
         scheduler_config.scheduling_policy="priority")."""
         prompts, single = _as_prompt_list(inputs)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _broadcast_params(sampling_params, len(prompts))
         loras = _broadcast_loras(lora_request, len(prompts))
         priorities = _broadcast_priorities(priority, len(prompts))
@@ -132,7 +145,9 @@ class LLM:
                        lora_request: LoRARequest | None = None,
                        priority: int | None = None) -> GenerationResult:
         """Submit one prompt; await the result, or `async for` over it when streaming."""
-        return self._submit(inputs, sampling_params or SamplingParams(), streaming,
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        return self._submit(inputs, sampling_params, streaming,
                             lora_request=lora_request, priority=priority)
 
     async def submit_batch(self, inputs: Sequence[PromptInput],
@@ -373,8 +388,6 @@ def _broadcast_priorities(priority, count: int) -> list[int | None]:
 
 
 def _broadcast_params(params, count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * count
     if isinstance(params, SamplingParams):
         return [params] * count
     params = list(params)

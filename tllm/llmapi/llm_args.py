@@ -3,6 +3,7 @@ the field)."""
 from __future__ import annotations
 
 from enum import Enum
+from pathlib import Path
 from typing import Literal, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, SecretStr, ValidationInfo, field_validator,
@@ -304,10 +305,24 @@ class LlmArgs(BaseModel):
     max_loras: int = Field(4, ge=1)
     max_lora_rank: int = Field(16, ge=1, le=512)
     max_cpu_loras: int | None = Field(None, ge=1)
+    # Default sampling parameters (temperature, top_p, top_k, min_p, repetition_penalty) of
+    # requests that do not set them, as vLLM's --generation-config: "auto", the model
+    # folder's generation_config.json; "vllm", none (tllm's own defaults); or a folder
+    # holding such a file (or the file).
+    generation_config: str = "auto"
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @field_validator("generation_config")
+    @classmethod
+    def _check_generation_config(cls, setting: str) -> str:
+        if setting not in ("auto", "vllm") and not (setting
+                                                    and Path(setting).expanduser().exists()):
+            raise ValueError("generation_config must be 'auto', 'vllm' or a folder holding "
+                             f"generation_config.json (or that file), got {setting!r}")
+        return setting
 
     @model_validator(mode="after")
     def _check_scheduler(self) -> LlmArgs:

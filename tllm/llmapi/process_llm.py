@@ -27,6 +27,7 @@ starts a new process in its place (the server's supervisor decides whether and w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import multiprocessing
@@ -54,8 +55,8 @@ class EngineDeadError(RuntimeError):
 
 class ProcessLLM:
     """The server's handle on an engine process: `submit_batch`, `get_stats`, `is_alive`,
-    `tokenizer`, `max_seq_len`, `lora_targets`, `shutdown` (what the server uses of an LLM),
-    and `restart` once the process has died."""
+    `tokenizer`, `max_seq_len`, `lora_targets`, `sampling_defaults`, `shutdown` (what the
+    server uses of an LLM), and `restart` once the process has died."""
 
     def __init__(self, model: str, **kwargs: Any) -> None:
         self.args = llm_args(model, kwargs)     # bad arguments fail here, at once
@@ -69,6 +70,8 @@ class ProcessLLM:
         self.disagg_info: dict[str, str] | None = ready.get("disagg_info")
         self.lora_targets = ready.get("lora_targets")   # tllm.lora.adapter.LoraTargets | None
         self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], self.args)
+        # generation_config.json's defaults (LLM.sampling_defaults): the server applies them
+        self.sampling_defaults: dict[str, float | int] = ready["sampling_defaults"]
 
     # ---- what the server uses ----
 
@@ -345,12 +348,26 @@ def engine_main(args: LlmArgs, commands, events, log_settings: LogSettings | Non
         return
     # The model, KV block tables and caches live as long as the process: keep them out of
     # the collector's full passes, which would otherwise pause the loop while it serves.
+    with frozen_heap():
+        events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
+                               "disagg_info": llm.disagg_info,
+                               "lora_targets": llm.lora_targets,
+                               "sampling_defaults": llm.sampling_defaults,
+                               "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
+        _EngineServer(llm, events).run(commands)
+
+
+@contextlib.contextmanager
+def frozen_heap():
+    """Everything alive now out of the garbage collector's passes (gc.freeze) while the
+    block runs. Unfrozen after: frozen objects are never freed at exit, and native
+    extensions (triton's nanobind types) then print pages of "leaked" warnings."""
     gc.collect()
     gc.freeze()
-    events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
-                           "disagg_info": llm.disagg_info, "lora_targets": llm.lora_targets,
-                           "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
-    _EngineServer(llm, events).run(commands)
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class _EngineServer:

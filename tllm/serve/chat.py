@@ -43,7 +43,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
     params = sampling_params(body, max_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                             guided_decoding=guided)
+                             guided_decoding=guided, defaults=ctx.sampling_defaults)
     output = _output_format(ctx, body)
     generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="messages",
                                         disaggregated_params=body.disaggregated_params,

@@ -3,7 +3,6 @@ combine (command line over file over defaults)."""
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
 from pathlib import Path
 from typing import Any
@@ -91,6 +90,10 @@ def _add_server_args(group) -> None:
                             "(default: ignore it, with a warning in the log and its name in "
                             "the X-Ignored-Fields response header, as vLLM does)")
     add_cors_args(group)
+    group.add_argument("--shutdown-timeout", type=non_negative_float, default=5.0,
+                       metavar="SECONDS", help="on Ctrl-C or SIGTERM, open requests get this "
+                       "long to finish (new ones get 503); then each ends with an error (a "
+                       "stream: an error event and [DONE]) (default 5; 0: at once)")
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
                             "/health answers 503 (default 120)")
@@ -132,8 +135,8 @@ def _add_server_args(group) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from tllm.llmapi.llm import LLM
-    from tllm.llmapi.process_llm import ProcessLLM
-    from tllm.serve.http_server import build_server
+    from tllm.llmapi.process_llm import ProcessLLM, frozen_heap
+    from tllm.serve.http_server import build_server, run_until_stopped
     from tllm.serve.openai_server import build_app
     from tllm.serve.stats_log import StatsLogger, server_stats
 
@@ -145,29 +148,21 @@ def run_serve(args: argparse.Namespace) -> int:
         return serve_images(args, config)
     llm = (ProcessLLM if args.engine_process else LLM)(model=model, **llm_kwargs)
     app = build_app(llm, config)
-    # No lifespan events: the LLM is loaded already and shut down below. Streams still open
-    # 5 s after Ctrl-C are cut (and aborted in the engine).
-    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level)
+    # No lifespan events: the LLM is loaded already and shut down below. On Ctrl-C or
+    # SIGTERM, open requests get --shutdown-timeout seconds, then end with an error.
+    server = build_server(app, host=args.host, port=args.port, log_level=args.log_level,
+                          shutdown_timeout_s=args.shutdown_timeout)
     supervisor = app.state.ctx.supervisor
     supervisor.on_fatal = lambda reason: setattr(server, "should_exit", True)
-    # What start-up built (modules, model or tokenizer, the app) lives as long as the
-    # server: out of the collector's full passes, which took 100-165 ms each on a 2-core
-    # CPU and stall the event loop every stream shares (vLLM's API server does the same).
-    gc.collect()
-    gc.freeze()
     logger.info("serving %s on http://%s:%d/v1", config.model_name, args.host, args.port)
     stats_log = StatsLogger(server_stats(llm, app.state.ctx.metrics),
                             args.log_stats_interval).start()
+    # What start-up built (modules, model or tokenizer, the app) lives as long as the
+    # server: out of the collector's full passes, which took 100-165 ms each on a 2-core
+    # CPU and stall the event loop every stream shares (vLLM's API server does the same).
     try:
-        if args.grpc_port is not None:
-            require_extra("grpc", "--grpc-port")
-            from tllm.serve.grpc_server import run_with_grpc
-            logger.info("gRPC on %s:%d", args.host, args.grpc_port)
-            run_with_grpc(server, app.state.ctx, args.host, args.grpc_port)
-        else:
-            server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
+        with frozen_heap():
+            run_until_stopped(_serving(args, server, app.state.ctx))
     finally:
         stats_log.close()
         app.state.ctx.close()
@@ -175,6 +170,16 @@ def run_serve(args: argparse.Namespace) -> int:
     if supervisor.fatal_reason is not None:    # the supervisor has logged why
         return 1
     return 0 if server.started else 1
+
+
+def _serving(args: argparse.Namespace, server, ctx):
+    """What runs the server: uvicorn's run, or with --grpc-port the gRPC server beside it."""
+    if args.grpc_port is None:
+        return server.run
+    require_extra("grpc", "--grpc-port")
+    from tllm.serve.grpc_server import run_with_grpc
+    logger.info("gRPC on %s:%d", args.host, args.grpc_port)
+    return lambda: run_with_grpc(server, ctx, args.host, args.grpc_port)
 
 
 def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:

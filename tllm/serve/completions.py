@@ -68,7 +68,7 @@ def _sampling_params(ctx: ServingContext, body: CompletionRequest, prompt: Promp
     max_tokens = max_new_tokens(len(prompt.token_ids), requested, ctx.llm.max_seq_len, "prompt")
     prompt_logprobs = body.logprobs if body.echo else None
     return sampling_params(body, max_tokens, logprobs=body.logprobs,
-                           prompt_logprobs=prompt_logprobs)
+                           prompt_logprobs=prompt_logprobs, defaults=ctx.sampling_defaults)
 
 
 def _prompt_text(ctx: ServingContext, prompt: PromptInput) -> str:

@@ -99,6 +99,11 @@ class ServingContext:
                    loras)
 
     @property
+    def sampling_defaults(self) -> dict[str, float]:
+        """The model's generation_config.json defaults (none for an engine double)."""
+        return getattr(self.llm, "sampling_defaults", None) or {}
+
+    @property
     def tokenizer(self):
         if self.llm.tokenizer is None:
             raise APIError(400, f"model {self.config.model_name!r} has no tokenizer: send "

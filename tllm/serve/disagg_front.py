@@ -15,18 +15,18 @@ that hold several prompts, run whole on a generation server."""
 from __future__ import annotations
 
 import itertools
-import sys
+import logging
 import uuid
-from pathlib import Path
 
 from fastapi import APIRouter, FastAPI
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tllm import __version__
 from tllm.cli_parser import FlagParser
+from tllm.log import add_log_args, configure_logging
 from tllm.serve.auth import install_api_key_guard
+from tllm.serve.disagg_config import DisaggFrontConfig
 from tllm.serve.disagg_worker import KV_SOURCE_HEADER
 from tllm.serve.errors import APIError, install_error_handlers
 from tllm.serve.http_limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
@@ -34,50 +34,11 @@ from tllm.serve.http_limits import (HttpLimits, add_http_limit_args, http_limits
 from tllm.serve.proxy import (Upstream, pick_least_loaded, read_json_body, relay,
                               until_disconnect, upstream_error)
 
+logger = logging.getLogger(__name__)
 TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # Fields of the client's request the context server's prefill does without.
 _NOT_FOR_PREFILL = ("stream", "stream_options", "n", "best_of", "max_tokens",
                     "max_completion_tokens", "min_tokens")
-
-
-class ServerGroup(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    num_instances: int | None = Field(None, ge=1)
-    urls: list[str] = Field(min_length=1)
-
-    @model_validator(mode="after")
-    def _count_matches(self):
-        if self.num_instances is not None and self.num_instances != len(self.urls):
-            raise ValueError(f"num_instances is {self.num_instances} but {len(self.urls)} "
-                             "urls are given")
-        return self
-
-
-class DisaggFrontConfig(BaseModel):
-    """disagg.yml (TensorRT-LLM's keys; the workers are started on their own with
-    `tllm serve MODEL --role context|generation`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    hostname: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
-    context_servers: ServerGroup
-    generation_servers: ServerGroup
-    api_key: str | None = None      # required from clients, and sent to the workers
-
-    @classmethod
-    def from_yaml(cls, path: str | Path) -> DisaggFrontConfig:
-        import yaml
-        data = yaml.safe_load(Path(path).read_text())
-        if not isinstance(data, dict):
-            raise ValueError(f"-c {path}: expected a mapping")
-        data.pop("backend", None)   # TensorRT-LLM's files name theirs; there is one here
-        for key in ("context_servers", "generation_servers"):
-            if isinstance(data.get(key), dict):   # engine options belong to the workers
-                data[key] = {k: v for k, v in data[key].items()
-                             if k in ("num_instances", "urls")}
-        return cls(**data)
 
 
 class DisaggFront:
@@ -202,20 +163,23 @@ def run_disaggregated(argv: list[str]) -> int:
                         description="An OpenAI-compatible front over context "
                         "and generation servers (tllm serve MODEL --role ...).")
     parser.add_argument("-c", "--config", required=True, metavar="YAML",
-                        help="hostname, port, context_servers and generation_servers "
-                             "({num_instances, urls}), as TensorRT-LLM's disagg config")
+                        help="TensorRT-LLM's disaggregated config as it is: hostname, port, "
+                             "context_servers and generation_servers ({num_instances, urls}); "
+                             "the servers' own options in it (model, backend, ...) are "
+                             "ignored with a note: start each with tllm serve MODEL --role")
     parser.add_argument("--host", help="overrides the file's hostname")
     parser.add_argument("--port", type=int, help="overrides the file's port")
-    parser.add_argument("--log-level", default="info")
+    add_log_args(parser)
     parser.add_argument("--protect-metrics", action="store_true",
                         help="with the file's api_key: the docs need the key too")
     add_http_limit_args(parser.add_argument_group("connection limits"))
     args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
     config = DisaggFrontConfig.from_yaml(args.config)
     front = DisaggFront(config)
     host, port = args.host or config.hostname, args.port or config.port
-    print(f"disaggregated front on http://{host}:{port}/v1: {len(front.context)} context, "
-          f"{len(front.generation)} generation servers", file=sys.stderr)
+    logger.info("disaggregated front on http://%s:%d/v1: %d context, %d generation servers",
+                host, port, len(front.context), len(front.generation))
     app = build_front_app(front, http_limits_from_args(args), args.protect_metrics)
     run_uvicorn(app, host=host, port=port, log_level=args.log_level)
     return 0

@@ -207,6 +207,11 @@ def engine_stopped() -> APIError:
                     code="engine_unavailable")
 
 
+def server_stopping() -> APIError:
+    return APIError(503, "the server is shutting down", code="server_shutting_down",
+                    headers={"Retry-After": "1"})
+
+
 # The default cap on one request's sequences: twice OpenAI's largest n (128), so two prompts
 # at n 128 still pass, and the batch of vLLM's V0 default (max_num_seqs 256): one request
 # fills at most one such batch.
@@ -214,7 +219,8 @@ DEFAULT_MAX_SEQUENCES = 256
 
 
 class EngineClient:
-    """The server's side of the LLM: admission control, submission, health."""
+    """The server's side of the LLM: admission control, submission, health, and the drain
+    of open requests when the server shuts down (http_server.GracefulServer)."""
 
     def __init__(self, llm, metrics: ServerMetrics, max_queue_size: int | None,
                  stuck_timeout_s: float, retry_after_s: int = 1,
@@ -235,6 +241,22 @@ class EngineClient:
         self._last_progress = time.monotonic()
         self._open: set[Generation] = set()
         self._watchdog: asyncio.Task | None = None
+        self.is_stopping = False
+
+    @property
+    def num_open(self) -> int:
+        """Requests submitted and not yet closed."""
+        return len(self._open)
+
+    def stop_admitting(self) -> None:
+        """(Shutdown) From now on new requests get a 503, and /health says why."""
+        self.is_stopping = True
+
+    def end_open(self) -> None:
+        """(Shutdown) End every open request with a 503: a stream with an error event and
+        [DONE]; the engine aborts them as they close."""
+        for generation in list(self._open):
+            generation.fail(server_stopping())
 
     async def start(self, prompts: list[PromptInput], params: list[SamplingParams],
                     arrival: float, prompt_param: str = "prompt",
@@ -288,6 +310,8 @@ class EngineClient:
 
     def health(self) -> str | None:
         """None when healthy, else why not: the loop is dead, or busy without progress."""
+        if self.is_stopping:
+            return server_stopping().message
         if not self.llm.is_alive:
             return self._down_reason()
         stats = self.llm.get_stats()
@@ -307,6 +331,8 @@ class EngineClient:
         return status or "the engine loop is not running"
 
     def _check_alive(self) -> None:
+        if self.is_stopping:
+            raise server_stopping()
         if not self.llm.is_alive:
             raise self._unavailable()
 

@@ -51,7 +51,8 @@ class GenerationService(pb_grpc.GenerationServicer):
                 "max_tokens") else None
             max_tokens = max_new_tokens(len(prompt.token_ids), requested,
                                         self.ctx.llm.max_seq_len, "prompt")
-            params = sampling_params(body, max_tokens, logprobs=body.logprobs)
+            params = sampling_params(body, max_tokens, logprobs=body.logprobs,
+                                     defaults=self.ctx.sampling_defaults)
             generation = await self.ctx.engine.start([prompt], [params], time.monotonic())
         except APIError as exc:
             await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)

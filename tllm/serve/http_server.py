@@ -12,7 +12,10 @@ against slow and idle clients:
   clients out; when every connection has a request in progress the new one gets a 503.
   (uvicorn's own limit_concurrency answers 503 to every new request once idle sockets fill
   it, which is the lock-out itself);
-- access-log lines with query secrets (api_key, signature, ...) redacted.
+- access-log lines with query secrets (api_key, signature, ...) redacted;
+- a shutdown (Ctrl-C, SIGTERM) that lets open requests finish for the graceful timeout and
+  then ends the rest with an error (a stream: an error event, then [DONE]) instead of
+  cutting their connections (GracefulServer), and returns quietly (run_until_stopped).
 """
 from __future__ import annotations
 
@@ -20,7 +23,11 @@ import asyncio
 import functools
 import json
 import logging
+import signal
 import sys
+import threading
+import time
+from typing import Callable, Protocol
 
 import h11
 import uvicorn
@@ -34,12 +41,15 @@ logger = logging.getLogger(__name__)
 WARN_EVERY_S = 10.0     # the cap's warning, at most this often (a flood would fill the log)
 
 
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
+
 def uvicorn_config(app, *, host: str = "127.0.0.1", port: int = 8000,
                    log_level: str = "info", **overrides) -> uvicorn.Config:
     """uvicorn.Config for an app built by tllm, with its limits (app.state.http_limits)."""
     limits = limits_of(app)
     options = dict(host=host, port=port, log_level=log_level, lifespan="off",
-                   timeout_graceful_shutdown=5,
+                   timeout_graceful_shutdown=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    http=functools.partial(LimitedH11Protocol, guard=ConnectionGuard(limits)),
                    h11_max_incomplete_event_size=limits.max_header_bytes,
                    timeout_keep_alive=limits.keep_alive_timeout_s)
@@ -55,21 +65,81 @@ def limits_of(app) -> HttpLimits:
     return getattr(getattr(app, "state", None), "http_limits", None) or HttpLimits()
 
 
-def build_server(app, *, host: str, port: int, log_level: str) -> uvicorn.Server:
+def build_server(app, *, host: str, port: int, log_level: str,
+                 shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> GracefulServer:
     """A uvicorn server for a command-line `tllm serve ...` (the open-file limit raised to
     fit its connection cap)."""
     raise_open_file_limit(limits_of(app).max_connections)
-    return uvicorn.Server(uvicorn_config(app, host=host, port=port, log_level=log_level))
+    return GracefulServer(uvicorn_config(app, host=host, port=port, log_level=log_level,
+                                         timeout_graceful_shutdown=shutdown_timeout_s))
 
 
 def run_uvicorn(app, *, host: str, port: int, log_level: str) -> uvicorn.Server:
-    """Serve the app until interrupted (Ctrl-C ends it quietly); the server, for its state."""
+    """Serve the app until Ctrl-C or SIGTERM; the server, for its state."""
     server = build_server(app, host=host, port=port, log_level=log_level)
-    try:
-        server.run()
-    except KeyboardInterrupt:   # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
+    run_until_stopped(server.run)
     return server
+
+
+def run_until_stopped(run: Callable[[], object]) -> None:
+    """Run a uvicorn server (`run`: its run, or one with gRPC beside it) until a Ctrl-C or a
+    SIGTERM has shut it down, then return. uvicorn raises the signal it caught again once
+    it has shut down: Ctrl-C then arrives as KeyboardInterrupt, and SIGTERM's default
+    action would kill the process before the caller shuts its engine down."""
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if is_main else None
+    try:
+        run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if is_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+class Drain(Protocol):
+    """An app's open requests, as its server's shutdown sees them (`app.state.drain`)."""
+
+    @property
+    def num_open(self) -> int: ...
+
+    def stop_admitting(self) -> None: ...
+
+    def end_open(self) -> None: ...
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown first drains the app's open requests (an app with
+    `app.state.drain`): no new connection is accepted and new requests get 503, those open
+    get the graceful timeout to finish, and the rest are ended with an error (a stream: an
+    error event, then [DONE]) rather than cancelled when uvicorn's own wait runs out, which
+    cut their connections and logged a traceback each. A second Ctrl-C ends them at once."""
+
+    async def shutdown(self, sockets=None) -> None:
+        drain = getattr(getattr(self.config.app, "state", None), "drain", None)
+        if drain is not None:
+            await self._drain(drain)
+        await super().shutdown(sockets)
+
+    async def _drain(self, drain: Drain) -> None:
+        for server in self.servers:
+            server.close()      # stop accepting; uvicorn's shutdown closes them too
+        drain.stop_admitting()
+        timeout_s = self.config.timeout_graceful_shutdown
+        deadline = time.monotonic() + (float("inf") if timeout_s is None else timeout_s)
+        if drain.num_open:
+            logger.info("shutting down: %d open request(s) get %s s to finish (Ctrl-C again "
+                        "ends them now)", drain.num_open, timeout_s)
+        while drain.num_open and not self.force_exit and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if drain.num_open:
+            logger.warning("shutting down: ending %d open request(s) with an error",
+                           drain.num_open)
+            drain.end_open()
 
 
 def raise_open_file_limit(max_connections: int, headroom: int = 256) -> None:

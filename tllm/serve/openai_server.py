@@ -49,6 +49,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
                   redoc_url=None, description="OpenAI-compatible completions and chat "
                   "completions, with vLLM's extra sampling fields.")
     app.state.ctx = ctx
+    app.state.drain = ctx.engine    # what the server's shutdown waits for, then ends
     app.state.sessions = sessions = SessionStore()
     install_error_handlers(app)
     # innermost first: the body is read only for a request that passed the key check

@@ -3,7 +3,9 @@ the server: every integer that becomes a tensor index or size against the model 
 the context length (the engine would silently shorten max_tokens) and logit_bias."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from tllm.sampling_params import SamplingParams
@@ -150,30 +152,35 @@ def beam_search_fields(body) -> dict[str, Any]:
     return fields
 
 
+# What a request without these fields gets, unless the model's generation_config.json says
+# otherwise (`defaults` below).
+SERVER_DEFAULTS = {"temperature": 1.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0,
+                   "repetition_penalty": 1.0}
+
+
 def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None,
-                    guided_decoding=None) -> SamplingParams:
+                    prompt_logprobs: int | None = None, guided_decoding=None,
+                    defaults: Mapping[str, float] = MappingProxyType({})) -> SamplingParams:
     """The engine's parameters for one prompt of this request; 400 naming the bad field.
-    `guided_decoding`: GuidedDecodingParams (from guided_decoding()) or None."""
+    `guided_decoding`: GuidedDecodingParams (from guided_decoding()) or None; `defaults`:
+    the model's sampling defaults (LLM.sampling_defaults) for the fields the body lacks."""
     guided = {} if guided_decoding is None else {"guided_decoding": guided_decoding}
     logit_bias = check_logit_bias(body.logit_bias)
     beams = beam_search_fields(body)
-    # beam search is deterministic: an absent temperature is 0 there
-    default_temperature = 0.0 if beams.get("use_beam_search") else 1.0
-    temperature = default_temperature if body.temperature is None else body.temperature
-    if 0 <= temperature < GREEDY_TEMPERATURE:
-        temperature = 0.0
+    # beam search is deterministic: an absent temperature is 0, and no sampling default
+    # of the model's applies
+    given = ({**SERVER_DEFAULTS, "temperature": 0.0} if beams.get("use_beam_search")
+             else {**SERVER_DEFAULTS, **defaults})
+    given.update({name: value for name in SERVER_DEFAULTS
+                  if (value := getattr(body, name)) is not None})
+    if 0 <= given["temperature"] < GREEDY_TEMPERATURE:
+        given["temperature"] = 0.0
     try:
         return SamplingParams(
-            max_tokens=max_tokens, min_tokens=body.min_tokens, temperature=temperature,
-            top_k=-1 if body.top_k is None else body.top_k,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            min_p=0.0 if body.min_p is None else body.min_p,
+            max_tokens=max_tokens, min_tokens=body.min_tokens, **given,
             seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
             include_stop_str_in_output=body.include_stop_str_in_output,
             ignore_eos=body.ignore_eos, logit_bias=logit_bias,
-            repetition_penalty=(1.0 if body.repetition_penalty is None
-                                else body.repetition_penalty),
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
             skip_special_tokens=body.skip_special_tokens, **guided, **beams)

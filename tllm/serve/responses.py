@@ -122,7 +122,8 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
                              ctx.config.reasoning_parser)
     if guided is not None:  # compiling a grammar takes a while: off the event loop
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
-    params = sampling_params(body, max_tokens, guided_decoding=guided)
+    params = sampling_params(body, max_tokens, guided_decoding=guided,
+                             defaults=ctx.sampling_defaults)
     generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="input",
                                         lora_request=lora)
     response = _echo(ctx, body)

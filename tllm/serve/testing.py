@@ -8,24 +8,24 @@ import threading
 import time
 import types
 
-import uvicorn
 
 from tllm.llmapi.llm import submit_all_or_none
-from tllm.serve.http_server import uvicorn_config
+from tllm.serve.http_server import GracefulServer, uvicorn_config
 from tllm.outputs import CompletionDelta, Logprob
 from tllm.sampling_params import SamplingParams
 
 
 class ServerThread:
     """uvicorn serving `app` on 127.0.0.1 at a free port, in a daemon thread, configured as
-    `tllm serve` configures it (http_server.uvicorn_config: the app's limits)."""
+    `tllm serve` configures it (http_server.uvicorn_config: the app's limits; its shutdown
+    drains open requests for 2 s, then ends them with an error)."""
 
     def __init__(self, app, log_level: str = "warning") -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))
         self.port = self._socket.getsockname()[1]
         self.app = app
-        self.server = uvicorn.Server(uvicorn_config(app, log_level=log_level,
+        self.server = GracefulServer(uvicorn_config(app, log_level=log_level,
                                                     timeout_graceful_shutdown=2))
         self._thread = threading.Thread(target=self.server.run,
                                         kwargs={"sockets": [self._socket]}, daemon=True)

@@ -5,6 +5,7 @@ per block); optional fp8 KV cache scales (`self_attn.k_scale` / `v_scale`). The 
 read and validated by the compressed-tensors package itself."""
 from __future__ import annotations
 
+from tllm.extras import require_extra
 from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
 from tllm.loader.hf import CheckpointError
 from tllm.loader.quant_formats import unsupported
@@ -15,6 +16,7 @@ WEIGHT_STRATEGIES = ("channel", "tensor", "block")
 
 
 def parse(raw: dict) -> Fp8Config:
+    require_extra("quant", "a compressed-tensors checkpoint")   # an optional dependency
     from compressed_tensors.quantization import QuantizationConfig  # slow import: only here
 
     try:

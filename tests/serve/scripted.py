@@ -9,22 +9,24 @@ from tllm.serve.testing import FakeLLM
 
 
 class ScriptedLLM(FakeLLM):
-    """Answers every request with `script`, one character per token, then stops."""
+    """Answers every request with `script`, one character per token, then ends with
+    `finish_reason` ("length": cut short by max_tokens)."""
 
     script = ""
+    finish_reason = "stop"
 
     def generate_async(self, inputs, params, streaming=False):
         self.last_prompt = inputs["prompt_token_ids"]
         self.last_params = params
-        return _Scripted(self.script, params.n)
+        return _Scripted(self.script, params.n, self.finish_reason)
 
 
 class _Scripted:
     prompt_logprobs = None
     finished = False
 
-    def __init__(self, script: str, n: int) -> None:
-        self.script, self.n = script, n
+    def __init__(self, script: str, n: int, finish_reason: str) -> None:
+        self.script, self.n, self.finish_reason = script, n, finish_reason
 
     def abort(self) -> None:
         pass
@@ -35,5 +37,5 @@ class _Scripted:
             for index in range(self.n):
                 is_last = step == len(self.script) - 1
                 yield CompletionDelta(index, [min(ord(char), 255)], char,
-                                      finish_reason="stop" if is_last else None)
+                                      finish_reason=self.finish_reason if is_last else None)
         self.finished = True

@@ -192,3 +192,48 @@ def test_a_dead_end_met_while_generating_is_a_400(http):
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert (error["type"], error["code"]) == ("invalid_request_error", "unsatisfiable_grammar")
+
+
+# ---- issue 38: forced calls are tool_calls, streamed or not, whole or cut short ----
+
+def _streamed_calls(stream) -> tuple[str, dict, str | None]:
+    """(content, {index: [name, arguments]}, finish_reason) of a streamed chat answer."""
+    content, calls, finish = "", {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, ["", ""])
+                call[0] += delta.function.name or ""
+                call[1] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, calls, finish
+
+
+def test_streamed_tool_choice_required(client):
+    content, calls, finish = _streamed_calls(client.chat.completions.create(
+        messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, TIME],
+        tool_choice="required", stream=True, **GREEDY))
+    assert content == "" and finish == "tool_calls" and calls
+    tools = {"get_weather": WEATHER, "get_time": TIME}
+    for name, arguments in calls.values():
+        jsonschema.validate(json.loads(arguments), tools[name]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_cut_short_is_still_a_tool_call(client, tool_choice, stream):
+    """max_tokens ends the call midway: the call as written (OpenAI's answer), not text."""
+    fields = dict(messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER],
+                  tool_choice=tool_choice, model=MODEL, temperature=0, max_tokens=16)
+    if stream:
+        content, calls, finish = _streamed_calls(
+            client.chat.completions.create(stream=True, **fields))
+        names = [name for name, _ in calls.values()]
+    else:
+        choice = client.chat.completions.create(**fields).choices[0]
+        content, finish = choice.message.content or "", choice.finish_reason
+        names = [call.function.name for call in choice.message.tool_calls or ()]
+    assert content == "" and finish == "length"
+    assert names == ["get_weather"]

@@ -16,8 +16,8 @@ from tllm.serve.openai_server import build_app
 from tllm.serve.protocol import ChatCompletionRequest
 from tests.serve.scripted import ScriptedLLM
 from tllm.serve.testing import ServerThread
-from tllm.serve.tool_parsers import (TOOL_PARSERS, ToolRequest, forced_schema, parse_forced,
-                                     tool_parser)
+from tllm.serve.tool_calls import ToolRequest, forced_schema, parse_forced
+from tllm.serve.tool_parsers import TOOL_PARSERS, tool_parser
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -70,7 +70,7 @@ def test_where_calls_may_start_while_streaming(parser, text, start):
 
 def test_unknown_parser_is_refused():
     with pytest.raises(ValueError, match="tool_call_parser"):
-        tool_parser("pythonic")
+        tool_parser("xlam")
 
 
 def _request(**fields) -> ToolRequest:
@@ -228,7 +228,7 @@ def test_partial_calls_of_forced_outputs():
 
 
 def tllm_forced_partial_calls(text, tools):
-    from tllm.serve.tool_parsers import forced_partial_calls
+    from tllm.serve.tool_calls import forced_partial_calls
     return forced_partial_calls(text, tools)
 
 
@@ -276,3 +276,45 @@ def test_a_call_with_string_arguments_streams_whole_at_the_end(scripted):
     (delta,) = _tool_call_deltas(client, tools=[WEATHER])
     assert delta.function.name == "get_weather"
     assert json.loads(delta.function.arguments) == {"city": "Oslo"}
+
+
+# ---- forced calls cut short by max_tokens (issue 38: they came back as text in content) ----
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("script, tool_choice, expected", [
+    ('[{"name": "get_weather", "arguments": {"city": "Pa', "required",
+     [("get_weather", '{"city": "Pa')]),
+    ('{"city": "Pa', NAMED, [("get_weather", '{"city": "Pa')]),
+    ('[{"name": "get_weather", "argu', "required", [("get_weather", "")]),
+    ('[{"name": "get_wea', "required", []),     # not even a name yet: no call, no text
+])
+def test_forced_calls_cut_short_are_calls_not_text(scripted, monkeypatch, stream, script,
+                                                   tool_choice, expected):
+    """As OpenAI answers a call cut by max_tokens: the call with its arguments as written,
+    finish_reason length; never the grammar's JSON as content."""
+    import tllm.guided
+    monkeypatch.setattr(tllm.guided, "compile_check", lambda *args: None)  # a fake vocabulary
+    llm, client, _ = scripted
+    monkeypatch.setattr(llm, "finish_reason", "length")
+    llm.script = script
+    fields = dict(model="fake", messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice)
+    if not stream:
+        choice = client.chat.completions.create(**fields).choices[0]
+        assert choice.message.content is None and choice.finish_reason == "length"
+        assert [(c.function.name, c.function.arguments)
+                for c in choice.message.tool_calls or ()] == expected
+        return
+    content, calls, finish = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **fields):
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or ():
+                call = calls.setdefault(delta.index, ["", ""])
+                call[0] += delta.function.name or ""
+                call[1] += delta.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert (content, [tuple(call) for call in calls.values()], finish) == ("", expected,
+                                                                          "length")

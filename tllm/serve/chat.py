@@ -23,9 +23,13 @@ from tllm.serve.protocol import (AssistantMessage, ChatChoice, ChatCompletionChu
                                  ChatStreamChoice, ChoiceLogprobs, DeltaFunctionCall,
                                  DeltaMessage, DeltaToolCall, Usage)
 from tllm.serve.choice_stream import ChoiceStream, OutputFormat, StreamUpdate
-from tllm.serve.reasoning import after_reasoning, reasoning_parser
-from tllm.serve.tool_parsers import (ANY_OBJECT, JSON_ERRORS, ToolRequest, forced_schema,
-                                     tool_parser)
+from tllm.serve.reasoning import ReasoningParser, after_reasoning, reasoning_parser
+from tllm.serve.tool_calls import ANY_OBJECT, JSON_ERRORS, ToolRequest, forced_schema
+from tllm.serve.tool_parsers import tool_parser
+
+# The prompt's last tokens, decoded for a reasoning parser that reads the prompt (whether
+# the template opened the thinking)
+PROMPT_TAIL_TOKENS = 32
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request,
@@ -37,14 +41,16 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     prompt = await _chat_prompt(ctx, body)
     max_tokens = max_new_tokens(len(prompt.token_ids), body.max_new_tokens,
                                 ctx.llm.max_seq_len, "messages")
-    guided = after_reasoning(guided_request(body, _guided_by_chat_fields(body)),
-                             ctx.config.reasoning_parser)
+    reasoning = await _reasoning_parser(ctx, prompt)
+    guided = after_reasoning(guided_request(body, _guided_by_chat_fields(body)), reasoning)
     if guided is not None:  # compiling a grammar takes a while: off the event loop
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
+    body = _with_marks_decoded(body, reasoning)
     params = sampling_params(body, max_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              guided_decoding=guided, defaults=ctx.sampling_defaults)
-    output = _output_format(ctx, body)
+    output = OutputFormat.of(reasoning, tool_parser(ctx.config.tool_call_parser),
+                             ToolRequest.of_chat(body))
     generation = await ctx.engine.start([prompt], [params], arrival, prompt_param="messages",
                                         disaggregated_params=body.disaggregated_params,
                                         lora_request=lora, priority=body.priority)
@@ -54,6 +60,16 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     async with generation, abort_on_disconnect(request, generation):
         choices = await generation.wait()
     return JSONResponse(_response(ctx, body, prompt, choices, output).model_dump())
+
+
+def _with_marks_decoded(body: ChatCompletionRequest,
+                        reasoning: ReasoningParser | None) -> ChatCompletionRequest:
+    """The body with skip_special_tokens off where the reasoning parser reads special
+    tokens (gpt-oss's channels), unless the request says otherwise."""
+    if (reasoning is None or not reasoning.needs_special_tokens
+            or "skip_special_tokens" in body.model_fields_set):
+        return body
+    return body.model_copy(update={"skip_special_tokens": False})
 
 
 def _guided_by_chat_fields(body: ChatCompletionRequest) -> dict[str, dict[str, Any]]:
@@ -71,9 +87,15 @@ def _guided_by_chat_fields(body: ChatCompletionRequest) -> dict[str, dict[str, A
     return asked
 
 
-def _output_format(ctx: ServingContext, body: ChatCompletionRequest) -> OutputFormat:
-    return OutputFormat.of(reasoning_parser(ctx.config.reasoning_parser),
-                           tool_parser(ctx.config.tool_call_parser), ToolRequest.of_chat(body))
+async def _reasoning_parser(ctx: ServingContext,
+                            prompt: PromptInput) -> ReasoningParser | None:
+    """The server's reasoning parser (None: no split), told this prompt if it reads it."""
+    parser = reasoning_parser(ctx.config.reasoning_parser)
+    if parser is None or not parser.reads_prompt:
+        return parser
+    tail = await ctx.run_in_tokenizer(functools.partial(
+        ctx.tokenizer.decode, prompt.token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+    return parser.for_prompt(tail)
 
 
 def _message(output: OutputFormat, text: str,

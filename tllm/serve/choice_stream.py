@@ -2,14 +2,15 @@
 reasoning split off (`--reasoning-parser`), tool calls parsed (`auto`: the model's format by
 `--tool-call-parser`; `required` / a named function: the grammar's JSON), whole or streamed.
 Streamed calls go out as they are written: a call's name once it is whole, then its
-arguments piece by piece (OpenAI's tool-call deltas)."""
+arguments piece by piece (OpenAI's tool-call deltas); formats that write arguments as code,
+or not name first, send a call whole. A forced answer cut short is still calls, never text."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from tllm.serve.reasoning import ReasoningParser, ReasoningStream
-from tllm.serve.tool_parsers import (ParsedCall, PartialCall, ToolParser, ToolRequest,
-                                     forced_partial_calls, new_call_id, parse_forced)
+from tllm.serve.tool_calls import (ParsedCall, PartialCall, ToolParser, ToolRequest,
+                                   forced_calls, forced_partial_calls, new_call_id)
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,9 @@ class OutputFormat:
            tools: ToolRequest | None) -> OutputFormat:
         takes_calls = tools is not None and (tools.is_forced
                                              or (tools.is_auto and parser is not None))
-        return cls(reasoning, parser if takes_calls and tools.is_auto else None,
+        if not (takes_calls and tools.is_auto):
+            parser = None
+        return cls(reasoning, parser.for_tools(tools.functions) if parser else None,
                    tools if takes_calls else None)
 
     @property
@@ -44,10 +47,10 @@ class OutputFormat:
         return reasoning or None, content, calls
 
     def calls(self, content: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content, calls) of the answer after any reasoning."""
+        """(content, calls) of the answer after any reasoning (a forced answer has no
+        content: it is calls, whole or cut short)."""
         if self.is_forced:
-            calls = parse_forced(content, self.tools)
-            return (None, calls) if calls else (content, [])
+            return None, forced_calls(content, self.tools)
         if self.parser is not None:
             return self.parser.parse(content)
         return content, []
@@ -119,7 +122,7 @@ class ChoiceStream:
             if is_final:
                 calls += self._final_call_deltas(self.output.calls(self.content)[1])
         end = self.output.content_end(self.content)
-        if is_final and not self.sent_calls:
+        if is_final and not self.sent_calls and not self.output.is_forced:
             end = len(self.content)     # no call after all: the held text was content
         new_content = self.content[self.num_content_sent:end]
         self.num_content_sent = max(self.num_content_sent, end)

@@ -18,6 +18,7 @@ from tllm.serve.cors import add_cors_args, parse_origins
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
 from tllm.serve.http_limits import add_http_limit_args
 from tllm.serve.lora import parse_lora_modules
+from tllm.serve.parser_choice import AUTO
 from tllm.serve.reasoning import REASONING_PARSERS
 from tllm.serve.tool_parsers import TOOL_PARSERS
 from tllm.visual_gen.registry import is_visual_model
@@ -71,12 +72,24 @@ def _add_server_args(group) -> None:
                        "MODEL as given)")
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
                        "itself) instead of the model's")
-    group.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS),
+    group.add_argument("--tool-call-parser", choices=[AUTO, "none", *sorted(TOOL_PARSERS)],
+                       default=AUTO,
                        help="tool_choice auto: parse tool calls from the model's output in "
-                            "this format (hermes: Qwen2.5/Qwen3, SmolLM2; without it, auto "
-                            "answers in text). required and named functions need none")
-    group.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS),
-                       help="split the model's <think>...</think> into reasoning_content")
+                            "this format (hermes: Qwen2.5/Qwen3; qwen3_coder; llama3_json; "
+                            "pythonic: Llama 3.2/4; mistral; deepseek_v3). Default auto: the "
+                            "one the chat template shows (<tool_call> hermes, <function= "
+                            "qwen3_coder, [TOOL_CALLS] mistral, <|python_tag|> llama3_json, "
+                            "DeepSeek's tool tokens deepseek_v3), else none: auto answers in "
+                            "text. required and named functions need no parser")
+    group.add_argument("--reasoning-parser", choices=[AUTO, "none", *sorted(REASONING_PARSERS)],
+                       default=AUTO,
+                       help="split the model's reasoning into reasoning_content: <think>..."
+                            "</think> (qwen3: an output that opens with <think>; deepseek_r1: "
+                            "the template opened it; think: either, read from the prompt), "
+                            "granite (Here is my thought process: ... Here is my response:), "
+                            "gpt_oss (harmony's analysis channel). Default auto: the one the "
+                            "chat template shows (<think> think, <|channel|> gpt_oss, "
+                            "Granite's phrase granite), else none")
     group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
                        help="answer 429 while this many requests wait beyond the free "
                             "batch slots (default 1024; 0 means no limit)")

@@ -50,8 +50,9 @@ class ServerConfig:
     protect_metrics: bool = False       # with api_key: /metrics and the docs need it too
     exit_on_engine_failure: bool = False    # exit non-zero when the engine dies, not restart
     max_engine_restarts: int = 3        # restart attempts in a row before the server exits
-    tool_call_parser: str | None = None     # tool_choice auto: the model's format (hermes ...)
-    reasoning_parser: str | None = None     # <think> split into reasoning_content (qwen3 ...)
+    # tool_choice auto: the model's format (hermes ...); "auto": from the chat template
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None     # split into reasoning_content (qwen3 ...; "auto")
     lora_modules: tuple[tuple[str, str], ...] = ()  # (name, adapter folder) served at start
     lora_allowed_paths: tuple[str, ...] = ()    # load_lora_adapter: these folders and below
     strict_request_fields: bool = False     # unknown request fields: 400, not ignored

@@ -26,6 +26,7 @@ from tllm.serve.http_limits import install_request_limits
 from tllm.serve.lora import lora_routes
 from tllm.serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tllm.serve.params import ModelLimits
+from tllm.serve.parser_choice import resolve_parsers
 from tllm.serve.request_ids import RequestIdMiddleware
 from tllm.serve.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                  CompletionRequest, CompletionResponse,
@@ -44,6 +45,7 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/mo
 def build_app(llm, config: ServerConfig) -> FastAPI:
     """The server's ASGI app over a loaded LLM; the caller owns the LLM and shuts it down,
     and calls `app.state.ctx.close()` once the server has stopped."""
+    config = resolve_parsers(config, getattr(llm, "tokenizer", None))  # `auto`: from the template
     ctx = ServingContext.create(llm, config)
     app = FastAPI(title="tllm", version=__version__, openapi_url=None, docs_url=None,
                   redoc_url=None, description="OpenAI-compatible completions and chat "

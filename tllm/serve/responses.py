@@ -26,15 +26,15 @@ from tllm.serve.generation import Choice, Generation, PromptInput, abort_on_disc
 from tllm.serve.params import (ModelLimits, guided_decoding, guided_request, max_new_tokens,
                                sampling_params)
 from tllm.serve.protocol import FunctionDefinition
-from tllm.serve.reasoning import after_reasoning
+from tllm.serve.reasoning import after_reasoning, reasoning_parser
 from tllm.serve.request_fields import check_fields, mark_ignored
 from tllm.serve.responses_protocol import (FunctionCallItem, FunctionCallOutputItem,
                                            FunctionToolChoice, IncompleteDetails, MessageItem,
                                            OutputFunctionCall, OutputItem, OutputMessage,
                                            OutputText, ResponseObject, ResponsesRequest,
                                            ResponseUsage, TextFormat)
-from tllm.serve.tool_parsers import (JSON_ERRORS, ToolRequest, forced_schema, new_call_id,
-                                     tool_parser)
+from tllm.serve.tool_calls import JSON_ERRORS, ToolRequest, forced_schema, new_call_id
+from tllm.serve.tool_parsers import tool_parser
 
 MAX_STORED_RESPONSES = 1000
 
@@ -119,7 +119,7 @@ async def create_response(ctx: ServingContext, store: ResponseStore, request: Re
     max_tokens = max_new_tokens(len(prompt.token_ids), body.max_output_tokens,
                                 ctx.llm.max_seq_len, "input")
     guided = after_reasoning(guided_request(body, _guided_by_fields(body, tools)),
-                             ctx.config.reasoning_parser)
+                             reasoning_parser(ctx.config.reasoning_parser))
     if guided is not None:  # compiling a grammar takes a while: off the event loop
         guided = await ctx.run_in_tokenizer(guided_decoding, guided, ctx.tokenizer)
     params = sampling_params(body, max_tokens, guided_decoding=guided,

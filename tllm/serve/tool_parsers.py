@@ -1,89 +1,16 @@
-"""Tool calls in the chat endpoint. `tool_choice="auto"`: the calls are parsed from the model's
-own format (`--tool-call-parser` hermes | llama3_json | mistral). `"required"` and a named
-function: the output is constrained by a JSON schema (as vLLM does): a JSON array of
-{"name", "arguments"} objects for required, the function's arguments object for a named one;
-so those outputs are parsed the same way whatever the model's format."""
+"""The tool-call formats whose arguments are JSON (`--tool-call-parser`), and the registry
+of every format (those that write arguments as code are in tool_parsers_code.py). Parsers
+take the text after any reasoning; an output whose calls do not parse is all content."""
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass
-from typing import Any
 
-from tllm.serve.protocol import (ChatCompletionRequest, FunctionCall, FunctionDefinition,
-                                 NamedToolChoice, ToolCall)
+from tllm.serve.tool_calls import (JSON_ERRORS, ParsedCall, PartialCall, ToolParser, call_of,
+                                   calls_of, scan_array, scan_call, tail_is_prefix)
+from tllm.serve.tool_parsers_code import PythonicToolParser, Qwen3CoderToolParser
 
-# What json.loads raises for text that is not a JSON value it can hold: JSONDecodeError, a
-# ValueError for an integer past Python's 4,300 digits, RecursionError for deep nesting (a
-# client's text or a model's output may be any of these)
-JSON_ERRORS = (ValueError, RecursionError)
-
-ANY_OBJECT = {"type": "object"}
-
-
-@dataclass(frozen=True)
-class ParsedCall:
-    name: str
-    arguments: str      # a JSON object as text
-
-    def tool_call(self) -> ToolCall:
-        return ToolCall(id=new_call_id(), function=FunctionCall(name=self.name,
-                                                                arguments=self.arguments))
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _call(obj: Any, arguments_key: str = "arguments") -> ParsedCall | None:
-    """A {"name", "arguments"} object as a call; None for anything else."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    arguments = obj.get(arguments_key, obj.get("arguments", {}))
-    if isinstance(arguments, str):  # some models write the arguments as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except JSON_ERRORS:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(obj["name"], json.dumps(arguments, ensure_ascii=False))
-
-
-def _calls(objs: list[Any], arguments_key: str = "arguments") -> list[ParsedCall] | None:
-    calls = [_call(obj, arguments_key) for obj in objs]
-    return calls if calls and all(calls) else None
-
-
-def _tail_is_prefix(text: str, marker: str) -> int | None:
-    """Where a tail of text that starts marker begins (the marker itself or a part of it)."""
-    found = text.find(marker)
-    if found != -1:
-        return found
-    for size in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:size]):
-            return len(text) - size
-    return None
-
-
-class ToolParser:
-    """A model's tool-call format: parse() a whole output, calls_start() for streaming."""
-
-    name = ""
-
-    def parse(self, text: str) -> tuple[str | None, list[ParsedCall]]:
-        """(content, calls); an output without (well-formed) calls is all content."""
-        raise NotImplementedError
-
-    def calls_start(self, text: str) -> int | None:
-        """Where the calls may begin in the text so far (None: all of it is content)."""
-        raise NotImplementedError
-
-    def partial_calls(self, text: str) -> list[PartialCall]:
-        """The calls written so far, for streaming (the ones not written name first are
-        sent when the output is whole)."""
-        raise NotImplementedError
+_SEMICOLON = re.compile(r"\s*;")
 
 
 class HermesToolParser(ToolParser):
@@ -102,13 +29,13 @@ class HermesToolParser(ToolParser):
             objs = [json.loads(block) for block in self._BLOCK.findall(text[start:])]
         except JSON_ERRORS:
             return text, []
-        calls = _calls(objs)
+        calls = calls_of(objs)
         if calls is None:
             return text, []
         return (text[:start].strip() or None), calls
 
     def calls_start(self, text):
-        return _tail_is_prefix(text, self.START)
+        return tail_is_prefix(text, self.START)
 
     def partial_calls(self, text):
         calls, at = [], text.find(self.START)
@@ -140,7 +67,7 @@ class Llama3JsonToolParser(ToolParser):
                 at = len(body) - len(body[at:].lstrip().removeprefix(";").lstrip())
         except JSON_ERRORS:
             return text, []
-        calls = _calls(objs, arguments_key="parameters")
+        calls = calls_of(objs, arguments_key="parameters")
         return (None, calls) if calls else (text, [])
 
     def calls_start(self, text):
@@ -178,13 +105,13 @@ class MistralToolParser(ToolParser):
             objs, _ = json.JSONDecoder().raw_decode(body.strip())
         except JSON_ERRORS:
             return text, []
-        calls = _calls(objs if isinstance(objs, list) else [objs])
+        calls = calls_of(objs if isinstance(objs, list) else [objs])
         if calls is None:
             return text, []
         return (text[:start].strip() or None) if start != -1 else None, calls
 
     def calls_start(self, text):
-        found = _tail_is_prefix(text, self.START)
+        found = tail_is_prefix(text, self.START)
         if found is not None:
             return found
         body = text.lstrip()
@@ -192,11 +119,62 @@ class MistralToolParser(ToolParser):
 
     def partial_calls(self, text):
         start = text.find(self.START)
-        return _scan_array(text, start + len(self.START) if start != -1 else 0)
+        return scan_array(text, start + len(self.START) if start != -1 else 0)
+
+
+
+class DeepSeekV3ToolParser(ToolParser):
+    """DeepSeek-V3: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function
+    <｜tool▁sep｜>NAME` and the arguments in a ```json block, `<｜tool▁call▁end｜>`; V3.1's
+    `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` too. (The bars and the
+    underscore-like marks are the fullwidth ｜ and ▁ of DeepSeek's special tokens.) A call
+    is sent once it is whole."""
+
+    name = "deepseek_v3"
+    CALLS_BEGIN, CALL_BEGIN = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
+    _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>",
+                       re.DOTALL)
+    _NAME_AND_BLOCK = re.compile(r"\s*([^\n`]+?)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+
+    def parse(self, text):
+        start = self.calls_start(text)
+        if start is None:
+            return text, []
+        calls = self._calls(text[start:])
+        if not calls or len(calls) != text.count(self.CALL_BEGIN, start):
+            return text, []     # no call, or one left open or malformed
+        return (text[:start].strip() or None), calls
+
+    def calls_start(self, text):
+        found = [at for marker in (self.CALLS_BEGIN, self.CALL_BEGIN)
+                 if (at := tail_is_prefix(text, marker)) is not None]
+        return min(found, default=None)
+
+    def partial_calls(self, text):
+        start = self.calls_start(text)
+        calls = self._calls(text[start:]) if start is not None else []
+        return [PartialCall(call.name, call.arguments, True) for call in calls]
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        """The whole calls in text, up to the first that does not parse."""
+        calls = []
+        for match in self._CALL.finditer(text):
+            head, body = match.group(1).strip(), match.group(2)
+            block = self._NAME_AND_BLOCK.fullmatch(body)
+            name, arguments = (block.group(1), block.group(2)) if block else (head, body)
+            try:
+                call = call_of({"name": name.strip(), "arguments": json.loads(arguments)})
+            except JSON_ERRORS:
+                call = None
+            if call is None:
+                break
+            calls.append(call)
+        return calls
 
 
 TOOL_PARSERS = {parser.name: parser for parser in
-                (HermesToolParser(), Llama3JsonToolParser(), MistralToolParser())}
+                (HermesToolParser(), Llama3JsonToolParser(), MistralToolParser(),
+                 DeepSeekV3ToolParser(), Qwen3CoderToolParser(), PythonicToolParser())}
 
 
 def tool_parser(name: str | None) -> ToolParser | None:
@@ -207,140 +185,3 @@ def tool_parser(name: str | None) -> ToolParser | None:
         raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_PARSERS)}, "
                          f"got {name!r}")
     return TOOL_PARSERS[name]
-
-
-@dataclass(frozen=True)
-class ToolRequest:
-    """The tools a request offers and how it chooses among them, as chat completions and
-    the Responses API both ask: `choice` none | auto | required | None, or `named`."""
-
-    functions: tuple[FunctionDefinition, ...]
-    choice: str | None = None
-    named: str | None = None            # tool_choice names this function
-    parallel: bool | None = None
-
-    @classmethod
-    def of_chat(cls, body: ChatCompletionRequest) -> ToolRequest:
-        named = body.tool_choice if isinstance(body.tool_choice, NamedToolChoice) else None
-        return cls(tuple(tool.function for tool in body.tools or ()),
-                   None if named else body.tool_choice,
-                   named.function.name if named else None, body.parallel_tool_calls)
-
-    @property
-    def is_auto(self) -> bool:
-        """The model may call a tool in its own format (or answer in text)."""
-        return bool(self.functions) and self.named is None and self.choice in (None, "auto")
-
-    @property
-    def is_forced(self) -> bool:
-        """The request must call a tool: tool_choice required or a named function."""
-        return bool(self.functions) and (self.choice == "required" or self.named is not None)
-
-
-def forced_schema(tools: ToolRequest) -> dict[str, Any]:
-    """The JSON schema a forced tool call's output follows (see the module's docstring)."""
-    if tools.named is not None:
-        function = next(f for f in tools.functions if f.name == tools.named)
-        return function.parameters or ANY_OBJECT
-    choices = [{"type": "object", "properties": {
-        "name": {"const": function.name},
-        "arguments": function.parameters or ANY_OBJECT},
-        "required": ["name", "arguments"], "additionalProperties": False}
-        for function in tools.functions]
-    schema = {"type": "array", "minItems": 1, "items": {"anyOf": choices}}
-    if tools.parallel is False:
-        schema["maxItems"] = 1
-    return schema
-
-
-def parse_forced(text: str, tools: ToolRequest) -> list[ParsedCall]:
-    """The calls in a forced output ([] when it is cut short and does not parse)."""
-    try:
-        value = json.loads(text)
-    except JSON_ERRORS:
-        return []
-    if tools.named is not None:
-        call = _call({"name": tools.named, "arguments": value})
-        return [call] if call else []
-    return (_calls(value) or []) if isinstance(value, list) else []
-
-
-def forced_partial_calls(text: str, tools: ToolRequest) -> list[PartialCall]:
-    """The calls of a forced output so far, for streaming their arguments as they come."""
-    if tools.named is not None:
-        return [PartialCall(tools.named, text, _json_end(text, 0) is not None)] if text else []
-    return _scan_array(text, 0)
-
-
-# ---- the calls of a partial output (streaming) ----
-
-@dataclass(frozen=True)
-class PartialCall:
-    """A call as far as it is written: its name, and its arguments' raw text so far."""
-
-    name: str
-    arguments: str
-    is_complete: bool
-
-
-# A call object written name first: {"name": "...", "arguments": (its object follows)
-_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*'
-                         r'"(?:arguments|parameters)"\s*:\s*')
-_OBJECT_END = re.compile(r"\s*\}")
-_SEMICOLON = re.compile(r"\s*;")
-
-
-def _json_end(text: str, start: int) -> int | None:
-    """Where the JSON object or array opening at text[start] closes (None: not yet)."""
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, len(text)):
-        char = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif char == "\\":
-                escaped = True
-            elif char == '"':
-                in_string = False
-        elif char == '"':
-            in_string = True
-        elif char in "{[":
-            depth += 1
-        elif char in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-    return None
-
-
-def scan_call(text: str, at: int) -> tuple[PartialCall, int | None] | None:
-    """The call object at text[at] so far and where it ends (None while open); None when the
-    text there is not (yet) a call written name first with an object of arguments."""
-    match = _NAME_FIRST.match(text, at)
-    if match is None:
-        return None
-    name, start = json.loads(f'"{match.group(1)}"'), match.end()
-    if start == len(text):
-        return PartialCall(name, "", False), None
-    if text[start] != "{":   # arguments as a string: parsed when the output is whole
-        return None
-    end = _json_end(text, start)
-    if end is None:
-        return PartialCall(name, text[start:], False), None
-    closed = _OBJECT_END.match(text, end)
-    return PartialCall(name, text[start:end], True), closed.end() if closed else None
-
-
-def _scan_array(text: str, at: int) -> list[PartialCall]:
-    """The calls of a JSON array of call objects at text[at], as far as written."""
-    opened = re.compile(r"\s*\[").match(text, at)
-    calls, at = [], opened.end() if opened else None
-    while at is not None:
-        scanned = scan_call(text, at)
-        if scanned is None:
-            break
-        call, end = scanned
-        calls.append(call)
-        comma = re.compile(r"\s*,").match(text, end) if end is not None else None
-        at = comma.end() if comma else None
-    return calls

@@ -115,7 +115,7 @@ def hostile_catalogue(load: Load) -> list[tuple[str, dict | str | None, dict]]:
         ("n 129", {"model": m, "prompt": "Hi", "n": 129}, {}),
         ("max_tokens 2**70", {"model": m, "prompt": "Hi", "max_tokens": 2**70}, {}),
         ("seed 2**64", {"model": m, "prompt": "Hi", "seed": 2**64}, {}),
-        ("unknown field", {"model": m, "prompt": "Hi", "frobnicate": True}, {}),
+        ("max_tokens a string", {"model": m, "prompt": "Hi", "max_tokens": "ten"}, {}),
         ("wrong model", {"model": "no-such-model", "prompt": "Hi"}, {}),
         ("empty prompt", {"model": m, "prompt": ""}, {}),
         ("lone surrogate", '{"model": "%s", "prompt": "\\ud800"}' % m, {}),

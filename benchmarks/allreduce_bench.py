@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tllm.distributed import comm  # noqa: E402
 from tllm.distributed import custom_allreduce as car  # noqa: E402
 from tllm.distributed.mapping import Mapping  # noqa: E402
-from tllm.llmapi.llm_args import AllReduceConfig  # noqa: E402
+from tllm.config import AllReduceConfig  # noqa: E402
 
 GPU_SIZES = [2 << 10, 8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 1 << 20, 2 << 20,
              4 << 20, 8 << 20, 32 << 20]

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.disagg.conftest import disagg_specs, start_servers  # noqa: E402
-from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app  # noqa: E402
+from tllm.serve.fronts.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app  # noqa: E402
 from tllm.serve.testing import ServerThread  # noqa: E402
 
 FLAGS = ("--max-seq-len", "1024", "--kv-cache-tokens", "16384", "--dtype", "float32")

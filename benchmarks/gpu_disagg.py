@@ -37,7 +37,7 @@ from tllm.disagg.messages import (Fetch, IpcFetchReply, IpcPool, PoolRequest,  #
                                   Release, Released, TcpFetchReply)
 from tllm.disagg.wire import (connect, recv_into, recv_reply, send_message,  # noqa: E402
                               tensor_bytes)
-from tllm.llmapi.llm_args import parse_endpoint  # noqa: E402
+from tllm.config import parse_endpoint  # noqa: E402
 
 PROMPT_TOKENS = (1024, 4096)
 REPEATS = 5
@@ -176,7 +176,7 @@ def copy_bandwidth(nbytes: int) -> float:
 
 
 def correctness(ctx_url: str, gen_url: str) -> list[dict]:
-    from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
+    from tllm.serve.fronts.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
     from tllm.serve.testing import ServerThread
     config = DisaggFrontConfig(context_servers={"urls": [ctx_url]},
                                generation_servers={"urls": [gen_url]})

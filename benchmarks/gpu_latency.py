@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tllm import LLM, KvCacheConfig  # noqa: E402
 from tllm.bench.offline import (LatencyConfig, ThroughputConfig, run_latency,  # noqa: E402
                                 run_throughput)
-from tllm.llmapi.llm_args import CudaGraphConfig  # noqa: E402
+from tllm.config import CudaGraphConfig  # noqa: E402
 from tllm.scheduler.policy import SchedulingPolicy  # noqa: E402
 
 from gpu_common import interval_union  # noqa: E402

@@ -149,7 +149,7 @@ def print_table(results: dict) -> None:
 
 
 def print_stages(results: dict) -> None:
-    """The server's TTFT by stage (tllm/serve/ttft_breakdown.py), p50 / p99 ms per run."""
+    """The server's TTFT by stage (tllm/serve/http/ttft_breakdown.py), p50 / p99 ms per run."""
     stages = ("server", "handoff", "queue", "prefill", "return")
     print("\n| mode | rate | " + " | ".join(f"{s} p50 / p99 ms" for s in stages) + " |")
     print("| --- | --- |" + " --- |" * len(stages))

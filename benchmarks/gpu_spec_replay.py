@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tllm import LLM, SamplingParams  # noqa: E402
 from tllm.executor.py_executor import PyExecutor  # noqa: E402
 from tllm.llmapi import engine as engine_module  # noqa: E402
-from tllm.llmapi.llm_args import NGramDecodingConfig  # noqa: E402
+from tllm.config import NGramDecodingConfig  # noqa: E402
 from tllm.runner.cuda_graph import CudaGraphRunner  # noqa: E402
 from tllm.speculative.interface import Drafter, Drafts  # noqa: E402
 

@@ -106,7 +106,7 @@ def _bench(plan: DisaggPlan, base_url: str) -> dict:
 
 
 def _load_through_front(plan: DisaggPlan, urls: dict) -> dict:
-    from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
+    from tllm.serve.fronts.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
     from tllm.serve.testing import ServerThread
     config = DisaggFrontConfig(context_servers={"urls": [urls["context"]]},
                                generation_servers={"urls": [urls["generation"]]})
@@ -115,7 +115,7 @@ def _load_through_front(plan: DisaggPlan, urls: dict) -> dict:
 
 
 def _load_through_router(plan: DisaggPlan, urls: dict) -> dict:
-    from tllm.serve.router import Router, RouterConfig, build_router_app
+    from tllm.serve.fronts.router import Router, RouterConfig, build_router_app
     from tllm.serve.testing import ServerThread
     router = Router(RouterConfig([urls["replica0"], urls["replica1"]], policy="least_loaded"))
     with ServerThread(build_router_app(router)) as front:

@@ -97,7 +97,7 @@ def run_simulated(model: str, savings: bool, args) -> dict:
     every request that reaches its end samples token 1."""
     from tllm import loader
     from tllm.attention import get_attention_backend
-    from tllm.llmapi.llm_args import LlmArgs
+    from tllm.config import LlmArgs
     from tllm.request import FinishReason, Request
     from tllm.runner.build import build_kv_cache
     from tllm.scheduler.scheduler import Scheduler

@@ -41,7 +41,7 @@ def test_the_text_commands_import_and_parse_without_the_extras():
 def test_importing_the_cli_imports_no_optional_module():
     """Even where they are installed (where they are, transformers may import pillow itself)."""
     proc = run_without(
-        "import tllm.cli, tllm.serve.openai_server, tllm.bench.serve_cli\n"
+        "import tllm.cli, tllm.serve.http.app, tllm.bench.serve_cli\n"
         f"print(sorted(m for m in {OPTIONAL!r} if m in sys.modules))\n", missing=())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -79,7 +79,7 @@ def test_bench_serve_without_matplotlib_skips_the_plot_in_one_line(tmp_path):
     proc = run_without(
         "from tllm.cli import main\n"
         "from tllm.serve.context import ServerConfig\n"
-        "from tllm.serve.openai_server import build_app\n"
+        "from tllm.serve.http.app import build_app\n"
         "from tllm.serve.testing import FakeLLM, ServerThread\n"
         "with ServerThread(build_app(FakeLLM(), ServerConfig(model='fake'))) as server:\n"
         "    code = main(['bench', 'serve', '--base-url', server.base_url, '--num-prompts', '2',\n"

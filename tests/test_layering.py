@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tllm"
 # module prefix -> layer, lowest first; the longest matching prefix wins.
 LAYERS = {
     "tllm": 0, "tllm.request": 0, "tllm.sampling_params": 0, "tllm.outputs": 0,
-    "tllm.tokenizer": 0, "tllm.llmapi.llm_args": 0, "tllm.cli_types": 0,
+    "tllm.tokenizer": 0, "tllm.config": 0, "tllm.cli_types": 0,
     "tllm.cli_parser": 0, "tllm.device": 0,
     "tllm.cpu_threads": 0,
     "tllm.kernels": 1,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tllm.llmapi.llm import LLM
-    from tllm.llmapi.llm_args import (CapacitySchedulerPolicy, CudaGraphConfig,
+    from tllm.config import (CapacitySchedulerPolicy, CudaGraphConfig,
                                       DraftTargetDecodingConfig, EagleDecodingConfig,
                                       KvCacheConfig, LlmArgs, NGramDecodingConfig,
                                       SchedulerConfig)
@@ -22,12 +22,12 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "LLM": "tllm.llmapi.llm",
-    "LlmArgs": "tllm.llmapi.llm_args", "KvCacheConfig": "tllm.llmapi.llm_args",
-    "SchedulerConfig": "tllm.llmapi.llm_args", "CapacitySchedulerPolicy": "tllm.llmapi.llm_args",
-    "CudaGraphConfig": "tllm.llmapi.llm_args",
-    "NGramDecodingConfig": "tllm.llmapi.llm_args",
-    "DraftTargetDecodingConfig": "tllm.llmapi.llm_args",
-    "EagleDecodingConfig": "tllm.llmapi.llm_args",
+    "LlmArgs": "tllm.config", "KvCacheConfig": "tllm.config",
+    "SchedulerConfig": "tllm.config", "CapacitySchedulerPolicy": "tllm.config",
+    "CudaGraphConfig": "tllm.config",
+    "NGramDecodingConfig": "tllm.config",
+    "DraftTargetDecodingConfig": "tllm.config",
+    "EagleDecodingConfig": "tllm.config",
     "SamplingParams": "tllm.sampling_params", "GuidedDecodingParams": "tllm.sampling_params",
     "RequestOutput": "tllm.outputs", "CompletionOutput": "tllm.outputs", "Logprob": "tllm.outputs",
     "VisualGen": "tllm.visual_gen", "VisualGenParams": "tllm.visual_gen",

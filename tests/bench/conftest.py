@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 

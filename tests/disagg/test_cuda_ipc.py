@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.disagg.conftest import disagg_specs, start_servers, wait_all_free
-from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
+from tllm.serve.fronts.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
 from tllm.serve.testing import ServerThread
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from tllm.cli import main
-from tllm.serve.disagg_config import DisaggFrontConfig
-from tllm.serve.disagg_front import DisaggFront
+from tllm.serve.fronts.disagg_config import DisaggFrontConfig
+from tllm.serve.fronts.disagg_front import DisaggFront
 
 TRTLLM_CONFIG = """\
 hostname: localhost
@@ -57,7 +57,7 @@ def write(tmp_path, text: str) -> str:
 
 
 def test_a_trtllm_config_is_taken_as_it_is(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="tllm.serve.disagg_config")
+    caplog.set_level(logging.INFO, logger="tllm.serve.fronts.disagg_config")
     config = DisaggFrontConfig.from_yaml(write(tmp_path, TRTLLM_CONFIG))
     assert (config.hostname, config.port) == ("localhost", 8000)
     assert config.context_servers.urls == ["localhost:8001", "localhost:8002"]
@@ -74,7 +74,7 @@ def test_a_trtllm_config_is_taken_as_it_is(tmp_path, caplog):
 
 
 def test_a_plain_config_logs_nothing(tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="tllm.serve.disagg_config")
+    caplog.set_level(logging.INFO, logger="tllm.serve.fronts.disagg_config")
     config = DisaggFrontConfig.from_yaml(write(tmp_path, (
         "context_servers: {urls: ['http://127.0.0.1:9001']}\n"
         "generation_servers: {urls: ['127.0.0.1:9002']}\n")))

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.disagg.conftest import disagg_specs, start_servers, wait_all_free
-from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
+from tllm.serve.fronts.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
 from tllm.serve.testing import ServerThread
 
 GREEDY = {"temperature": 0, "ignore_eos": True}

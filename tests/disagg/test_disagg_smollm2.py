@@ -7,7 +7,7 @@ import pytest
 
 from tests.disagg.conftest import disagg_specs, start_servers, wait_all_free
 from tests.disagg.test_disagg_serving import GREEDY, _post, _stream_text
-from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
+from tllm.serve.fronts.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
 from tllm.serve.testing import ServerThread
 
 pytestmark = pytest.mark.slow

@@ -19,10 +19,10 @@ from tests.disagg.fake_kv_source import (FakeKVSource, answers_old_style, crafte
 from tllm import LLM, KvCacheConfig, SamplingParams
 from tllm.disagg.importer import KVImporter, KVSource
 from tllm.disagg.sources import KVSources
-from tllm.llmapi.llm_args import DisaggConfig
+from tllm.config import DisaggConfig
 from tllm.request import Request
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 TAKEN_ID = "7a" * 16        # the source id the taken-over context server announces
@@ -168,7 +168,7 @@ def test_kv_sources_and_secret_file_flags(tmp_path, monkeypatch):
     (dict(role="context", secret=""), "secret: empty"),
 ])
 def test_disaggregation_config_errors_never_show_the_secret(config, match):
-    from tllm.llmapi.llm_args import LlmArgs
+    from tllm.config import LlmArgs
     config = {"secret": "hunter2", **config}
     with pytest.raises(ValueError, match=match) as error:
         LlmArgs(model="m", disaggregation=config)

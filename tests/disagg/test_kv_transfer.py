@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tllm import LLM, KvCacheConfig, SamplingParams
-from tllm.llmapi.llm_args import DisaggConfig
+from tllm.config import DisaggConfig
 
 KWARGS = dict(max_seq_len=256, kv_cache_config=KvCacheConfig(max_tokens=1024, tokens_per_block=8))
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=1, temperature=0.0)
@@ -145,7 +145,7 @@ def test_kv_port_serves_only_what_passes_the_handshake(engines, tmp_path):
     from tllm.disagg.handshake import client_handshake
     from tllm.disagg.messages import TcpFetchReply
     from tllm.disagg.wire import TransferError, recv_reply
-    from tllm.llmapi.llm_args import parse_endpoint
+    from tllm.config import parse_endpoint
     _, ctx, gen = engines
     address = parse_endpoint(ctx.disagg_info["kv_endpoint"])
     with socket.create_connection(address, timeout=5) as sock:   # the old protocol

@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from tllm.distributed import comm
 from tllm.distributed import custom_allreduce as car
 from tllm.distributed.mapping import Mapping
-from tllm.llmapi.llm_args import AllReduceConfig, LlmArgs
+from tllm.config import AllReduceConfig, LlmArgs
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 DEFAULT = AllReduceConfig()

@@ -3,7 +3,7 @@ import pytest
 
 from tllm import LLM
 from tllm.distributed.mapping import Mapping
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 
 
 def test_tp_pp_layout():

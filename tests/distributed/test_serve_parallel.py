@@ -10,7 +10,7 @@ from tllm import LLM, KvCacheConfig, SamplingParams
 from tllm.cli import build_parser
 from tllm.serve.cli_args import llm_arguments
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 pytestmark = pytest.mark.slow

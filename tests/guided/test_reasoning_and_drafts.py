@@ -15,7 +15,7 @@ from tests.guided.schemas import SCHEMAS
 from tllm import LLM, GuidedDecodingParams, KvCacheConfig, SamplingParams
 from tllm.guided import grammar_cache
 from tllm.guided.manager import GuidedDecoding
-from tllm.llmapi.llm_args import NGramDecodingConfig
+from tllm.config import NGramDecodingConfig
 from tllm.request import Request
 
 TAGS = ("<think>", "</think>")

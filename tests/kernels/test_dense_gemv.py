@@ -259,7 +259,7 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GP
 
 def greedy_run(path, prompts, graphs, compiled=False):
     from tllm import LLM, KvCacheConfig, SamplingParams
-    from tllm.llmapi.llm_args import CudaGraphConfig
+    from tllm.config import CudaGraphConfig
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=5)
     graph_config = CudaGraphConfig(batch_sizes=[1, 2], torch_compile=compiled) if graphs else None
     with LLM(str(path), dtype="float16", device="cuda", max_batch_size=2,

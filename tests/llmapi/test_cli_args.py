@@ -10,7 +10,7 @@ import pytest
 
 from tllm.cli import main
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 from tllm.loader import DEFAULT_MODEL
 
 ENGINE_FLAGS = ["--dtype", "float32", "--device", "cpu", "--max-batch-size", "3",

@@ -11,7 +11,7 @@ from tllm import LLM, KvCacheConfig
 from tllm.cli import build_parser, main
 from tllm.llmapi.cli_args import llm_kwargs
 from tllm.llmapi.flag_aliases import FLAG_ALIASES, llm_args, resolve_llm_kwargs
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 from tllm.serve.cli_args import llm_arguments
 
 # peer spelling -> (its value, the LLM keyword arguments it must give)

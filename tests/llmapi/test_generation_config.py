@@ -15,9 +15,9 @@ from tllm import LLM, SamplingParams
 from tllm.llmapi.cli_args import llm_kwargs
 from tllm.loader.generation_config import config_file, sampling_defaults
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.params import sampling_params
-from tllm.serve.protocol import CompletionRequest
+from tllm.serve.http.app import build_app
+from tllm.serve.openai.params import sampling_params
+from tllm.serve.openai.protocol import CompletionRequest
 from tllm.serve.testing import FakeLLM, ServerThread
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": 0.05,

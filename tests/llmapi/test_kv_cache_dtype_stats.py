@@ -4,7 +4,7 @@ from __future__ import annotations
 from prometheus_client import generate_latest
 
 from tllm import LLM, KvCacheConfig
-from tllm.serve.metrics import ServerMetrics
+from tllm.serve.http.metrics import ServerMetrics
 
 
 def test_stats_and_metrics_report_the_kv_dtype_and_capacity(tiny_llama):

@@ -167,7 +167,7 @@ def test_parallelism_is_refused(monkeypatch):
 
 def test_server_completes_through_fallback(tmp_path):
     from tllm.serve.context import ServerConfig
-    from tllm.serve.openai_server import build_app
+    from tllm.serve.http.app import build_app
     from tllm.serve.testing import ServerThread
     hf_model = make_model("Cohere", tmp_path)
     prompt = make_prompts(hf_model.config.vocab_size)[1]

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tllm.llmapi.llm_args import KvCacheConfig
+from tllm.config import KvCacheConfig
 from tllm.runner.build import kv_cache_budget
 
 GIB = 1 << 30

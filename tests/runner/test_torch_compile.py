@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tllm import LLM, KvCacheConfig, SamplingParams
-from tllm.llmapi.llm_args import CudaGraphConfig
+from tllm.config import CudaGraphConfig
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 

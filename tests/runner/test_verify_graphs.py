@@ -18,7 +18,7 @@ from tllm.attention.testing import setup_triton_for_tests  # noqa: E402
 DEVICE = setup_triton_for_tests()
 
 from tllm import LLM, CudaGraphConfig, KvCacheConfig, SamplingParams  # noqa: E402
-from tllm.llmapi.llm_args import NGramDecodingConfig  # noqa: E402
+from tllm.config import NGramDecodingConfig  # noqa: E402
 from tllm.runner.cuda_graph import CudaGraphRunner  # noqa: E402
 from tllm.runner.batch_state import StepArrays  # noqa: E402
 from tllm.runner.step import step_tensors  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tllm import LLM, KvCacheConfig, SamplingParams, SchedulerConfig
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 
 KV = KvCacheConfig(tokens_per_block=4, max_tokens=4096)
 

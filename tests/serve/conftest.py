@@ -7,7 +7,7 @@ import pytest
 
 from tllm import LLM, KvCacheConfig
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 MODEL = "smollm2"

@@ -6,10 +6,10 @@ from __future__ import annotations
 import types
 
 from tllm.serve.context import ServerConfig
-from tllm.serve.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
-from tllm.serve.images import build_images_app
-from tllm.serve.openai_server import build_app
-from tllm.serve.router import Router, RouterConfig, build_router_app
+from tllm.serve.fronts.disagg_front import DisaggFront, DisaggFrontConfig, build_front_app
+from tllm.serve.visual.images import build_images_app
+from tllm.serve.http.app import build_app
+from tllm.serve.fronts.router import Router, RouterConfig, build_router_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 KINDS = ("text", "generation_role", "visual", "router", "disaggregated_front")

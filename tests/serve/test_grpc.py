@@ -19,8 +19,8 @@ from tllm import LLM, KvCacheConfig
 from tllm.serve.context import ServerConfig
 from tllm.serve.grpc import tllm_pb2 as pb
 from tllm.serve.grpc import tllm_pb2_grpc as pb_grpc
-from tllm.serve.grpc_server import serve_with_grpc
-from tllm.serve.openai_server import build_app
+from tllm.serve.grpc.server import serve_with_grpc
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM
 
 

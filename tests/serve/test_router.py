@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from tests.disagg.conftest import start_servers, tiny_model_dir  # noqa: F401 (a fixture)
-from tllm.serve.router import PrefixAffinity, Router, RouterConfig, block_hashes, build_router_app
+from tllm.serve.fronts.router import PrefixAffinity, Router, RouterConfig, block_hashes, build_router_app
 from tllm.serve.testing import ServerThread
 
 

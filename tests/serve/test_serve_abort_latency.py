@@ -25,7 +25,7 @@ from tests.serve.helpers import wait_until_idle
 from tests.serve.test_serve_abort import aborted_count, wait_for_aborted
 from tllm.llmapi.process_llm import ProcessLLM
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 pytestmark = pytest.mark.slow

@@ -13,9 +13,9 @@ from fastapi.routing import iter_route_contexts
 from starlette.routing import Mount
 
 from tests.serve.every_server import KINDS, build
-from tllm.serve.auth import SessionStore, UrlSigner
-from tllm.serve.dashboard import SESSION_COOKIE
-from tllm.serve.http_server import redact
+from tllm.serve.http.auth import SessionStore, UrlSigner
+from tllm.serve.http.dashboard import SESSION_COOKIE
+from tllm.serve.http.server import redact
 from tllm.serve.testing import ServerThread
 
 KEY = "sesame-0123456789"

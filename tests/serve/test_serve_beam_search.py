@@ -9,7 +9,7 @@ import pytest
 from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tllm import LLM, KvCacheConfig, SamplingParams
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7]
@@ -51,8 +51,8 @@ def test_completions_beams_equal_the_llm_api(server, http):
 
 
 def test_chat_bodies_take_the_beam_fields():
-    from tllm.serve.params import sampling_params
-    from tllm.serve.protocol import ChatCompletionRequest
+    from tllm.serve.openai.params import sampling_params
+    from tllm.serve.openai.protocol import ChatCompletionRequest
 
     body = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                  **BEAMS)

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 from tllm.serve.cli_args import add_serve_parser, llm_arguments, server_config
 
 # What `tllm serve ARGS` runs, until tllm/cli.py wires the subcommand in.

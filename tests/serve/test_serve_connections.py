@@ -15,7 +15,7 @@ import pytest
 
 from tests.serve.every_server import BODY_ROUTE, KINDS, serve
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 HEAD = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200 + b"\r\n\r\n"

@@ -12,7 +12,7 @@ import pytest
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.cli_args import add_serve_parser, server_config
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 KEY = "sk-test"

@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.serve.helpers import wait_until_idle
 from tllm.serve.context import ServerConfig
-from tllm.serve.metrics import WindowedCounter, WindowedQuantiles
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.metrics import WindowedCounter, WindowedQuantiles
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 CHROMIUM = "/usr/bin/chromium"

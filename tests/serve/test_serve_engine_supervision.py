@@ -23,8 +23,8 @@ from tests.serve.test_serve_cli_args import SERVE, _wait_healthy, free_port
 from tllm import KvCacheConfig
 from tllm.llmapi.process_llm import ProcessLLM
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.supervisor import EngineSupervisor, RestartPolicy
+from tllm.serve.http.app import build_app
+from tllm.serve.http.supervisor import EngineSupervisor, RestartPolicy
 from tllm.serve.testing import ServerThread
 
 DUMMY = "dummy:smollm2-135m"    # random weights in SmolLM2's shape: no model file to parse
@@ -45,7 +45,7 @@ def wait_for(condition, timeout_s: float, what: str) -> float:
 
 @pytest.mark.slow
 def test_a_killed_engine_fails_in_flight_requests_and_is_restarted(caplog):
-    caplog.set_level(logging.WARNING, logger="tllm.serve.supervisor")
+    caplog.set_level(logging.WARNING, logger="tllm.serve.http.supervisor")
     with ProcessLLM(DUMMY, **DUMMY_KWARGS) as llm, \
             ServerThread(build_app(llm, ServerConfig(model="m"))) as server, \
             httpx.Client(base_url=server.base_url, timeout=60) as http:

@@ -12,7 +12,7 @@ import pytest
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 COMPLETION = {"model": "fake", "prompt": "hi", "max_tokens": 3}

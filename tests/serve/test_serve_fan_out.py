@@ -14,9 +14,9 @@ import pytest
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.cli_args import add_serve_parser, server_config
 from tllm.serve.context import ServerConfig
-from tllm.serve.errors import APIError
-from tllm.serve.generation import EngineClient
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.errors import APIError
+from tllm.serve.openai.generation import EngineClient
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

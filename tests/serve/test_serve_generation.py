@@ -11,8 +11,8 @@ import pytest
 import tllm.llmapi.result as result_module
 from tllm import LLM, KvCacheConfig, SamplingParams
 from tllm.outputs import CompletionDelta, Logprob
-from tllm.serve.generation import EngineClient, Generation, PromptInput
-from tllm.serve.metrics import ServerMetrics
+from tllm.serve.openai.generation import EngineClient, Generation, PromptInput
+from tllm.serve.http.metrics import ServerMetrics
 
 
 class Handle:

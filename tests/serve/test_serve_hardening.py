@@ -15,8 +15,8 @@ import pytest
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.http_server import uvicorn_config
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.server import uvicorn_config
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -141,7 +141,7 @@ def test_guidellm_shaped_request_succeeds(http):
 
 
 def test_continuous_usage_stats_is_exposed_by_the_protocol():
-    from tllm.serve.protocol import ChatCompletionRequest, CompletionRequest
+    from tllm.serve.openai.protocol import ChatCompletionRequest, CompletionRequest
     body = CompletionRequest.model_validate(
         {"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}})
     assert body.continuous_usage_stats and not body.include_usage
@@ -171,7 +171,7 @@ def test_chat_without_max_tokens_still_fills_the_context(http, fake):
 
 def test_500_names_a_request_id_and_logs_the_exception(http, fake, caplog):
     fake.fail_with = RuntimeError("secret detail /srv/models/x.py line 3")
-    with caplog.at_level(logging.ERROR, logger="tllm.serve.errors"):
+    with caplog.at_level(logging.ERROR, logger="tllm.serve.http.errors"):
         response = http.post(COMPLETIONS, json=COMPLETION)
     error = assert_openai_error(response, 500)
     assert "secret" not in response.text and "RuntimeError" not in response.text
@@ -183,7 +183,7 @@ def test_500_names_a_request_id_and_logs_the_exception(http, fake, caplog):
 
 def test_error_event_midway_through_a_stream_hides_the_exception(http, fake, caplog):
     fake.fail_midway = RuntimeError("secret step failure")
-    with caplog.at_level(logging.ERROR, logger="tllm.serve.errors"):
+    with caplog.at_level(logging.ERROR, logger="tllm.serve.http.errors"):
         response = http.post(COMPLETIONS, json={**COMPLETION, "stream": True})
     error = _sse_chunks(response.text)[-1]["error"]
     assert "secret" not in response.text and error["code"] == "internal_error"

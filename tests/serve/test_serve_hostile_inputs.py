@@ -15,8 +15,8 @@ import pytest
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.images import build_images_app
-from tllm.serve.openai_server import build_app
+from tllm.serve.visual.images import build_images_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
@@ -144,6 +144,6 @@ def test_a_header_without_its_pixels_is_not_an_image(visual, path, field):
 
 
 def test_the_image_within_the_limit_decodes():
-    from tllm.serve.image_input import decode_image
+    from tllm.serve.openai.image_input import decode_image
     rows = b"".join(b"\x00" + b"\x80" * (64 * 3) for _ in range(64))
     assert decode_image(b64(png_header(64, 64, rows)), "image", 64 * 64).size == (64, 64)

@@ -15,11 +15,11 @@ from tllm.cli import build_parser
 from tllm.llmapi.engine import engine_summary
 from tllm.log import TllmHandler, configure_logging, unconfigure_logging
 from tllm.serve.context import ServerConfig
-from tllm.serve.http_server import uvicorn_config
-from tllm.serve.metrics import ServerMetrics
-from tllm.serve.openai_server import build_app
-from tllm.serve.request_ids import accepted_request_id
-from tllm.serve.stats_log import GENERATION_TOKENS, PROMPT_TOKENS, StatsLogger, server_stats
+from tllm.serve.http.server import uvicorn_config
+from tllm.serve.http.metrics import ServerMetrics
+from tllm.serve.http.app import build_app
+from tllm.serve.http.request_ids import accepted_request_id
+from tllm.serve.http.stats_log import GENERATION_TOKENS, PROMPT_TOKENS, StatsLogger, server_stats
 from tllm.serve.testing import FakeLLM, ServerThread
 
 COMPLETION = {"model": "fake", "prompt": "hi", "max_tokens": 3}
@@ -112,7 +112,7 @@ def test_stats_line_while_busy_then_quiet(log):
                                                             preempted=2))   # went idle
     now[0] = 40.0
     assert stats_log.tick(_stats(prompt=1000, generated=600, preempted=2)) is None
-    busy, idle = [line for line in _lines(log) if line["logger"] == "tllm.serve.stats_log"]
+    busy, idle = [line for line in _lines(log) if line["logger"] == "tllm.serve.http.stats_log"]
     assert busy["num_running"] == 3 and busy["kv_usage_pct"] == 25.0
     assert busy["prompt_tokens_per_s"] == 100.0 and idle["generation_tokens_per_s"] == 10.0
 

@@ -20,7 +20,7 @@ from tests.serve.helpers import assert_openai_error, wait_until_idle  # noqa: E4
 from tllm import LLM, KvCacheConfig  # noqa: E402
 from tllm.serve.context import ServerConfig  # noqa: E402
 from tllm.serve.lora import parse_lora_modules  # noqa: E402
-from tllm.serve.openai_server import build_app  # noqa: E402
+from tllm.serve.http.app import build_app  # noqa: E402
 from tllm.serve.testing import FakeLLM, ServerThread  # noqa: E402
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7]

@@ -11,7 +11,7 @@ from tests.serve.conftest import MODEL
 from tests.serve.helpers import wait_until_idle
 from tllm import SamplingParams
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,8 @@ from tests.serve.test_serve_cli_args import parse
 from tests.serve.test_serve_tools import ASK, WEATHER
 from tllm.serve.cli_args import server_config
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.parser_choice import REASONING_MARKS, TOOL_MARKS, resolve_parsers
+from tllm.serve.http.app import build_app
+from tllm.serve.openai.parser_choice import REASONING_MARKS, TOOL_MARKS, resolve_parsers
 from tllm.serve.testing import ServerThread
 
 DS_TOOLS = "<｜tool▁calls▁begin｜>"
@@ -50,8 +50,8 @@ def test_choice_from_the_template(template, expected):
 
 
 def test_every_mark_names_a_parser():
-    from tllm.serve.reasoning import REASONING_PARSERS
-    from tllm.serve.tool_parsers import TOOL_PARSERS
+    from tllm.serve.openai.reasoning import REASONING_PARSERS
+    from tllm.serve.openai.tool_parsers import TOOL_PARSERS
     assert set(TOOL_MARKS.values()) <= set(TOOL_PARSERS)
     assert set(REASONING_MARKS.values()) <= set(REASONING_PARSERS)
 
@@ -74,7 +74,7 @@ def test_the_servers_template_and_named_templates():
 
 
 def test_the_choice_is_logged(caplog):
-    with caplog.at_level(logging.INFO, logger="tllm.serve.parser_choice"):
+    with caplog.at_level(logging.INFO, logger="tllm.serve.openai.parser_choice"):
         _chosen("<tool_call><|channel|>")
         _chosen("<tool_call>[TOOL_CALLS]")
     messages = [record.getMessage() for record in caplog.records]

@@ -9,7 +9,7 @@ import pytest
 from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tllm import LLM, KvCacheConfig, SchedulerConfig
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7]

@@ -15,9 +15,9 @@ from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tllm import KvCacheConfig
 from tllm.llmapi.process_llm import ProcessLLM
 from tllm.serve.context import ServerConfig
-from tllm.serve.errors import APIError
-from tllm.serve.generation import EngineClient
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.errors import APIError
+from tllm.serve.openai.generation import EngineClient
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 

@@ -10,7 +10,7 @@ import pytest
 from tests.serve.conftest import MODEL
 from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 pytestmark = pytest.mark.slow

@@ -13,8 +13,8 @@ import pytest
 from tests.serve.scripted import ScriptedLLM
 from tests.serve.test_serve_tools import ASK, WEATHER
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.reasoning import REASONING_PARSERS, ReasoningStream, reasoning_parser
+from tllm.serve.http.app import build_app
+from tllm.serve.openai.reasoning import REASONING_PARSERS, ReasoningStream, reasoning_parser
 from tllm.serve.testing import ServerThread
 
 HARMONY = ("<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final"

@@ -12,8 +12,8 @@ import pytest
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.request_fields import MAX_NAMES_CHARS
+from tllm.serve.http.app import build_app
+from tllm.serve.openai.request_fields import MAX_NAMES_CHARS
 from tllm.serve.testing import FakeLLM, ServerThread
 from tllm.tokenizer import Tokenizer
 
@@ -113,7 +113,7 @@ UNKNOWN = [
 
 @pytest.mark.parametrize("path,fields,name", UNKNOWN, ids=[u[2] for u in UNKNOWN])
 def test_unknown_fields_are_ignored_and_named(http, caplog, path, fields, name):
-    with caplog.at_level(logging.WARNING, logger="tllm.serve.request_fields"):
+    with caplog.at_level(logging.WARNING, logger="tllm.serve.openai.request_fields"):
         response = http.post(path, json={**BASES[path], **fields})
     assert response.status_code == 200, response.text
     assert response.headers["x-ignored-fields"] == name

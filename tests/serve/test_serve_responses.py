@@ -15,9 +15,9 @@ from tests.serve.conftest import MODEL
 from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tllm import SamplingParams
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.responses import ResponseStore, StoredResponse
-from tllm.serve.responses_protocol import ResponseObject
+from tllm.serve.http.app import build_app
+from tllm.serve.openai.responses import ResponseStore, StoredResponse
+from tllm.serve.openai.responses_protocol import ResponseObject
 from tllm.serve.testing import FakeLLM, ServerThread
 
 QUESTION = "What is the capital of France?"

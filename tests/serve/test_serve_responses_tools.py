@@ -17,7 +17,7 @@ from tests.serve.conftest import MODEL
 from tests.serve.helpers import assert_openai_error, wait_until_idle
 from tests.serve.scripted import ScriptedLLM
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import ServerThread
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",

@@ -20,7 +20,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,  # noqa
                                                status_code_conformance)
 
 from tllm.serve.context import ServerConfig  # noqa: E402
-from tllm.serve.openai_server import build_app  # noqa: E402
+from tllm.serve.http.app import build_app  # noqa: E402
 from tllm.serve.testing import FakeLLM, ServerThread  # noqa: E402
 
 # Cases per operation and mode: bodies are where the bugs live, GETs have no parameters.

@@ -19,7 +19,7 @@ import pytest
 from tests.serve.helpers import assert_openai_error
 from tests.serve.test_serve_cli_args import _wait_healthy, free_port
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 LONG = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 SOAK = Path(__file__).parents[2] / "benchmarks" / "soak.py"

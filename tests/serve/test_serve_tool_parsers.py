@@ -11,13 +11,13 @@ import pytest
 
 from tests.serve.scripted import ScriptedLLM
 from tests.serve.test_serve_tools import ASK, TIME, WEATHER
-from tllm.serve.choice_stream import ChoiceStream, OutputFormat
+from tllm.serve.openai.choice_stream import ChoiceStream, OutputFormat
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.protocol import ChatCompletionRequest
+from tllm.serve.http.app import build_app
+from tllm.serve.openai.protocol import ChatCompletionRequest
 from tllm.serve.testing import ServerThread
-from tllm.serve.tool_calls import ToolRequest
-from tllm.serve.tool_parsers import TOOL_PARSERS
+from tllm.serve.openai.tool_calls import ToolRequest
+from tllm.serve.openai.tool_parsers import TOOL_PARSERS
 
 CALLS = [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {})]
 # DeepSeek's special tokens (fullwidth bars, the ▁ mark)

@@ -12,12 +12,12 @@ import pytest
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
-from tllm.serve.protocol import ChatCompletionRequest
+from tllm.serve.http.app import build_app
+from tllm.serve.openai.protocol import ChatCompletionRequest
 from tests.serve.scripted import ScriptedLLM
 from tllm.serve.testing import ServerThread
-from tllm.serve.tool_calls import ToolRequest, forced_schema, parse_forced
-from tllm.serve.tool_parsers import TOOL_PARSERS, tool_parser
+from tllm.serve.openai.tool_calls import ToolRequest, forced_schema, parse_forced
+from tllm.serve.openai.tool_parsers import TOOL_PARSERS, tool_parser
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
@@ -228,7 +228,7 @@ def test_partial_calls_of_forced_outputs():
 
 
 def tllm_forced_partial_calls(text, tools):
-    from tllm.serve.tool_calls import forced_partial_calls
+    from tllm.serve.openai.tool_calls import forced_partial_calls
     return forced_partial_calls(text, tools)
 
 

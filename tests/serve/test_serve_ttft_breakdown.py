@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from tllm.bench.serve_breakdown import parse_stages, quantile, stage_percentiles
-from tllm.serve.metrics import WindowedQuantiles
-from tllm.serve.ttft_breakdown import STAGES, ServerTimes, TtftBreakdown, stage_seconds
+from tllm.serve.http.metrics import WindowedQuantiles
+from tllm.serve.http.ttft_breakdown import STAGES, ServerTimes, TtftBreakdown, stage_seconds
 
 ENGINE = {"arrival_time": 10.004, "first_scheduled_time": 10.010,
           "first_token_time": 10.050}

@@ -11,7 +11,7 @@ import pytest
 
 from tests.serve.conftest import MODEL
 from tllm.serve.context import ServerConfig
-from tllm.serve.openai_server import build_app
+from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -16,7 +16,7 @@ import pytest
 from tests.serve.helpers import assert_openai_error
 from tests.visual_gen.tiny_cosmos import save_tiny_cosmos
 from tllm.serve.context import ServerConfig
-from tllm.serve.images import build_images_app
+from tllm.serve.visual.images import build_images_app
 from tllm.serve.testing import ServerThread
 from tllm.visual_gen.pipeline import DenoiseHook
 from tllm.visual_gen.video_io import decode_mp4

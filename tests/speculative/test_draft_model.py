@@ -14,7 +14,7 @@ from tests.conftest import make_tiny_model
 from tllm import loader
 from tllm.attention import get_attention_backend
 from tllm.kv_cache.manager import KVCacheManager
-from tllm.llmapi.llm_args import DraftTargetDecodingConfig
+from tllm.config import DraftTargetDecodingConfig
 from tllm.request import Request
 from tllm.sampling_params import SamplingParams
 from tllm.speculative import draft_model

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from tests.speculative.test_draft_model import make_request, target_parts
-from tllm.llmapi.llm_args import EagleDecodingConfig
+from tllm.config import EagleDecodingConfig
 from tllm.loader.hf import CheckpointError
 from tllm.models.eagle3 import captured_target_layers
 from tllm.speculative.eagle3 import Eagle3Drafter, build_drafter, load_head

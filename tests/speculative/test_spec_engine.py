@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tllm import LLM, KvCacheConfig, SamplingParams
-from tllm.llmapi.llm_args import NGramDecodingConfig
+from tllm.config import NGramDecodingConfig
 
 NUM_NEW = 24
 
@@ -75,7 +75,7 @@ def test_counters_add_up_at_batch_one(tiny_llama):
 def test_greedy_identical_under_preemption_with_a_tiny_pool(tiny_llama):
     """MAX_UTILIZATION with 24 blocks of 4 tokens for 7 requests: requests are preempted
     (recomputed) while they hold drafts' blocks, and still end as without speculation."""
-    from tllm.llmapi.llm_args import SchedulerConfig
+    from tllm.config import SchedulerConfig
     path, hf = tiny_llama
     prompts = repetitive_prompts(hf.config.vocab_size)
     kwargs = dict(kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=96),
@@ -121,7 +121,7 @@ def test_spec_config_from_yaml_and_metrics(tiny_llama, tmp_path):
     import argparse
 
     from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
-    from tllm.serve.metrics import ServerMetrics
+    from tllm.serve.http.metrics import ServerMetrics
     path, _ = tiny_llama
     spec = tmp_path / "spec.yml"
     spec.write_text("decoding_type: NGram\nmax_draft_len: 3\nmax_matching_ngram_size: 2\n")

@@ -15,7 +15,7 @@ import asyncio
 import pytest
 
 from tllm import LLM, KvCacheConfig, SamplingParams
-from tllm.llmapi.llm_args import NGramDecodingConfig
+from tllm.config import NGramDecodingConfig
 
 TASK = ("Copy this list exactly, one item per line: apples, pears, plums, cherries, "
         "grapes, lemons, limes, melons.")

@@ -12,7 +12,7 @@ from PIL import Image
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.images import build_images_app
+from tllm.serve.visual.images import build_images_app
 from tllm.serve.testing import ServerThread
 
 FAST = {"steps": 1, "seed": 0}

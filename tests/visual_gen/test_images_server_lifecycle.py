@@ -11,7 +11,7 @@ import httpx
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
-from tllm.serve.images import build_images_app
+from tllm.serve.visual.images import build_images_app
 from tllm.serve.testing import ServerThread
 from tllm.visual_gen.pipeline import DenoiseHook
 

@@ -48,14 +48,14 @@ def test_user_errors_are_one_line(qwen_image_dir, tmp_path, capsys):
 
 
 def test_serve_picks_the_images_server(qwen_image_dir, monkeypatch):
-    import tllm.serve.images
+    import tllm.serve.visual.images
     served = []
 
     def serve_images(args, config) -> int:
         served.append(config.model)
         return 0
 
-    monkeypatch.setattr(tllm.serve.images, "serve_images", serve_images)
+    monkeypatch.setattr(tllm.serve.visual.images, "serve_images", serve_images)
     args = build_parser().parse_args(["serve", str(qwen_image_dir)])
     assert args.run(args) == 0 and served == [str(qwen_image_dir)]
 

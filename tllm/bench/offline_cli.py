@@ -14,7 +14,7 @@ from tllm.bench.offline import (PERCENTILES, LatencyConfig, ThroughputConfig, ru
 from tllm.cli_types import non_negative_int, positive_float, positive_int
 from tllm.llmapi.cli_args import add_engine_args, llm_kwargs, read_llm_options
 from tllm.llmapi.llm import LLM
-from tllm.llmapi.llm_args import KvCacheConfig
+from tllm.config import KvCacheConfig
 from tllm.loader import DEFAULT_MODEL
 
 _WIDTH = 64

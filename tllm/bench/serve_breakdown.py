@@ -1,5 +1,5 @@
 """The server's TTFT breakdown over one benchmark run: its `tllm:ttft_stage_seconds`
-histograms (tllm/serve/ttft_breakdown.py) scraped from /metrics before and after the run,
+histograms (tllm/serve/http/ttft_breakdown.py) scraped from /metrics before and after the run,
 their difference turned into percentiles per stage (linear within a bucket, as
 Prometheus' histogram_quantile). A server without them (another engine) gives None."""
 from __future__ import annotations

@@ -19,7 +19,7 @@ from tllm.disagg.importer import CONNECT_TIMEOUT_S, KVImporter, KVSource
 from tllm.disagg.sources import KVSources
 from tllm.executor.py_executor import PyExecutor
 from tllm.kv_cache.manager import KVCacheManager
-from tllm.llmapi.llm_args import DisaggConfig
+from tllm.config import DisaggConfig
 from tllm.request import Request
 
 REQUEST_TYPES = ("context_only", "generation_only")

@@ -12,7 +12,7 @@ from typing import Sequence
 
 from tllm.disagg.handshake import client_handshake
 from tllm.disagg.wire import TransferError, connect
-from tllm.llmapi.llm_args import parse_endpoint
+from tllm.config import parse_endpoint
 
 logger = logging.getLogger(__name__)
 PROBE_INTERVAL_S = 1.0      # an unknown id asks every source again at most this often

@@ -26,7 +26,7 @@ import socket
 
 import torch
 
-from tllm.llmapi.llm_args import AllReduceConfig
+from tllm.config import AllReduceConfig
 
 logger = logging.getLogger(__name__)
 

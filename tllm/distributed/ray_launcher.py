@@ -57,7 +57,7 @@ class RankActor:
         return str(ids[0]) if ids else None
 
     def run(self, spec: dict, run_worker: Callable[..., None]) -> None:
-        from tllm.llmapi.llm_args import LlmArgs
+        from tllm.config import LlmArgs
         args = LlmArgs.model_validate(spec["args"])
         mapping = Mapping(spec["world_size"], spec["tp_size"], spec["pp_size"], spec["rank"],
                           args.enable_expert_parallel)

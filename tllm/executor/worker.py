@@ -13,7 +13,7 @@ import torch
 from tllm.distributed import comm
 from tllm.distributed.mapping import Mapping
 from tllm.distributed.rendezvous import RENDEZVOUS_TIMEOUT, ready_key
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 from tllm.runner.batch_state import BatchTables
 from tllm.runner.build import build_rank
 from tllm.runner.model_runner import batch_tables

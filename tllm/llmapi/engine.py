@@ -19,7 +19,7 @@ from tllm.executor.py_executor import OVERLAP, SYNC, PyExecutor, pipelined
 from tllm.guided.manager import GuidedDecoding
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.loader.generation_config import sampling_defaults
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 from tllm.lora.manager import LoraManager
 from tllm.runner.build import RankParts, build_rank
 from tllm.runner.model_runner import ModelRunner

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tllm.cli_types import fraction
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 
 # Their flag -> ours: the same meaning and values.
 FLAG_ALIASES: dict[str, str] = {

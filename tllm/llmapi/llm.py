@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from tllm.request import Request
 from tllm.llmapi.engine import build_engine
 from tllm.llmapi.flag_aliases import llm_args
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 from tllm.llmapi.result import GenerationResult
 from tllm.llmapi.sequence_groups import bind_outputs, make_beam_group
 from tllm.loader import DEFAULT_MODEL

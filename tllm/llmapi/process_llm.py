@@ -38,7 +38,7 @@ import threading
 from typing import Any, Callable, Sequence
 
 from tllm.llmapi.flag_aliases import llm_args
-from tllm.llmapi.llm_args import LlmArgs
+from tllm.config import LlmArgs
 from tllm.llmapi.result import DeltaStream
 from tllm.log import LogSettings, active_settings, apply_settings
 from tllm.outputs import CompletionDelta

@@ -15,7 +15,7 @@ from tllm.attention.interface import KVCacheSpec
 from tllm.distributed import comm
 from tllm.kv_cache.groups import KVCacheLayout, plan_layout
 from tllm.kv_cache.manager import KVCacheManager
-from tllm.llmapi.llm_args import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
+from tllm.config import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from tllm.runner.piecewise import PiecewiseGraphRunner, token_buckets
 

@@ -14,25 +14,25 @@ from tllm.llmapi.cli_args import add_engine_args, llm_kwargs
 from tllm.llmapi.flag_aliases import add_peer_server_flags
 from tllm.log import add_log_args, configure_logging
 from tllm.loader import DEFAULT_MODEL
-from tllm.serve.cors import add_cors_args, parse_origins
+from tllm.serve.http.cors import add_cors_args, parse_origins
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
-from tllm.serve.http_limits import add_http_limit_args
+from tllm.serve.http.limits import add_http_limit_args
 from tllm.serve.lora import parse_lora_modules
-from tllm.serve.parser_choice import AUTO
-from tllm.serve.reasoning import REASONING_PARSERS
-from tllm.serve.tool_parsers import TOOL_PARSERS
+from tllm.serve.openai.parser_choice import AUTO
+from tllm.serve.openai.reasoning import REASONING_PARSERS
+from tllm.serve.openai.tool_parsers import TOOL_PARSERS
 from tllm.visual_gen.registry import is_visual_model
 
 logger = logging.getLogger(__name__)
 
 
 def _run_disaggregated(argv: list[str]) -> int:
-    from tllm.serve.disagg_front import run_disaggregated
+    from tllm.serve.fronts.disagg_front import run_disaggregated
     return run_disaggregated(argv)
 
 
 def _run_router(argv: list[str]) -> int:
-    from tllm.serve.router import run_router
+    from tllm.serve.fronts.router import run_router
     return run_router(argv)
 
 
@@ -149,15 +149,15 @@ def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from tllm.llmapi.llm import LLM
     from tllm.llmapi.process_llm import ProcessLLM, frozen_heap
-    from tllm.serve.http_server import build_server, run_until_stopped
-    from tllm.serve.openai_server import build_app
-    from tllm.serve.stats_log import StatsLogger, server_stats
+    from tllm.serve.http.server import build_server, run_until_stopped
+    from tllm.serve.http.app import build_app
+    from tllm.serve.http.stats_log import StatsLogger, server_stats
 
     configure_logging(args.log_level, args.log_format)
     model, llm_kwargs = llm_arguments(args)
     config = server_config(args, model)
     if is_visual_model(model):  # a diffusers folder or a dummy: visual name
-        from tllm.serve.images import serve_images
+        from tllm.serve.visual.images import serve_images
         return serve_images(args, config)
     llm = (ProcessLLM if args.engine_process else LLM)(model=model, **llm_kwargs)
     app = build_app(llm, config)
@@ -190,7 +190,7 @@ def _serving(args: argparse.Namespace, server, ctx):
     if args.grpc_port is None:
         return server.run
     require_extra("grpc", "--grpc-port")
-    from tllm.serve.grpc_server import run_with_grpc
+    from tllm.serve.grpc.server import run_with_grpc
     logger.info("gRPC on %s:%d", args.host, args.grpc_port)
     return lambda: run_with_grpc(server, ctx, args.host, args.grpc_port)
 

@@ -12,17 +12,17 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from tllm.serve.errors import APIError, bad_request, internal_error
+from tllm.serve.http.errors import APIError, bad_request, internal_error
 from tllm.lora.request import LoRARequest
-from tllm.serve.generation import (DEFAULT_MAX_SEQUENCES, EngineClient, Generation,
+from tllm.serve.openai.generation import (DEFAULT_MAX_SEQUENCES, EngineClient, Generation,
                                    abort_on_disconnect)
-from tllm.serve.image_input import DEFAULT_MAX_IMAGE_PIXELS
-from tllm.serve.http_limits import HttpLimits
-from tllm.serve.logprobs import LogprobFormatter
+from tllm.serve.openai.image_input import DEFAULT_MAX_IMAGE_PIXELS
+from tllm.serve.http.limits import HttpLimits
+from tllm.serve.openai.logprobs import LogprobFormatter
 from tllm.serve.lora import LoraRegistry
-from tllm.serve.metrics import ServerMetrics
-from tllm.serve.protocol import Usage
-from tllm.serve.supervisor import EngineSupervisor, RestartPolicy
+from tllm.serve.http.metrics import ServerMetrics
+from tllm.serve.openai.protocol import Usage
+from tllm.serve.http.supervisor import EngineSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
 SSE_DONE = "data: [DONE]\n\n"

@@ -17,7 +17,7 @@ from pydantic import SecretStr
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tllm.serve.errors import APIError
+from tllm.serve.http.errors import APIError
 
 KV_SOURCE_HEADER = "x-tllm-kv-source"
 SECRET_ENV = "TLLM_KV_SECRET"

@@ -22,7 +22,7 @@ from starlette.responses import PlainTextResponse, Response
 
 from tllm.lora.request import LoRARequest
 from tllm.lora.targets import LoraTargets
-from tllm.serve.errors import APIError, bad_request, error_responses
+from tllm.serve.http.errors import APIError, bad_request, error_responses
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -10,7 +10,7 @@ import types
 
 
 from tllm.llmapi.llm import submit_all_or_none
-from tllm.serve.http_server import GracefulServer, uvicorn_config
+from tllm.serve.http.server import GracefulServer, uvicorn_config
 from tllm.outputs import CompletionDelta, Logprob
 from tllm.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from tllm.llmapi.llm_args import NGramDecodingConfig
+from tllm.config import NGramDecodingConfig
 from tllm.request import Request
 from tllm.speculative.interface import Drafter, Drafts
 

@@ -1,0 +1,174 @@
+"""Forwarding OpenAI requests to other tllm servers, for the fronts that sit before them (the
+disaggregated front, the router): an upstream server with its load and liveness, a JSON call,
+and a relay of a (streamed) response back to the client. A server that cannot be reached,
+or dies mid-request, is a 503 (or, once a stream has begun, an error event), never a hang:
+connections time out after CONNECT_TIMEOUT_S and a dead peer's socket closes at once."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from tllm.serve.context import SSE_DONE, sse
+from tllm.serve.http.errors import APIError, bad_request
+
+logger = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 2.0
+DOWN_FOR_S = 2.0        # a server that failed is passed over this long while others are up
+T = TypeVar("T")
+
+
+def normalize_url(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"
+
+
+class Upstream:
+    """One server behind a front: its client, requests in flight, and when it last failed."""
+
+    def __init__(self, url: str, api_key: str | None = None) -> None:
+        self.url = normalize_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.AsyncClient(
+            base_url=self.url, headers=headers,
+            timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.num_in_flight = 0
+        self.num_requests = 0
+        self.num_failures = 0
+        self.down_until = 0.0
+
+    @property
+    def is_up(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+    def mark_down(self, exc: Exception) -> None:
+        self.num_failures += 1
+        self.down_until = time.monotonic() + DOWN_FOR_S
+        logger.warning("upstream %s failed: %s", self.url, exc)
+
+    def unavailable(self, exc: Exception | None = None) -> APIError:
+        if exc is not None:
+            self.mark_down(exc)
+        return APIError(503, f"the server {self.url} is unavailable"
+                        + (f": {type(exc).__name__}" if exc is not None else ""),
+                        code="upstream_unavailable", headers={"Retry-After": "1"})
+
+    async def get_json(self, path: str, timeout_s: float = 5.0) -> Any:
+        try:
+            response = await self.client.get(path, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise self.unavailable(exc) from exc
+        if response.status_code != 200:
+            raise APIError(503, f"{self.url}{path} answered {response.status_code}",
+                           code="upstream_unavailable")
+        return response.json()
+
+    async def post_json(self, path: str, body: dict) -> httpx.Response:
+        """The whole (non-streamed) response; 503 if the server cannot be reached."""
+        self.num_requests += 1
+        self.num_in_flight += 1
+        try:
+            return await self.client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise self.unavailable(exc) from exc
+        finally:
+            self.num_in_flight -= 1
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def pick_least_loaded(servers: list[Upstream], turn: int) -> Upstream:
+    """The live server with the fewest requests in flight (ties: in turn)."""
+    live = [s for s in servers if s.is_up] or servers
+    n = len(live)
+    return min((live[(turn + i) % n] for i in range(n)), key=lambda s: s.num_in_flight)
+
+
+async def read_json_body(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    return body
+
+
+async def relay(request: Request, upstream: Upstream, path: str, body: dict) -> Response:
+    """POST the body upstream and answer the client with what comes back: the JSON as it is,
+    or its event stream relayed as it arrives (closed upstream when the client leaves, so the
+    server aborts the request)."""
+    upstream.num_requests += 1
+    upstream.num_in_flight += 1
+    try:
+        response = await until_disconnect(request, upstream.client.send(
+            upstream.client.build_request("POST", path, json=body), stream=True))
+    except httpx.HTTPError as exc:
+        upstream.num_in_flight -= 1
+        raise upstream.unavailable(exc) from exc
+    except BaseException:
+        upstream.num_in_flight -= 1
+        raise
+    is_stream = response.headers.get("content-type", "").startswith("text/event-stream")
+    if response.status_code != 200 or not is_stream:
+        try:
+            content = await response.aread()
+        except httpx.HTTPError as exc:
+            raise upstream.unavailable(exc) from exc
+        finally:
+            upstream.num_in_flight -= 1
+            await response.aclose()
+        return Response(content, status_code=response.status_code,
+                        media_type=response.headers.get("content-type"))
+    return StreamingResponse(_relay_events(upstream, response), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _relay_events(upstream: Upstream, response: httpx.Response) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in response.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:     # the server died mid-stream
+        error = upstream.unavailable(exc)
+        yield (sse(error.body()) + SSE_DONE).encode()
+    finally:
+        upstream.num_in_flight -= 1
+        await response.aclose()
+
+
+async def until_disconnect(request: Request, call: Awaitable[T]) -> T:
+    """Await the call, cancelled if the client disconnects first (an upstream request then
+    closes, and its server aborts it)."""
+    task = asyncio.ensure_future(call)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        raise APIError(499, "the client closed the request", code="client_closed")
+    return task.result()
+
+
+def upstream_error(response: httpx.Response) -> Response:
+    """An upstream's error answer, passed on as it is."""
+    return Response(response.content, status_code=response.status_code,
+                    media_type=response.headers.get("content-type", "application/json"))
+
+
+def json_response(data: Any, status: int = 200) -> JSONResponse:
+    return JSONResponse(data, status_code=status)

@@ -1,0 +1,1 @@
+"""Visual models' routes: images and videos."""

@@ -3,68 +3,44 @@ diffusers-format folders (model_index.json, one folder per component), so that o
 and diffusers' pipelines load the very same weights."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
 
-from tllm.visual_gen.models.qwen_image.components import byte_level_tokenizer
+from tllm.visual_gen.models.qwen_image.components import (TINY_VAE, tiny_text_encoder_config,
+                                                          tiny_tokenizer)
+from tllm.visual_gen.models.qwen_image.transformer import TINY_CONFIG
 
-CORPUS = ("Describe the image by detailing the color, shape, size, texture, quantity, text, "
-          "spatial relationships of the objects and background: a cat holding a sign that "
-          "says hello world, a red fox in the snow, system user assistant")
-TEXT_DIM = 32
 SCHEDULER = dict(base_shift=0.5, max_shift=0.9, base_image_seq_len=256, max_image_seq_len=8192,
                  shift_terminal=0.02, use_dynamic_shifting=True, time_shift_type="exponential")
-
-
-VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+# The layered pipeline tells images from latents by the channels (8); 16x downsampling keeps
+# diffusers' smallest bucket (640) small.
+LAYERED_VAE = dict(base_dim=4, z_dim=8, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=0,
+                   temperal_downsample=[False, True, True, True], input_channels=4)
 MAX_CAPTION_PIXELS = 28 * 28 * 16
 
 
-def text_encoder(tokenizer):
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-    vocab_size = len(tokenizer)
-    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
-           [("vision_start", "<|vision_start|>"), ("image", "<|image_pad|>"),
-            ("vision_end", "<|vision_end|>"), ("video", "<|video_pad|>")]}
-    config = Qwen2_5_VLConfig(**ids,
-        text_config=dict(hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab_size,
-                         bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
-                                          "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
-                           out_hidden_size=TEXT_DIM),
-        vocab_size=vocab_size)
-    return Qwen2_5_VLForConditionalGeneration(config).eval()
-
-
 def save_tiny_model(path: Path, layered: bool = False, seed: int = 0) -> Path:
-    """Build and save a tiny model; returns its folder."""
+    """Build and save a tiny model (the package's tiny shapes, random latent statistics);
+    returns its folder."""
     from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
                            QwenImageLayeredPipeline, QwenImagePipeline,
                            QwenImageTransformer2DModel)
+    from transformers import Qwen2_5_VLForConditionalGeneration
     torch.manual_seed(seed)
-    tokenizer = byte_level_tokenizer(CORPUS, vocab_size=400)
-    tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
-    z_dim = 8 if layered else 4     # the layered pipeline tells images from latents by this
-    if layered:     # 16x downsampling keeps diffusers' smallest bucket (640) small
-        vae_shape = dict(base_dim=4, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=0,
-                         temperal_downsample=[False, True, True, True], input_channels=4)
-    else:
-        vae_shape = dict(base_dim=16, dim_mult=[1, 2, 2], num_res_blocks=1,
-                         temperal_downsample=[False, True])
+    tokenizer = tiny_tokenizer()
+    vae_shape = LAYERED_VAE if layered else TINY_VAE
+    z_dim = vae_shape["z_dim"]
     vae = AutoencoderKLQwenImage(
-        z_dim=z_dim, **vae_shape,
-        latents_mean=torch.randn(z_dim).tolist(),
+        **vae_shape, latents_mean=torch.randn(z_dim).tolist(),
         latents_std=(torch.rand(z_dim) + 0.5).tolist()).eval()
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2, in_channels=4 * z_dim, out_channels=z_dim, num_layers=2,
-        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_DIM,
-        axes_dims_rope=(8, 4, 4), use_additional_t_cond=layered,
-        use_layer3d_rope=layered).eval()
+    shape = dataclasses.replace(TINY_CONFIG, in_channels=4 * z_dim, out_channels=z_dim,
+                                use_additional_t_cond=layered, use_layer3d_rope=layered)
+    transformer = QwenImageTransformer2DModel(**dataclasses.asdict(shape)).eval()
+    text_encoder = Qwen2_5_VLForConditionalGeneration(tiny_text_encoder_config(tokenizer))
     components = dict(scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER), vae=vae,
-                      text_encoder=text_encoder(tokenizer), tokenizer=tokenizer,
+                      text_encoder=text_encoder.eval(), tokenizer=tokenizer,
                       transformer=transformer)
     if layered:
         QwenImageLayeredPipeline(**components, processor=None).save_pretrained(path)

@@ -7,7 +7,7 @@ import torch
 
 from tllm.device import pick_device
 from tllm.extras import require_extra
-from tllm.visual_gen import registry
+from tllm.visual_gen import memory, registry
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
 
@@ -20,12 +20,14 @@ class VisualGen:
 
     dtype "auto" is bfloat16 on a GPU and float32 on the CPU. transformer_impl picks the
     transformer: "tllm" (ours), "diffusers" (the reference) or "auto" (ours when available).
-    `seed` seeds the random weights of dummy models.
+    `seed` seeds the random weights of dummy models. Before allocating anything, the weights'
+    size is checked against the device's free memory (memory.py): ModelTooLargeError (a
+    ValueError) when they do not fit, unless check_memory=False.
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
                  transformer_impl: str = "auto", seed: int = 0,
-                 show_progress: bool = True) -> None:
+                 show_progress: bool = True, check_memory: bool = True) -> None:
         require_extra("visual", "visual generation")
         if dtype != "auto" and dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got "
@@ -35,6 +37,9 @@ class VisualGen:
         self.device = pick_device(device)
         self.dtype = _DTYPES.get(dtype) or (
             torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        if check_memory:
+            memory.check_fits(model, memory.estimate_weight_bytes(spec, self.dtype),
+                              self.device)
         pipeline_cls = spec.pipeline_class()
         if spec.dummy_preset is not None:
             self.pipeline = pipeline_cls.from_dummy(spec.dummy_preset, self.dtype, self.device,

@@ -21,7 +21,9 @@ def add_visual_parser(commands) -> argparse.ArgumentParser:
                     "the same way.")
     parser.add_argument("--model", "-m", required=True,
                         help="diffusers model folder (model_index.json), 'dummy:qwen-image', "
-                             "'dummy:qwen-image-layered', 'dummy:cosmos' or 'dummy:ltx2'")
+                             "'dummy:qwen-image-layered', 'dummy:cosmos' or 'dummy:ltx2' "
+                             "(random weights in the real shapes: a GPU's worth), or "
+                             "'dummy:qwen-image-tiny' (tiny shapes: seconds on a CPU)")
     parser.add_argument("--prompt", "-p", action="append", required=True,
                         help="a prompt (for the layered model, a caption of the input image); "
                              "repeat the option for a batch")

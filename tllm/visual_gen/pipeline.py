@@ -211,6 +211,11 @@ class VisualPipeline:
     def device(self) -> torch.device:
         return next(self.transformer.parameters()).device
 
+    @classmethod
+    def dummy_parameter_count(cls, name: str) -> int:
+        """The parameters of dummy model `name` (for the memory check), allocating none."""
+        raise NotImplementedError
+
     def generate(self, prompts: list[str], params: VisualGenParams,
                  images: Sequence[Any] | None = None,
                  hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:

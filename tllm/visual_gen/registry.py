@@ -15,23 +15,24 @@ _PIPELINES: dict[str, str] = {}     # _class_name -> "module:Class"
 _DUMMIES: dict[str, str] = {}       # "dummy:<preset>" -> _class_name
 
 
-def register(class_name: str, target: str, dummy: str | None = None) -> None:
+def register(class_name: str, target: str, dummies: tuple[str, ...] = ()) -> None:
     """Serve diffusers folders whose _class_name is class_name with the pipeline at target
-    ("module:Class"), and `dummy` (if given) with random weights in that model's shape."""
+    ("module:Class"), and each of `dummies` with random weights in a shape of that model."""
     _PIPELINES[class_name] = target
-    if dummy is not None:
+    for dummy in dummies:
         _DUMMIES[dummy] = class_name
 
 
+# dummy:qwen-image-tiny: the same pipeline in tiny shapes, for a CPU (seconds an image).
 register("QwenImagePipeline", "tllm.visual_gen.models.qwen_image.pipeline:QwenImagePipeline",
-         dummy="dummy:qwen-image")
+         dummies=("dummy:qwen-image", "dummy:qwen-image-tiny"))
 register("QwenImageLayeredPipeline",
          "tllm.visual_gen.models.qwen_image.layered_pipeline:QwenImageLayeredPipeline",
-         dummy="dummy:qwen-image-layered")
+         dummies=("dummy:qwen-image-layered",))
 register("Cosmos3OmniPipeline", "tllm.visual_gen.models.cosmos3.pipeline:Cosmos3Pipeline",
-         dummy="dummy:cosmos")
+         dummies=("dummy:cosmos",))
 register("LTX2Pipeline", "tllm.visual_gen.models.ltx2.pipeline:LTX2Pipeline",
-         dummy="dummy:ltx2")
+         dummies=("dummy:ltx2",))
 register("LTX2ImageToVideoPipeline",
          "tllm.visual_gen.models.ltx2.pipeline:LTX2ImageToVideoPipeline")
 

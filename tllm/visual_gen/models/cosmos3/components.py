@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tllm.visual_gen.memory import count_parameters
 from tllm.visual_gen.models.cosmos3.transformer import (Cosmos3Config, Cosmos3Transformer,
                                                         init_dummy_weights)
 from tllm.visual_gen.unipc import UniPCConfig
@@ -71,23 +72,36 @@ def load_transformer(path: Path, dtype: torch.dtype, device: torch.device,
 def dummy_components(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
                      transformer_impl: str = "auto") -> Cosmos3Components:
     """Random weights in Cosmos3-Nano's shapes (the transformer) and the Wan 2.2 VAE's."""
-    from diffusers import AutoencoderKLWan
-
-    if name != "cosmos":
-        raise ValueError(f"unknown Cosmos 3 dummy {name!r}")
-    config = Cosmos3Config()
+    _check_dummy_name(name)
     tokenizer = chat_tokenizer(_DUMMY_CORPUS, vocab_size=2000)
     with torch.device("meta"):      # allocated once, in dtype, on the device
-        transformer = Cosmos3Transformer(config)
+        transformer = Cosmos3Transformer(Cosmos3Config())
     transformer = transformer.to(dtype).to_empty(device=device)
     init_dummy_weights(transformer, seed)
     if pick_impl(transformer_impl) == "diffusers":
         from tllm.visual_gen.models.cosmos3.diffusers_transformer import DiffusersCosmos3
         transformer = DiffusersCosmos3.from_ours(transformer)
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(**WAN22_VAE, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+    vae = _dummy_vae()
     return Cosmos3Components(tokenizer, transformer.eval(), vae.to(device, dtype).eval(),
                              COSMOS3_SCHEDULER)
+
+
+def dummy_parameter_count(name: str) -> int:
+    """The parameters dummy_components(name) allocates, counted on the meta device."""
+    _check_dummy_name(name)
+    with torch.device("meta"):
+        return count_parameters([Cosmos3Transformer(Cosmos3Config()), _dummy_vae()])
+
+
+def _dummy_vae() -> nn.Module:
+    from diffusers import AutoencoderKLWan
+    return AutoencoderKLWan(**WAN22_VAE, latents_mean=[0.0] * 48, latents_std=[1.0] * 48)
+
+
+def _check_dummy_name(name: str) -> None:
+    if name != "cosmos":
+        raise ValueError(f"unknown Cosmos 3 dummy {name!r}")
 
 
 def chat_tokenizer(corpus: str, vocab_size: int):

@@ -15,8 +15,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from tllm.visual_gen.models.cosmos3.components import (Cosmos3Components, dummy_components,
-                                                       load_components)
+from tllm.visual_gen.models.cosmos3.components import (
+    Cosmos3Components, dummy_components, dummy_parameter_count, load_components)
 from tllm.visual_gen.models.cosmos3.conditioning import preprocess_image
 from tllm.visual_gen.models.cosmos3.rope import (JointLayout, MultimodalRope, grid_positions,
                                                  text_positions)
@@ -57,6 +57,10 @@ class Cosmos3Pipeline(VideoPipeline):
     @classmethod
     def from_dummy(cls, name: str, dtype, device, seed: int = 0, transformer_impl="auto"):
         return cls(dummy_components(name, dtype, device, seed, transformer_impl))
+
+    @classmethod
+    def dummy_parameter_count(cls, name: str) -> int:
+        return dummy_parameter_count(name)
 
     # ---- generation ----
 

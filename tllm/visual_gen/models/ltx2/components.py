@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tllm.visual_gen.memory import count_parameters
+from tllm.visual_gen.models import to_dtype
 from tllm.visual_gen.models.ltx2.config import LTX2Config
 from tllm.visual_gen.models.ltx2.transformer import LTX2Transformer, init_dummy_weights
 from tllm.visual_gen.schedulers import FlowMatchConfig
@@ -113,26 +115,13 @@ def dummy_components(name: str, dtype: torch.dtype, device: torch.device, seed: 
                      transformer_impl: str = "auto") -> LTX2Components:
     """Random weights in LTX-2.0's shapes: the 19B transformer, Gemma-3-12B's text model,
     the connectors, both VAEs and the vocoder (it needs a GPU)."""
-    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
-    from diffusers.pipelines.ltx2 import LTX2TextConnectors
-    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
     from tllm.visual_gen.models.qwen_image.components import byte_level_tokenizer
 
-    if name != "ltx2":
-        raise ValueError(f"unknown LTX-2 dummy {name!r}")
+    _check_dummy_name(name)
     tokenizer = byte_level_tokenizer(_DUMMY_CORPUS, vocab_size=1024)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        with torch.device(device):
-            config = Gemma3Config(text_config=GEMMA3_12B_TEXT, vision_config=SMALL_VISION,
-                                  mm_tokens_per_image=4)
-            text_encoder = Gemma3ForConditionalGeneration._from_config(config, dtype=dtype)
-            connectors = LTX2TextConnectors(**LTX2_CONNECTORS).to(dtype)
-            vae = AutoencoderKLLTX2Video(**LTX2_VIDEO_VAE).to(dtype)
-            audio_vae = AutoencoderKLLTX2Audio(**LTX2_AUDIO_VAE).to(dtype)
-            vocoder = LTX2Vocoder(**LTX2_VOCODER).to(dtype)
+        text_encoder, connectors, vae, audio_vae, vocoder = _dummy_side_modules(dtype, device)
     with torch.device("meta"):      # 19B parameters: allocated once, in dtype, on the device
         transformer = LTX2Transformer(LTX2Config())
     transformer = transformer.to(dtype).to_empty(device=device)
@@ -142,6 +131,37 @@ def dummy_components(name: str, dtype: torch.dtype, device: torch.device, seed: 
         transformer = DiffusersLTX2.from_ours(transformer)
     return LTX2Components(tokenizer, text_encoder.eval(), connectors.eval(), transformer.eval(),
                           vae.eval(), audio_vae.eval(), vocoder.eval(), LTX2_SCHEDULER)
+
+
+def dummy_parameter_count(name: str) -> int:
+    """The parameters dummy_components(name) allocates, counted on the meta device."""
+    _check_dummy_name(name)
+    meta = torch.device("meta")
+    with meta:
+        modules = [*_dummy_side_modules(torch.float32, meta), LTX2Transformer(LTX2Config())]
+    return count_parameters(modules)
+
+
+def _dummy_side_modules(dtype: torch.dtype, device: torch.device) -> list[nn.Module]:
+    """The text encoder, connectors, video VAE, audio VAE and vocoder, random, on `device`."""
+    from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    with torch.device(device):
+        config = Gemma3Config(text_config=GEMMA3_12B_TEXT, vision_config=SMALL_VISION,
+                              mm_tokens_per_image=4)
+        return [Gemma3ForConditionalGeneration._from_config(config, dtype=dtype),
+                to_dtype(LTX2TextConnectors(**LTX2_CONNECTORS), dtype),
+                to_dtype(AutoencoderKLLTX2Video(**LTX2_VIDEO_VAE), dtype),
+                to_dtype(AutoencoderKLLTX2Audio(**LTX2_AUDIO_VAE), dtype),
+                to_dtype(LTX2Vocoder(**LTX2_VOCODER), dtype)]
+
+
+def _check_dummy_name(name: str) -> None:
+    if name != "ltx2":
+        raise ValueError(f"unknown LTX-2 dummy {name!r}")
 
 
 def pick_impl(impl: str) -> str:

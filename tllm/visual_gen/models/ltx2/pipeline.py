@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from tllm.visual_gen.models.ltx2.conditioning import KeepCleanTokens, preprocess_image
-from tllm.visual_gen.models.ltx2.components import (LTX2Components, dummy_components,
-                                                    load_components)
+from tllm.visual_gen.models.ltx2.components import (
+    LTX2Components, dummy_components, dummy_parameter_count, load_components)
 from tllm.visual_gen.models.ltx2.guidance import LTX2Guidance, StreamScales
 from tllm.visual_gen.models.ltx2.rope import LTX2Rope, audio_positions, video_positions
 from tllm.visual_gen.models.ltx2.transformer import LTX2Inputs
@@ -110,6 +110,10 @@ class LTX2Pipeline(VideoPipeline):
     @classmethod
     def from_dummy(cls, name: str, dtype, device, seed: int = 0, transformer_impl="auto"):
         return cls(dummy_components(name, dtype, device, seed, transformer_impl))
+
+    @classmethod
+    def dummy_parameter_count(cls, name: str) -> int:
+        return dummy_parameter_count(name)
 
     # ---- generation ----
 

@@ -1,7 +1,8 @@
 """Qwen-Image's components around the denoising loop: tokenizer and text encoder (Qwen2.5-VL,
 from transformers), VAE (AutoencoderKLQwenImage, from diffusers) and the transformer (ours, or
-diffusers' as the reference), loaded from a diffusers folder, or built with random weights in
-the real models' shapes for `dummy:` names (benchmarks: speed does not depend on weights)."""
+diffusers' as the reference), loaded from a diffusers folder, or built with random weights for
+`dummy:` names: in the real models' shapes (benchmarks: speed does not depend on weights), or
+in tiny ones (a quick try on a CPU, and the tests)."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tllm.visual_gen.memory import count_parameters
+from tllm.visual_gen.models import to_dtype
 from tllm.visual_gen.schedulers import QWEN_IMAGE_SCHEDULER, FlowMatchConfig
 
 logger = logging.getLogger(__name__)
@@ -39,8 +42,20 @@ QWEN25_VL_7B = dict(
 # and writes RGBA.
 QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                       attn_scales=[], temperal_downsample=[False, True, True], dropout=0.0)
+# The tiny shapes the tests build folders of, and dummy:qwen-image-tiny's (a CPU runs them
+# in seconds): a 2-layer, 32-wide text encoder over a 400-token vocabulary, a VAE with 4x
+# downsampling to 4 channels (the transformer's is TINY_CONFIG in transformer.py).
+TINY_VAE = dict(base_dim=16, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                temperal_downsample=[False, True])
+TINY_TEXT_DIM = 32
+TINY_CORPUS = ("Describe the image by detailing the color, shape, size, texture, quantity, "
+               "text, spatial relationships of the objects and background: a cat holding a "
+               "sign that says hello world, a red fox in the snow, system user assistant")
+VISION_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 DUMMY_VAE = {"qwen-image": QWEN_IMAGE_VAE,
-             "qwen-image-layered": {**QWEN_IMAGE_VAE, "input_channels": 4}}
+             "qwen-image-layered": {**QWEN_IMAGE_VAE, "input_channels": 4},
+             "qwen-image-tiny": {**TINY_VAE, "latents_mean": [0.0] * 4,
+                                 "latents_std": [1.0] * 4}}
 
 # Text for the dummy tokenizer's merges: prompts then tokenize to a realistic-ish length.
 _DUMMY_CORPUS = (
@@ -97,30 +112,86 @@ def load_transformer(path: Path, dtype: torch.dtype, device: torch.device,
 
 def dummy_components(name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
                      transformer_impl: str = "auto") -> QwenImageComponents:
-    """Random components in the real shapes of `name` ("qwen-image", "qwen-image-layered"):
-    the 7B text encoder and the VAE as well as the 20B transformer, so it needs a GPU. The
-    tokenizer is a small byte-level BPE (the real one cannot be built offline)."""
+    """Random components in the shapes of `name`: "qwen-image" and "qwen-image-layered" are
+    the real models' (the 7B text encoder and the VAE as well as the 20B transformer, so they
+    need a GPU), "qwen-image-tiny" the tests' tiny ones. The tokenizer is a small byte-level
+    BPE (the real one cannot be built offline)."""
     if _pick_impl(transformer_impl) != "tllm":
         raise ValueError("dummy models need tllm's Qwen-Image transformer "
                          f"({_OUR_TRANSFORMER}), which is not available")
-    from diffusers import AutoencoderKLQwenImage
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
     from tllm.visual_gen.models.qwen_image import transformer as ours
 
-    tokenizer = byte_level_tokenizer(_DUMMY_CORPUS, vocab_size=1024)
+    tokenizer = dummy_tokenizer(name)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        with torch.device(device):
-            text_encoder = Qwen2_5_VLForConditionalGeneration._from_config(
-                Qwen2_5_VLConfig(**QWEN25_VL_7B), dtype=dtype)
-            vae = AutoencoderKLQwenImage(**DUMMY_VAE[name]).to(dtype)
+        text_encoder, vae = _dummy_encoder_and_vae(name, tokenizer, dtype, device)
     with torch.device("meta"):      # 20B parameters: allocate them once, in dtype
         transformer = ours.QwenImageTransformer(ours.dummy_transformer_config(name))
     transformer = transformer.to(dtype=dtype).to_empty(device=device)
     ours.init_dummy_weights(transformer, seed)
     return QwenImageComponents(tokenizer, text_encoder.eval(), vae.eval(), transformer.eval(),
                                QWEN_IMAGE_SCHEDULER)
+
+
+def dummy_parameter_count(name: str) -> int:
+    """The parameters dummy_components(name) allocates, counted on modules built on the meta
+    device (no memory, a fraction of a second)."""
+    from tllm.visual_gen.models.qwen_image import transformer as ours
+
+    meta = torch.device("meta")
+    with meta:
+        modules = [*_dummy_encoder_and_vae(name, dummy_tokenizer(name), torch.float32, meta),
+                   ours.QwenImageTransformer(ours.dummy_transformer_config(name))]
+    return count_parameters(modules)
+
+
+def dummy_tokenizer(name: str):
+    """The tiny models' 400-token vocabulary (with the vision tokens), or a 1024-token one."""
+    if name == "qwen-image-tiny":
+        return tiny_tokenizer()
+    return byte_level_tokenizer(_DUMMY_CORPUS, vocab_size=1024)
+
+
+def tiny_tokenizer():
+    """The tiny models' tokenizer: a 400-token byte-level BPE, and the vision tokens."""
+    tokenizer = byte_level_tokenizer(TINY_CORPUS, vocab_size=400)
+    tokenizer.add_tokens(VISION_TOKENS, special_tokens=True)
+    return tokenizer
+
+
+def tiny_text_encoder_config(tokenizer):
+    """A 2-layer, TINY_TEXT_DIM-wide Qwen2.5-VL (a 1-block vision tower) over `tokenizer`."""
+    from transformers import Qwen2_5_VLConfig
+
+    ids = {f"{name}_token_id": tokenizer.convert_tokens_to_ids(token) for name, token in
+           zip(("vision_start", "image", "vision_end", "video"), VISION_TOKENS)}
+    vocab_size = len(tokenizer)
+    return Qwen2_5_VLConfig(
+        **ids, vocab_size=vocab_size,
+        text_config=dict(hidden_size=TINY_TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, vocab_size=vocab_size,
+                         bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                          "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2,
+                           out_hidden_size=TINY_TEXT_DIM))
+
+
+def _dummy_encoder_and_vae(name: str, tokenizer, dtype: torch.dtype,
+                           device: torch.device) -> tuple[nn.Module, nn.Module]:
+    """The text encoder and VAE of dummy `name`, random, built on `device`."""
+    from diffusers import AutoencoderKLQwenImage
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    if name not in DUMMY_VAE:
+        raise ValueError(f"unknown Qwen-Image dummy {name!r}; choose one of "
+                         f"{', '.join(sorted(DUMMY_VAE))}")
+    config = (tiny_text_encoder_config(tokenizer) if name == "qwen-image-tiny"
+              else Qwen2_5_VLConfig(**QWEN25_VL_7B))
+    with torch.device(device):
+        text_encoder = Qwen2_5_VLForConditionalGeneration._from_config(config, dtype=dtype)
+        vae = to_dtype(AutoencoderKLQwenImage(**DUMMY_VAE[name]), dtype)
+    return text_encoder, vae
 
 
 def byte_level_tokenizer(corpus: str, vocab_size: int):

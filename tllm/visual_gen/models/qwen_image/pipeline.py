@@ -13,8 +13,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from tllm.visual_gen.models.qwen_image.components import (QwenImageComponents,
-                                                          dummy_components, load_components)
+from tllm.visual_gen.models.qwen_image.components import (
+    QwenImageComponents, dummy_components, dummy_parameter_count, load_components)
 from tllm.visual_gen.params import VisualGenParams, check
 from tllm.visual_gen.pipeline import (DenoiseHook, Guidance, ModelInputs, TextEmbeds,
                                       VisualGenOutput, VisualPipeline, image_seeds,
@@ -61,6 +61,10 @@ class QwenImagePipeline(VisualPipeline):
     def from_dummy(cls, name: str, dtype: torch.dtype, device: torch.device, seed: int = 0,
                    transformer_impl: str = "auto") -> QwenImagePipeline:
         return cls(dummy_components(name, dtype, device, seed, transformer_impl))
+
+    @classmethod
+    def dummy_parameter_count(cls, name: str) -> int:
+        return dummy_parameter_count(name)
 
     @property
     def size_multiple(self) -> int:

@@ -70,16 +70,22 @@ class QwenImageTransformerConfig:
         return self.patch_size ** 2 * (self.out_channels or self.in_channels)
 
 
+# A tiny shape (the tests' and dummy:qwen-image-tiny's): two layers, 32 wide, over 4-channel
+# latents and 32-wide text states.
+TINY_CONFIG = QwenImageTransformerConfig(
+    in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+    joint_attention_dim=32, axes_dims_rope=(8, 4, 4))
 DUMMY_CONFIGS = {
     "qwen-image": QwenImageTransformerConfig(),
     "qwen-image-layered": QwenImageTransformerConfig(use_additional_t_cond=True,
                                                      use_layer3d_rope=True),
+    "qwen-image-tiny": TINY_CONFIG,
 }
 
 
 def dummy_transformer_config(name: str) -> QwenImageTransformerConfig:
-    """The real shape of a released model ("qwen-image", "qwen-image-layered"), for dummy
-    weights."""
+    """The real shape of a released model ("qwen-image", "qwen-image-layered"), or the tiny
+    one ("qwen-image-tiny"), for dummy weights."""
     if name not in DUMMY_CONFIGS:
         raise ValueError(f"unknown Qwen-Image transformer {name!r}; choose one of "
                          f"{', '.join(sorted(DUMMY_CONFIGS))}")

@@ -4,11 +4,15 @@ still needs it. Over the engine double."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.server
+import threading
 
 import httpx
 import openai
 import pytest
 
+from tests.serve.browser import launch_browser
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.cli_args import add_serve_parser, server_config
 from tllm.serve.context import ServerConfig
@@ -105,6 +109,80 @@ def test_another_origin_gets_no_grant(cors):
     response = cors.post("/v1/chat/completions", json=CHAT,
                          headers={"Origin": "http://evil.example", **AUTH})
     assert "access-control-allow-origin" not in response.headers
+
+
+# ---- CORS from a real page ----
+
+# The page's script: a chat request with the key (a preflight first: Authorization and a JSON
+# body are not "simple"), answering the status and the X-Ignored-Fields header it can read.
+FETCH = """async ([url, key]) => {
+  try {
+    const response = await fetch(url + "/v1/chat/completions", {method: "POST",
+      headers: {"Content-Type": "application/json", ...(key ? {"Authorization": "Bearer " + key} : {})},
+      body: JSON.stringify({model: "org/fake", messages: [{role: "user", content: "hi"}],
+                            max_tokens: 2, verbosity: "low"})});
+    return {status: response.status, ignored: response.headers.get("X-Ignored-Fields"),
+            object: (await response.json()).object || null};
+  } catch (error) { return {error: String(error)}; }
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser():
+    yield from launch_browser()
+
+
+class _PageHandler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = b"<html><body>a client page</body></html>"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/html")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _page_origin():
+    """A second loopback server for the client's page: a page of another origin in the same
+    (loopback) address space, as a developer's web app beside the API is; Chromium keeps a
+    public page from reaching loopback whatever CORS says."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PageHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _page_at(browser, origin: str):
+    page = browser.new_page()
+    page.goto(f"{origin}/")
+    return page
+
+
+def test_a_page_of_an_allowed_origin_calls_the_api_in_chromium(browser):
+    with _page_origin() as allowed, _page_origin() as stranger:
+        with _serve(api_key=KEY, allowed_origins=(allowed,)) as server:
+            page = _page_at(browser, allowed)
+            answer = page.evaluate(FETCH, [server.base_url, KEY])
+            assert answer == {"status": 200, "ignored": "verbosity",
+                              "object": "chat.completion"}
+            refused = page.evaluate(FETCH, [server.base_url, None])  # readable: CORS headers
+            assert refused["status"] == 401                         # on the 401 too
+            blocked = _page_at(browser, stranger).evaluate(FETCH, [server.base_url, KEY])
+            assert "error" in blocked and "fetch" in blocked["error"].lower(), blocked
+
+
+def test_without_allowed_origins_chromium_blocks_the_page(browser):
+    with _page_origin() as origin, _serve(api_key=KEY) as server:
+        blocked = _page_at(browser, origin).evaluate(FETCH, [server.base_url, KEY])
+        assert "error" in blocked, blocked
 
 
 def _config(*argv: str) -> ServerConfig:

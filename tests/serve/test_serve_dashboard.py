@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
 import threading
 import time
 
@@ -13,16 +12,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.serve.browser import launch_browser
 from tests.serve.helpers import wait_until_idle
 from tllm.serve.context import ServerConfig
 from tllm.serve.http.metrics import WindowedCounter, WindowedQuantiles
 from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 COMPLETION = {"model": "fake", "prompt": "hello", "max_tokens": 20}
 
 
@@ -126,16 +122,7 @@ def test_stats_json_matches_metrics():
 
 @pytest.fixture(scope="module")
 def browser():
-    if not shutil.which(CHROMIUM):
-        if os.environ.get("CI"):
-            pytest.fail(f"{CHROMIUM} is missing (make setup installs it)")
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
-                                             headless=True)
-        yield browser
-        browser.close()
+    yield from launch_browser()
 
 
 def _number(page, stat: str) -> float:

@@ -49,7 +49,11 @@ def test_engine_dying_mid_request_ends_it_with_503(fake, stream):
     app = build_app(fake, ServerConfig(model="fake"))
     app.state.ctx.engine.liveness_interval_s = 0.05
     fake.token_delay_s = 0.02
-    threading.Timer(0.2, setattr, (fake, "is_alive", False)).start()
+    # The engine dies once the request has run a few steps (not after a fixed time: on a
+    # loaded machine the server may not have taken the request by then).
+    steps_before = fake.num_steps
+    threading.Thread(target=_kill_after_steps, args=(fake, steps_before + 5),
+                     daemon=True).start()
     with ServerThread(app) as server, httpx.Client(base_url=server.base_url) as client:
         body = {**COMPLETION, "max_tokens": 400, "stream": stream}
         response = client.post("/v1/completions", json=body, timeout=5)
@@ -59,6 +63,13 @@ def test_engine_dying_mid_request_ends_it_with_503(fake, stream):
             assert error["code"] == "engine_unavailable"
         else:
             assert_openai_error(response, 503)
+
+
+def _kill_after_steps(fake, num_steps: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while fake.num_steps < num_steps and time.monotonic() < deadline:
+        time.sleep(0.005)
+    fake.is_alive = False
 
 
 def test_stuck_engine_fails_health(http, fake):

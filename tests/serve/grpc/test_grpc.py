@@ -130,7 +130,7 @@ def test_proto_stubs_are_current(tmp_path):
     from tllm.serve.grpc.generate import generate
     assert generate(tmp_path) == 0
     from pathlib import Path
-    here = Path(__file__).resolve().parents[2] / "tllm/serve/grpc"
+    here = Path(__file__).resolve().parents[3] / "tllm/serve/grpc"
     for name in ("tllm_pb2.py", "tllm_pb2_grpc.py"):
         assert (tmp_path / "tllm/serve/grpc" / name).read_text() == (here / name).read_text()
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.serve.scripted import ScriptedLLM
-from tests.serve.test_serve_tools import ASK, TIME, WEATHER
+from tests.serve.openai.test_serve_tools import ASK, TIME, WEATHER
 from tllm.serve.openai.choice_stream import ChoiceStream, OutputFormat
 from tllm.serve.context import ServerConfig
 from tllm.serve.http.app import build_app

@@ -22,7 +22,7 @@ import pytest
 
 from tests.serve.conftest import LLM_KWARGS, MODEL
 from tests.serve.helpers import wait_until_idle
-from tests.serve.test_serve_abort import aborted_count, wait_for_aborted
+from tests.serve.openai.test_serve_abort import aborted_count, wait_for_aborted
 from tllm.llmapi.process_llm import ProcessLLM
 from tllm.serve.context import ServerConfig
 from tllm.serve.http.app import build_app

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.serve.scripted import ScriptedLLM
-from tests.serve.test_serve_tools import ASK, WEATHER
+from tests.serve.openai.test_serve_tools import ASK, WEATHER
 from tllm.serve.context import ServerConfig
 from tllm.serve.http.app import build_app
 from tllm.serve.openai.reasoning import REASONING_PARSERS, ReasoningStream, reasoning_parser

@@ -11,7 +11,7 @@ import pytest
 
 from tests.serve.scripted import ScriptedLLM
 from tests.serve.test_serve_cli_args import parse
-from tests.serve.test_serve_tools import ASK, WEATHER
+from tests.serve.openai.test_serve_tools import ASK, WEATHER
 from tllm.serve.cli_args import server_config
 from tllm.serve.context import ServerConfig
 from tllm.serve.http.app import build_app

@@ -15,7 +15,7 @@ from tllm.serve.context import ServerConfig
 from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
-SOAK = Path(__file__).parents[2] / "benchmarks" / "soak.py"
+SOAK = Path(__file__).parents[3] / "benchmarks" / "soak.py"
 
 
 def load_soak():

@@ -86,3 +86,31 @@ def test_mixed_load_keeps_both_replicas_busy(replicas):
     assert all(r["requests"] >= 4 for r in stats["replicas"]), stats
     round_robin = _run_router(replicas, "round_robin", bodies[:4])
     assert [r["requests"] for r in round_robin["replicas"]] == [2, 2]
+
+
+def test_the_request_id_goes_through_the_router():
+    """The client's X-Request-Id reaches the replica (so both logs name the request alike) and
+    comes back; without one the router makes one, and the replica gets that."""
+    from tllm.serve.context import ServerConfig
+    from tllm.serve.http.app import build_app
+    from tllm.serve.testing import FakeLLM
+
+    seen: list[str | None] = []
+    replica_app = build_app(FakeLLM(), ServerConfig(model="fake"))
+
+    @replica_app.middleware("http")
+    async def record_id(request, call_next):
+        seen.append(request.headers.get("x-request-id"))
+        return await call_next(request)
+
+    body = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+    with ServerThread(replica_app) as replica:
+        router = Router(RouterConfig([replica.base_url], policy="round_robin"))
+        with ServerThread(build_router_app(router)) as front:
+            given = httpx.post(front.base_url + "/v1/completions", json=body,
+                               headers={"X-Request-Id": "trace-42"}, timeout=30)
+            made = httpx.post(front.base_url + "/v1/completions", json=body, timeout=30)
+    assert given.status_code == made.status_code == 200, (given.text, made.text)
+    assert given.headers["x-request-id"] == "trace-42"
+    assert made.headers["x-request-id"].startswith("req-")
+    assert seen == ["trace-42", made.headers["x-request-id"]]

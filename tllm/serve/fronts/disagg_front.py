@@ -28,6 +28,7 @@ from tllm.log import add_log_args, configure_logging
 from tllm.serve.http.auth import install_api_key_guard
 from tllm.serve.fronts.disagg_config import DisaggFrontConfig
 from tllm.serve.disagg_worker import KV_SOURCE_HEADER
+from tllm.serve.http.request_ids import RequestIdMiddleware
 from tllm.serve.http.errors import APIError, install_error_handlers
 from tllm.serve.http.limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
                                     install_request_limits)
@@ -129,6 +130,7 @@ def build_front_app(front: DisaggFront, limits: HttpLimits = HttpLimits(),
     install_error_handlers(app)
     install_request_limits(app, limits)
     install_api_key_guard(app, front.config.api_key, protect_metrics)
+    app.add_middleware(RequestIdMiddleware)     # outermost: the id goes on upstream
     routes = APIRouter()
     for path in TEXT_ROUTES:
         routes.add_api_route(path, _forward(front, path), methods=["POST"])

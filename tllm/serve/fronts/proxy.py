@@ -15,6 +15,7 @@ import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tllm.log import REQUEST_ID
 from tllm.serve.context import SSE_DONE, sse
 from tllm.serve.http.errors import APIError, bad_request
 
@@ -29,6 +30,14 @@ def normalize_url(url: str) -> str:
     return url if "://" in url else f"http://{url}"
 
 
+async def _pass_request_id(request: httpx.Request) -> None:
+    """The client's request id (RequestIdMiddleware's) goes on to the server behind the
+    front, so one id names the request in every log on its way."""
+    request_id = REQUEST_ID.get()
+    if request_id is not None:
+        request.headers["X-Request-Id"] = request_id
+
+
 class Upstream:
     """One server behind a front: its client, requests in flight, and when it last failed."""
 
@@ -38,7 +47,8 @@ class Upstream:
         self.client = httpx.AsyncClient(
             base_url=self.url, headers=headers,
             timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            event_hooks={"request": [_pass_request_id]})
         self.num_in_flight = 0
         self.num_requests = 0
         self.num_failures = 0

@@ -27,7 +27,9 @@ from starlette.responses import JSONResponse, Response
 
 from tllm import __version__
 from tllm.cli_parser import FlagParser
+from tllm.log import add_log_args, configure_logging
 from tllm.serve.http.auth import install_api_key_guard
+from tllm.serve.http.request_ids import RequestIdMiddleware
 from tllm.serve.http.errors import install_error_handlers
 from tllm.serve.http.limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
                                     install_request_limits)
@@ -216,6 +218,7 @@ def build_router_app(router: Router, limits: HttpLimits = HttpLimits(),
     install_error_handlers(app)
     install_request_limits(app, limits)
     install_api_key_guard(app, router.config.api_key, protect_metrics)
+    app.add_middleware(RequestIdMiddleware)     # outermost: the id goes on upstream
     registry = CollectorRegistry()
     registry.register(_RouterCollector(router))
     routes = APIRouter()
@@ -278,9 +281,10 @@ def run_router(argv: list[str]) -> int:
                         help="with --api-key: /metrics and the docs need the key too")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--log-level", default="info")
+    add_log_args(parser)
     add_http_limit_args(parser.add_argument_group("connection limits"))
     args = parser.parse_args(argv)
+    configure_logging(args.log_level, args.log_format)
     tokenizer = None
     if args.model is not None:
         from tllm import loader

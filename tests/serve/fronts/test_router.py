@@ -4,6 +4,8 @@ aggregated replicas (real processes) behind the router: repeated prefixes go to 
 from __future__ import annotations
 
 import asyncio
+import json
+import time
 
 import httpx
 import pytest
@@ -114,3 +116,40 @@ def test_the_request_id_goes_through_the_router():
     assert given.headers["x-request-id"] == "trace-42"
     assert made.headers["x-request-id"].startswith("req-")
     assert seen == ["trace-42", made.headers["x-request-id"]]
+
+
+def test_a_stopping_router_drains_then_ends_open_streams_with_an_error_event():
+    """Shutdown through a front: new requests and /health get a 503, a short stream
+    finishes, a long one ends with an error event and [DONE] (not a cut connection), and the
+    replica aborts it."""
+    from tests.serve.helpers import assert_openai_error
+    from tests.serve.http.test_serve_shutdown import (LONG, assert_ended_with_error,
+                                                      stream_in_thread)
+    from tllm.serve.context import ServerConfig
+    from tllm.serve.http.app import build_app
+    from tllm.serve.testing import FakeLLM
+
+    llm = FakeLLM(token_delay_s=0.05)
+    with ServerThread(build_app(llm, ServerConfig(model="fake"))) as replica:
+        router = Router(RouterConfig([replica.base_url], policy="round_robin"))
+        front = ServerThread(build_router_app(router))
+        with front, httpx.Client(base_url=front.base_url, timeout=10) as idle:
+            assert idle.get("/health").status_code == 200
+            long, long_events = stream_in_thread(front.base_url, {**LONG, "max_tokens": 400})
+            short, short_events = stream_in_thread(front.base_url, {**LONG, "max_tokens": 8})
+            front.server.should_exit = True
+            deadline = time.monotonic() + 5
+            while (health := idle.get("/health")).status_code == 200:
+                assert time.monotonic() < deadline, "/health did not say it"
+            assert_openai_error(health, 503)
+            refused = idle.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert assert_openai_error(refused, 503)["code"] == "server_shutting_down"
+            short.join(10)
+            long.join(10)
+        deadline = time.monotonic() + 5
+        while llm.active and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert short_events[-1] == "[DONE]"
+    assert json.loads(short_events[-2])["choices"][0]["finish_reason"] == "length"
+    assert_ended_with_error(long_events)
+    assert not llm.active    # the replica aborted the long one when the front let go

@@ -29,11 +29,11 @@ from tllm.serve.http.auth import install_api_key_guard
 from tllm.serve.fronts.disagg_config import DisaggFrontConfig
 from tllm.serve.disagg_worker import KV_SOURCE_HEADER
 from tllm.serve.http.request_ids import RequestIdMiddleware
-from tllm.serve.http.errors import APIError, install_error_handlers
+from tllm.serve.http.errors import APIError, install_error_handlers, server_stopping
 from tllm.serve.http.limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
                                     install_request_limits)
-from tllm.serve.fronts.proxy import (Upstream, pick_least_loaded, read_json_body, relay,
-                              until_disconnect, upstream_error)
+from tllm.serve.fronts.proxy import (RelayDrain, Upstream, pick_least_loaded, read_json_body,
+                                     relay, until_disconnect, upstream_error)
 
 logger = logging.getLogger(__name__)
 TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -53,13 +53,17 @@ class DisaggFront:
         self._turns = itertools.count()
         self.num_disaggregated = 0
         self.num_whole = 0
+        self.drain = RelayDrain()   # what its server's shutdown waits for, then ends
 
     async def handle(self, request: Request, path: str) -> Response:
-        body = await read_json_body(request)
+        with self.drain.admit():
+            return await self._run(request, path, await read_json_body(request))
+
+    async def _run(self, request: Request, path: str, body: dict) -> Response:
         generation = pick_least_loaded(self.generation, next(self._turns))
         if _runs_whole(body):
             self.num_whole += 1
-            return await relay(request, generation, path, body)
+            return await relay(request, generation, path, body, self.drain)
         context = pick_least_loaded(self.context, next(self._turns))
         ctx_request_id = f"ctx-{uuid.uuid4().hex}"
         answer = await until_disconnect(request, context.post_json(
@@ -73,10 +77,12 @@ class DisaggFront:
         self.num_disaggregated += 1
         return await relay(request, generation, path, {**body, "disaggregated_params": {
             "request_type": "generation_only", "ctx_request_id": ctx_request_id,
-            "opaque_state": source_id}})
+            "opaque_state": source_id}}, self.drain)
 
     async def health(self) -> Response:
         """200 once some context and some generation server answer their /health."""
+        if self.drain.is_stopping:
+            raise server_stopping()
         down = []
         for kind, servers in (("context", self.context), ("generation", self.generation)):
             if not any([await _is_healthy(s) for s in servers]):
@@ -127,6 +133,7 @@ def build_front_app(front: DisaggFront, limits: HttpLimits = HttpLimits(),
     """The front's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
     app = FastAPI(title="tllm disaggregated front", version=__version__)
     app.state.front = front
+    app.state.drain = front.drain
     install_error_handlers(app)
     install_request_limits(app, limits)
     install_api_key_guard(app, front.config.api_key, protect_metrics)

@@ -6,10 +6,11 @@ connections time out after CONNECT_TIMEOUT_S and a dead peer's socket closes at 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
 
 import httpx
 from starlette.requests import Request
@@ -17,7 +18,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from tllm.log import REQUEST_ID
 from tllm.serve.context import SSE_DONE, sse
-from tllm.serve.http.errors import APIError, bad_request
+from tllm.serve.http.errors import APIError, bad_request, server_stopping
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
@@ -112,7 +113,42 @@ async def read_json_body(request: Request) -> dict:
     return body
 
 
-async def relay(request: Request, upstream: Upstream, path: str, body: dict) -> Response:
+class RelayDrain:
+    """A front's open requests, for its server's shutdown (http.server.Drain): once stopping,
+    new requests get a 503; streams still open when the grace time runs out end with an error
+    event and [DONE] instead of a cut connection (their upstream requests close, and the
+    servers behind abort them)."""
+
+    def __init__(self) -> None:
+        self._calls = 0                         # requests being handled (not yet answered)
+        self._streams: set[_RelayedStream] = set()
+        self.is_stopping = False
+
+    @property
+    def num_open(self) -> int:
+        return self._calls + len(self._streams)
+
+    def stop_admitting(self) -> None:
+        self.is_stopping = True
+
+    def end_open(self) -> None:
+        for stream in list(self._streams):
+            stream.stop()
+
+    @contextlib.contextmanager
+    def admit(self) -> Iterator[None]:
+        """Around the handling of one request: a 503 once stopping, else counted as open."""
+        if self.is_stopping:
+            raise server_stopping()
+        self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+
+
+async def relay(request: Request, upstream: Upstream, path: str, body: dict,
+                drain: RelayDrain | None = None) -> Response:
     """POST the body upstream and answer the client with what comes back: the JSON as it is,
     or its event stream relayed as it arrives (closed upstream when the client leaves, so the
     server aborts the request)."""
@@ -138,20 +174,65 @@ async def relay(request: Request, upstream: Upstream, path: str, body: dict) -> 
             await response.aclose()
         return Response(content, status_code=response.status_code,
                         media_type=response.headers.get("content-type"))
-    return StreamingResponse(_relay_events(upstream, response), media_type="text/event-stream",
+    stream = _RelayedStream(upstream, response, drain)
+    return StreamingResponse(stream.events(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _relay_events(upstream: Upstream, response: httpx.Response) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in response.aiter_raw():
-            yield chunk
-    except httpx.HTTPError as exc:     # the server died mid-stream
-        error = upstream.unavailable(exc)
-        yield (sse(error.body()) + SSE_DONE).encode()
-    finally:
-        upstream.num_in_flight -= 1
-        await response.aclose()
+_STOP = object()    # the drain ends the stream
+_END = object()     # the upstream stream ended
+
+
+class _RelayedStream:
+    """One upstream event stream relayed to a client. A reader task pumps the upstream's
+    chunks through a short queue (back-pressure kept), so the drain can end the stream
+    between chunks without cancelling what starlette is sending."""
+
+    def __init__(self, upstream: Upstream, response: httpx.Response,
+                 drain: RelayDrain | None) -> None:
+        self.upstream = upstream
+        self.response = response
+        self.drain = drain
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=64)
+        self.stopping = False
+
+    def stop(self) -> None:
+        self.stopping = True
+        with contextlib.suppress(asyncio.QueueFull):
+            self.queue.put_nowait(_STOP)
+
+    async def _pump(self) -> None:
+        try:
+            async for chunk in self.response.aiter_raw():
+                await self.queue.put(chunk)
+            await self.queue.put(_END)
+        except httpx.HTTPError as exc:      # the server died mid-stream
+            await self.queue.put(exc)
+
+    async def events(self) -> AsyncIterator[bytes]:
+        if self.drain is not None:
+            self.drain._streams.add(self)
+        reader = asyncio.create_task(self._pump())
+        try:
+            while True:
+                item = await self.queue.get()
+                if item is _STOP or self.stopping:
+                    yield (sse(server_stopping().body()) + SSE_DONE).encode()
+                    return
+                if item is _END:
+                    return
+                if isinstance(item, httpx.HTTPError):
+                    yield (sse(self.upstream.unavailable(item).body()) + SSE_DONE).encode()
+                    return
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            if self.drain is not None:
+                self.drain._streams.discard(self)
+            self.upstream.num_in_flight -= 1
+            await self.response.aclose()
 
 
 async def until_disconnect(request: Request, call: Awaitable[T]) -> T:

@@ -30,11 +30,12 @@ from tllm.cli_parser import FlagParser
 from tllm.log import add_log_args, configure_logging
 from tllm.serve.http.auth import install_api_key_guard
 from tllm.serve.http.request_ids import RequestIdMiddleware
-from tllm.serve.http.errors import install_error_handlers
+from tllm.serve.http.errors import install_error_handlers, server_stopping
 from tllm.serve.http.limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
                                     install_request_limits)
 from tllm.serve.http.metrics import CONTENT_TYPE_LATEST
-from tllm.serve.fronts.proxy import Upstream, pick_least_loaded, read_json_body, relay
+from tllm.serve.fronts.proxy import (RelayDrain, Upstream, pick_least_loaded, read_json_body,
+                                     relay)
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -111,14 +112,16 @@ class Router:
         self._turns = itertools.count()
         # one tokenizing thread: HF tokenizers are not reentrant
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tllm-router-tokenize")
+        self.drain = RelayDrain()   # what its server's shutdown waits for, then ends
 
     async def handle(self, request: Request, path: str) -> Response:
-        body = await read_json_body(request)
-        # hashed under every policy, so that their hit rates compare
-        tokens, block_size = await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, self._prompt_tokens, body)
-        index = self.choose(block_hashes(tokens, block_size))
-        return await relay(request, self.replicas[index], path, body)
+        with self.drain.admit():
+            body = await read_json_body(request)
+            # hashed under every policy, so that their hit rates compare
+            tokens, block_size = await asyncio.get_running_loop().run_in_executor(
+                self._tokenize_pool, self._prompt_tokens, body)
+            index = self.choose(block_hashes(tokens, block_size))
+            return await relay(request, self.replicas[index], path, body, self.drain)
 
     def choose(self, hashes: list[int]) -> int:
         """The replica for a prompt with these block hashes (and count it)."""
@@ -215,6 +218,7 @@ def build_router_app(router: Router, limits: HttpLimits = HttpLimits(),
     """The router's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
     app = FastAPI(title="tllm router", version=__version__)
     app.state.router = router
+    app.state.drain = router.drain
     install_error_handlers(app)
     install_request_limits(app, limits)
     install_api_key_guard(app, router.config.api_key, protect_metrics)
@@ -231,6 +235,8 @@ def build_router_app(router: Router, limits: HttpLimits = HttpLimits(),
 
     @routes.get("/health")
     async def health() -> Response:
+        if router.drain.is_stopping:
+            raise server_stopping()
         for replica in router.replicas:
             try:
                 if (await replica.client.get("/health", timeout=2.0)).status_code == 200:

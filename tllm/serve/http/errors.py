@@ -114,6 +114,11 @@ def from_error_list(errors, is_body_loc: bool = False) -> APIError:
     return bad_request(f"{param}: {message}" if param else message, param=param)
 
 
+def server_stopping() -> APIError:
+    return APIError(503, "the server is shutting down", code="server_shutting_down",
+                    headers={"Retry-After": "1"})
+
+
 def internal_error(exc: BaseException) -> APIError:
     """A 500 that tells the client a request id and nothing of the exception; the exception
     and its traceback go to the log under that id."""

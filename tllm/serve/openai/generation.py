@@ -19,7 +19,7 @@ from tllm.guided.probe import UnsatisfiableGrammarError
 from tllm.llmapi.process_llm import EngineDeadError
 from tllm.outputs import CompletionDelta, PositionLogprobs
 from tllm.sampling_params import SamplingParams
-from tllm.serve.http.errors import APIError, from_value_error
+from tllm.serve.http.errors import APIError, from_value_error, server_stopping
 from tllm.serve.http.metrics import RequestTracker, ServerMetrics
 from tllm.serve.http.supervisor import EngineSupervisor
 
@@ -205,11 +205,6 @@ def _client_error(exc: Exception) -> APIError | None:
 def engine_stopped() -> APIError:
     return APIError(503, "the engine stopped while this request was running",
                     code="engine_unavailable")
-
-
-def server_stopping() -> APIError:
-    return APIError(503, "the server is shutting down", code="server_shutting_down",
-                    headers={"Retry-After": "1"})
 
 
 # The default cap on one request's sequences: twice OpenAI's largest n (128), so two prompts

@@ -100,6 +100,26 @@ class ToolParser:
         raise NotImplementedError
 
 
+class WholeCallsToolParser(ToolParser):
+    """A format whose calls open with one of MARKERS and are streamed whole, once each is
+    written (`_calls` reads the whole calls at the start of a text)."""
+
+    MARKERS: tuple[str, ...] = ()
+
+    def calls_start(self, text):
+        found = [at for marker in self.MARKERS
+                 if (at := tail_is_prefix(text, marker)) is not None]
+        return min(found, default=None)
+
+    def partial_calls(self, text):
+        start = self.calls_start(text)
+        calls = self._calls(text[start:]) if start is not None else []
+        return [PartialCall(call.name, call.arguments, True) for call in calls]
+
+    def _calls(self, text: str) -> list[ParsedCall]:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     """The tools a request offers and how it chooses among them, as chat completions and

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import re
 
-from tllm.serve.openai.tool_calls import (JSON_ERRORS, ParsedCall, PartialCall, ToolParser, call_of,
-                                   calls_of, scan_array, scan_call, tail_is_prefix)
+from tllm.serve.openai.tool_calls import (JSON_ERRORS, ParsedCall, PartialCall, ToolParser,
+                                          WholeCallsToolParser, call_of, calls_of, scan_array,
+                                          scan_call, tail_is_prefix)
 from tllm.serve.openai.tool_parsers_code import PythonicToolParser, Qwen3CoderToolParser
 
 _SEMICOLON = re.compile(r"\s*;")
@@ -123,7 +124,7 @@ class MistralToolParser(ToolParser):
 
 
 
-class DeepSeekV3ToolParser(ToolParser):
+class DeepSeekV3ToolParser(WholeCallsToolParser):
     """DeepSeek-V3: `<｜tool▁calls▁begin｜>`, then per call `<｜tool▁call▁begin｜>function
     <｜tool▁sep｜>NAME` and the arguments in a ```json block, `<｜tool▁call▁end｜>`; V3.1's
     `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>` too. (The bars and the
@@ -132,6 +133,7 @@ class DeepSeekV3ToolParser(ToolParser):
 
     name = "deepseek_v3"
     CALLS_BEGIN, CALL_BEGIN = "<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"
+    MARKERS = (CALLS_BEGIN, CALL_BEGIN)
     _CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)<｜tool▁call▁end｜>",
                        re.DOTALL)
     _NAME_AND_BLOCK = re.compile(r"\s*([^\n`]+?)\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
@@ -144,16 +146,6 @@ class DeepSeekV3ToolParser(ToolParser):
         if not calls or len(calls) != text.count(self.CALL_BEGIN, start):
             return text, []     # no call, or one left open or malformed
         return (text[:start].strip() or None), calls
-
-    def calls_start(self, text):
-        found = [at for marker in (self.CALLS_BEGIN, self.CALL_BEGIN)
-                 if (at := tail_is_prefix(text, marker)) is not None]
-        return min(found, default=None)
-
-    def partial_calls(self, text):
-        start = self.calls_start(text)
-        calls = self._calls(text[start:]) if start is not None else []
-        return [PartialCall(call.name, call.arguments, True) for call in calls]
 
     def _calls(self, text: str) -> list[ParsedCall]:
         """The whole calls in text, up to the first that does not parse."""

@@ -13,11 +13,11 @@ from typing import Any
 
 from tllm.serve.openai.protocol import FunctionDefinition
 from tllm.serve.openai.tool_calls import (JSON_ERRORS, ParsedCall, PartialCall, ToolParser,
-                                   json_text, tail_is_prefix)
+                                          WholeCallsToolParser, json_text, tail_is_prefix)
 
 
 @dataclass(frozen=True)
-class Qwen3CoderToolParser(ToolParser):
+class Qwen3CoderToolParser(WholeCallsToolParser):
     """Qwen3-Coder: `<tool_call><function=NAME><parameter=ARG>value</parameter>...
     </function></tool_call>` after any text. Values are text: the offered function's schema
     says which are numbers, booleans, objects (`functions`, given per request)."""
@@ -40,16 +40,6 @@ class Qwen3CoderToolParser(ToolParser):
         if not calls or len(calls) != text.count("<function=", start):
             return text, []     # no call, or one left open or malformed
         return (text[:start].strip() or None), calls
-
-    def calls_start(self, text):
-        found = [at for marker in self.MARKERS
-                 if (at := tail_is_prefix(text, marker)) is not None]
-        return min(found, default=None)
-
-    def partial_calls(self, text):
-        start = self.calls_start(text)
-        calls = self._calls(text[start:]) if start is not None else []
-        return [PartialCall(call.name, call.arguments, True) for call in calls]
 
     def _calls(self, text: str) -> list[ParsedCall]:
         """The whole calls in text, up to the first that does not parse."""

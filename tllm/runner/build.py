@@ -175,8 +175,8 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     spec = model.kv_cache_spec
     layout = kv_cache_layout(spec, kv_config.enable_sliding_window_savings)
     kv_dtype = kv_cache_dtype(kv_config, dtype, model)
-    layer_bytes_per_token = (2 * spec.num_kv_heads * spec.head_dim
-                             * torch.empty((), dtype=kv_dtype).element_size())
+    layer_bytes_per_token = spec.bytes_per_token(
+        torch.empty((), dtype=kv_dtype).element_size())
     # a block id holds a block in every slot (with one group, every layer)
     block_bytes = block * layout.num_slots * layer_bytes_per_token
     if kv_config.max_tokens is not None:  # the memory of that many tokens of every layer
@@ -201,7 +201,8 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
                           host_cache_blocks=kv_config.host_cache_size // block_bytes,
                           disk_cache_dir=kv_config.disk_cache_dir,
                           disk_cache_blocks=kv_config.disk_cache_size // block_bytes,
-                          layout=layout, max_step_tokens=args.max_num_tokens)
+                          layout=layout, max_step_tokens=args.max_num_tokens,
+                          keys_only=spec.keys_only)
 
 
 def kv_cache_layout(spec: KVCacheSpec, window_savings: bool) -> KVCacheLayout:

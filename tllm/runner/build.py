@@ -160,7 +160,7 @@ def verify_query_len(args: LlmArgs) -> int | None:
     speculation runs without hidden-state capture and k drafts fit the decode kernel."""
     from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES  # CUDA only
     spec = args.speculative_config
-    if spec is None or spec.decoding_type == "Eagle":  # EAGLE-3 reads hidden states: eager
+    if spec is None or spec.decoding_type in ("Eagle", "MTP"):  # hidden states: eager
         return None
     query_len = 1 + spec.max_draft_len
     return query_len if query_len <= MAX_DECODE_QUERIES else None

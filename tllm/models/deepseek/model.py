@@ -6,7 +6,8 @@ Checkpoint names are HF's: `self_attn.{q_proj | q_a_proj, q_a_layernorm, q_b_pro
 kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj`, `mlp.gate.weight`,
 `mlp.gate.e_score_correction_bias` (V3), `mlp.experts...` (per expert or stacked, as Mixtral
 loads them), `mlp.shared_experts.*`. A V3 checkpoint's multi-token-prediction layers
-(`layers.<num_hidden_layers>.*`) are skipped."""
+(`layers.<num_hidden_layers>.*`) are skipped here; MTPDecodingConfig loads the first
+as a drafter (mtp.py)."""
 from __future__ import annotations
 
 from tllm.attention.interface import AttentionBackend, AttentionOptions, KVCacheSpec

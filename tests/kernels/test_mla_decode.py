@@ -24,17 +24,27 @@ def decode_batch(prefix_lens, num_heads, latent_dim, rope_dim, tokens_per_block,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,latent_dim,rope_dim,tokens_per_block",
                          [(4, 32, 8, 4), (20, 64, 16, 16)])
+@pytest.mark.parametrize("num_splits", [1, 3])
 def test_kernel_matches_reference(device, dtype, num_heads, latent_dim, rope_dim,
-                                  tokens_per_block):
+                                  tokens_per_block, num_splits):
     # lengths across tile edges, a one-token context among them
     q, cache, m = decode_batch([0, 45, 16, 70], num_heads, latent_dim, rope_dim,
                                tokens_per_block, dtype, device)
     scale = (latent_dim // 2 + rope_dim) ** -0.5
     out = torch.full((q.shape[0], num_heads, latent_dim), float("nan"), dtype=dtype,
                      device=device)
-    mla_decode_attention(q, cache, m.block_tables, m.seq_lens, latent_dim, scale, out=out)
+    mla_decode_attention(q, cache, m.block_tables, m.seq_lens, latent_dim, scale,
+                         m.max_seq_len, num_splits, m.query_start_loc, out=out)
     ref = mla_decode_ref(q, cache, m.block_tables, m.seq_lens, latent_dim, scale)
     assert relative_error(out, ref) < TOL[dtype]
+
+
+def test_splits_chosen_for_one_sequence(device):
+    """Batch 1: the context is split over programs (merged by log-sum-exp)."""
+    q, cache, m = decode_batch([600], 4, 32, 8, 16, torch.float32, device)
+    out = mla_decode_attention(q, cache, m.block_tables, m.seq_lens, 32, 0.2)
+    ref = mla_decode_ref(q, cache, m.block_tables, m.seq_lens, 32, 0.2)
+    assert relative_error(out, ref) < 1e-5
 
 
 def test_torch_path_matches_reference():

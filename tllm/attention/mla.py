@@ -103,7 +103,8 @@ class MlaAttentionBackend:
             from tllm.kernels.triton.mla_decode import mla_decode_attention
             write_latent_cache(entry, cache, metadata.slot_mapping)
             return mla_decode_attention(q, cache, metadata.block_tables, metadata.seq_lens,
-                                        self.latent_dim, self.scale)
+                                        self.latent_dim, self.scale, metadata.max_seq_len,
+                                        query_start_loc=metadata.query_start_loc)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             # the plan is built on the host from this step's lengths: a graph would replay
             # a stale one (the engine turns decode graphs off on this error)

@@ -68,18 +68,27 @@ def test_greedy_matches_hf_in_continuous_batch(tiny_deepseek):
         check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
 
 
-def test_cache_holds_latents_only(tiny_deepseek):
-    """One tensor per layer, one head of kv_lora_rank + rope dims per token."""
-    from tllm import LLM, KvCacheConfig
+def test_cached_latents_are_reused(tiny_deepseek):
+    """One tensor per layer, one head of kv_lora_rank + rope dims per token; a prompt sent
+    again reads its prefix's latents from the cache and still gives HF's tokens."""
+    from tllm import LLM, KvCacheConfig, SamplingParams
     path, hf_model = tiny_deepseek
     config = hf_model.config
+    prompt = make_prompts(config.vocab_size)[7]
+    ref_tokens, _ = hf_greedy(hf_model, prompt, 4)
+    params = SamplingParams(max_tokens=4, temperature=0)
     with LLM(str(path), kv_cache_config=KvCacheConfig(tokens_per_block=4,
-                                                      max_tokens=64)) as llm:
+                                                      max_tokens=256)) as llm:
         kv = llm._engine.kv_cache
         assert len(kv.kv_caches) == config.num_hidden_layers
         for k, v in kv.kv_caches:
             assert v is k
             assert k.shape[2:] == (1, config.kv_lora_rank + config.qk_rope_head_dim)
+        for _ in range(2):
+            out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+            assert out.outputs[0].token_ids == ref_tokens
+        # every full block but the one holding the last prompt token (recomputed)
+        assert llm.get_kv_cache_stats()["blocks_reused"] == (len(prompt) - 1) // 4
 
 
 # the published totals: 15.7B (DeepSeek-V2-Lite), "16B" (Moonlight-16B-A3B: 15.96B here)

@@ -62,3 +62,12 @@ def test_bad_groups_are_refused():
         GroupedRouting(top_k=2, num_groups=4, topk_group=5).check(16)
     with pytest.raises(ValueError, match="topk_method"):
         v2_routing(type("C", (), {"topk_method": "noaux_tc", "num_experts_per_tok": 2})())
+
+
+def test_which_layers_have_experts():
+    from types import SimpleNamespace
+    from tllm.models.deepseek.moe import is_moe_layer
+    config = SimpleNamespace(n_routed_experts=8, first_k_dense_replace=1, moe_layer_freq=2)
+    assert [is_moe_layer(config, i) for i in range(6)] == [False, False, True, False, True,
+                                                           False]
+    assert not is_moe_layer(SimpleNamespace(n_routed_experts=None), 3)

@@ -60,3 +60,11 @@ def test_module_holds_the_checkpoint_tensors(tiny_v3_with_mtp):
         assert torch.equal(head.block.self_attn.kv_b_proj.weight,
                            tensors["model.layers.3.self_attn.kv_b_proj.weight"])
         assert head.embed_tokens is llm._engine.executor.runner.model.embed_tokens
+
+
+def test_a_checkpoint_without_the_module_is_refused(tmp_path):
+    from tllm import LLM
+    make_tiny_deepseek("DeepseekV3", tmp_path)
+    with pytest.raises(ValueError, match="no MTP module"):
+        LLM(str(tmp_path), speculative_config=MTPDecodingConfig(max_draft_len=1),
+            kv_cache_config={"max_tokens": 256})

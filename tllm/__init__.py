@@ -11,8 +11,8 @@ if TYPE_CHECKING:
     from tllm.llmapi.llm import LLM
     from tllm.config import (CapacitySchedulerPolicy, CudaGraphConfig,
                                       DraftTargetDecodingConfig, EagleDecodingConfig,
-                                      KvCacheConfig, LlmArgs, NGramDecodingConfig,
-                                      SchedulerConfig)
+                                      KvCacheConfig, LlmArgs, MTPDecodingConfig,
+                                      NGramDecodingConfig, SchedulerConfig)
     from tllm.lora.request import LoRARequest
     from tllm.outputs import CompletionOutput, Logprob, RequestOutput
     from tllm.sampling_params import GuidedDecodingParams, SamplingParams
@@ -28,6 +28,7 @@ _EXPORTS = {
     "NGramDecodingConfig": "tllm.config",
     "DraftTargetDecodingConfig": "tllm.config",
     "EagleDecodingConfig": "tllm.config",
+    "MTPDecodingConfig": "tllm.config",
     "SamplingParams": "tllm.sampling_params", "GuidedDecodingParams": "tllm.sampling_params",
     "RequestOutput": "tllm.outputs", "CompletionOutput": "tllm.outputs", "Logprob": "tllm.outputs",
     "VisualGen": "tllm.visual_gen", "VisualGenParams": "tllm.visual_gen",

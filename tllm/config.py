@@ -140,6 +140,13 @@ class EagleDecodingConfig(_SpeculativeConfig):
     eagle3_layers_to_capture: tuple[int, ...] | None = None
 
 
+class MTPDecodingConfig(_SpeculativeConfig):
+    """DeepSeek-V3's multi-token-prediction module (the target checkpoint's layer
+    `num_hidden_layers`) drafts from the target's final hidden states, then from its own."""
+
+    decoding_type: Literal["MTP"] = "MTP"
+
+
 class DisaggConfig(BaseModel):
     """Disaggregated serving (tllm.disagg): this engine is a context server (prefills
     requests and keeps their KV blocks for a generation server to fetch) or a generation
@@ -224,16 +231,17 @@ class AllReduceConfig(BaseModel):
         return self
 
 
-SpeculativeConfig = Union[NGramDecodingConfig, DraftTargetDecodingConfig, EagleDecodingConfig]
+SpeculativeConfig = Union[NGramDecodingConfig, DraftTargetDecodingConfig, EagleDecodingConfig,
+                          MTPDecodingConfig]
 
 
 def parse_speculative_config(data: dict) -> SpeculativeConfig:
     """A speculative config from a plain dict (a YAML file): `decoding_type` picks the class
-    (NGram, DraftTarget, Eagle)."""
+    (NGram, DraftTarget, Eagle, MTP)."""
     if not isinstance(data, dict):
         raise ValueError(f"speculative_config: expected a mapping, got {type(data).__name__}")
     kinds = {"NGram": NGramDecodingConfig, "DraftTarget": DraftTargetDecodingConfig,
-             "Eagle": EagleDecodingConfig}
+             "Eagle": EagleDecodingConfig, "MTP": MTPDecodingConfig}
     kind = data.get("decoding_type")
     if kind not in kinds:
         raise ValueError(f"speculative_config.decoding_type: one of {sorted(kinds)}, "

@@ -97,7 +97,9 @@ class DecodePrefix:
                             metadata.query_start_loc[count:] - count, max(lens[count:]))
 
 
-KVCache = tuple[torch.Tensor, torch.Tensor]  # [num_blocks, tokens_per_block, kv_heads, head_dim]
+# [num_blocks, tokens_per_block, kv_heads, head_dim]; a keys-only cache (KVCacheSpec) holds
+# the same tensor twice
+KVCache = tuple[torch.Tensor, torch.Tensor]
 NO_KV_SCALES = (1.0, 1.0)
 
 
@@ -107,13 +109,24 @@ class KVCacheSpec:
     layer, each token with num_kv_heads x head_dim values. `layer_windows` gives every
     model layer's sliding window (all pipeline stages; None: full attention; empty: all
     full), so the cache can drop the blocks a window has passed; this rank's layers are
-    `num_layers` from `first_layer` on."""
+    `num_layers` from `first_layer` on. `keys_only`: one tensor per layer, whose "key" is
+    all a token stores and the value is read from it (MLA's latent cache: kv_lora_rank +
+    rope dims, one head); the pair's value is then the key tensor itself."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     layer_windows: tuple[int | None, ...] = ()
     first_layer: int = 0
+    keys_only: bool = False
+
+    @property
+    def tensors_per_layer(self) -> int:
+        return 1 if self.keys_only else 2
+
+    def bytes_per_token(self, element_size: int) -> int:
+        """What one token costs in one layer's cache."""
+        return self.tensors_per_layer * self.num_kv_heads * self.head_dim * element_size
 
 
 @dataclass(frozen=True)

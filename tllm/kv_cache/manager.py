@@ -28,7 +28,7 @@ from tllm.kv_cache.groups import (KVCacheLayout, first_live_block, plan_layout,
                                   window_peak_blocks)
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
 from tllm.kv_cache.prefix import PrefixHit, PrefixIndex, chain_hash, group_key
-from tllm.kv_cache.transfer import DisaggBlockTransfer
+from tllm.kv_cache.transfer import DisaggBlockTransfer, stored_tensors
 from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
@@ -65,7 +65,8 @@ class _Swapped:
 class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
     """Owns the (key, value) tensors, each shaped [num_blocks, tokens_per_block,
     num_kv_heads, head_dim]: one pair per layer, or with several groups one pair per slot
-    (`kv_caches` lists each layer's pair either way).
+    (`kv_caches` lists each layer's pair either way). With `keys_only` a pair holds one
+    tensor twice (KVCacheSpec.keys_only): half the memory, the same interface.
 
     With `reserve_full_generation` (GUARANTEED_NO_EVICT) admission reserves every block a
     request could need, so a running request never runs out; without it (MAX_UTILIZATION)
@@ -79,7 +80,7 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
                  enable_block_reuse: bool = True, reserve_full_generation: bool = True,
                  host_cache_blocks: int = 0, disk_cache_dir: str | None = None,
                  disk_cache_blocks: int = 0, layout: KVCacheLayout | None = None,
-                 max_step_tokens: int | None = None) -> None:
+                 max_step_tokens: int | None = None, keys_only: bool = False) -> None:
         self.tokens_per_block = tokens_per_block
         self.reserve_full_generation = reserve_full_generation
         self.layout = layout or plan_layout(num_layers)
@@ -93,9 +94,11 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         shape = (num_blocks, tokens_per_block, num_kv_heads, head_dim)
         # (Not written here: on a CPU, writing a pool of gigabytes costs seconds of start-up,
         # so its pages join the resident memory as steps first touch them.)
-        self.slot_caches = [(torch.empty(shape, dtype=dtype, device=device),
-                             torch.empty(shape, dtype=dtype, device=device))
-                            for _ in range(self.layout.num_slots)]
+        # keys only (MLA's latent cache): the pair's value is the key tensor itself
+        self.slot_caches = []
+        for _ in range(self.layout.num_slots):
+            k = torch.empty(shape, dtype=dtype, device=device)
+            self.slot_caches.append((k, k if keys_only else torch.empty_like(k)))
         self.kv_caches = [self.slot_caches[s] for s in self.layout.layer_slots]
         self.host_capacity_blocks = host_cache_blocks
         disk = DiskBlockStore(disk_cache_dir, disk_cache_blocks) if disk_cache_dir else None
@@ -110,9 +113,9 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
                 raise ValueError("a KV cache with sliding-window groups needs at least two "
                                  f"blocks (one is the null block), got {num_blocks}")
             [self.null_block] = self.pool.allocate(1)  # held forever
-            for k, v in self.slot_caches:  # kernels may load it; it must hold numbers
-                k[self.null_block].zero_()
-                v[self.null_block].zero_()
+            for pair in self.slot_caches:  # kernels may load it; it must hold numbers
+                for cache in stored_tensors(pair):
+                    cache[self.null_block].zero_()
         self.stats = KVCacheStats()
         self._tables: dict[str, BlockTable] = {}
         self._num_reserved = 0
@@ -449,15 +452,15 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         self.stats.blocks_offloaded += 1
 
     def _read_block(self, block_id: int) -> torch.Tensor:
-        """[num_slots, 2, tokens_per_block, kv_heads, head_dim]"""
-        return torch.stack([torch.stack((k[block_id], v[block_id]))
-                            for k, v in self.slot_caches])
+        """[num_slots, 2 (1: keys only), tokens_per_block, kv_heads, head_dim]"""
+        return torch.stack([torch.stack([cache[block_id] for cache in stored_tensors(pair)])
+                            for pair in self.slot_caches])
 
     def _write_block(self, block_id: int, data: torch.Tensor) -> None:
         data = data.to(self.slot_caches[0][0].device, non_blocking=True)
-        for slot, (k, v) in enumerate(self.slot_caches):
-            k[block_id].copy_(data[slot, 0])
-            v[block_id].copy_(data[slot, 1])
+        for slot, pair in enumerate(self.slot_caches):
+            for i, cache in enumerate(stored_tensors(pair)):
+                cache[block_id].copy_(data[slot, i])
 
     def stats_dict(self) -> dict[str, float]:
         out = asdict(self.stats)

@@ -32,13 +32,20 @@ class ImportedKV(Protocol):
         """The request ended before its KV was written: drop it (and tell its source)."""
 
 
+def stored_tensors(pair: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The tensors a layer's (key, value) pair really holds: one for a keys-only cache,
+    whose value is the key tensor itself (MLA's latent cache)."""
+    k, v = pair
+    return (k,) if v is k else (k, v)
+
+
 def read_blocks(slot_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 block_ids: list[int]) -> torch.Tensor:
-    """Blocks as one tensor [num_blocks, num_slots, 2, tokens_per_block, kv_heads, head_dim]
-    on the cache's device."""
+    """Blocks as one tensor [num_blocks, num_slots, 2 (1: keys only), tokens_per_block,
+    kv_heads, head_dim] on the cache's device."""
     index = torch.tensor(block_ids, dtype=torch.long, device=slot_caches[0][0].device)
-    return torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index)), 1)
-                        for k, v in slot_caches], 1)
+    return torch.stack([torch.stack([c.index_select(0, index) for c in stored_tensors(pair)],
+                                    1) for pair in slot_caches], 1)
 
 
 def write_blocks(slot_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids: list[int],
@@ -48,15 +55,16 @@ def write_blocks(slot_caches: list[tuple[torch.Tensor, torch.Tensor]], block_ids
     device = slot_caches[0][0].device
     index = torch.tensor(block_ids, dtype=torch.long, device=device)
     data = data.to(device, non_blocking=True)
-    for slot, (k, v) in enumerate(slot_caches):
-        k.index_copy_(0, index, data[:, slot, 0])
-        v.index_copy_(0, index, data[:, slot, 1])
+    for slot, pair in enumerate(slot_caches):
+        for i, cache in enumerate(stored_tensors(pair)):
+            cache.index_copy_(0, index, data[:, slot, i])
 
 
 def block_shape(kv_cache: KVCacheManager) -> tuple[int, ...]:
-    """One block of every slot: [num_slots, 2, tokens_per_block, kv_heads, head_dim]."""
-    k = kv_cache.slot_caches[0][0]
-    return (len(kv_cache.slot_caches), 2, *k.shape[1:])
+    """One block of every slot: [num_slots, 2 (1: keys only), tokens_per_block, kv_heads,
+    head_dim]."""
+    pair = kv_cache.slot_caches[0]
+    return (len(kv_cache.slot_caches), len(stored_tensors(pair)), *pair[0].shape[1:])
 
 
 class DisaggBlockTransfer:

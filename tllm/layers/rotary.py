@@ -73,8 +73,10 @@ def inverse_frequencies(config, head_dim: int, layer_type: str | None = None,
         raise ValueError(f"unsupported rope_type {params['rope_type']!r}; tllm supports "
                          f"default, {', '.join(ROPE_INIT_FUNCTIONS)}")
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](
-        config, torch.device("cpu"), seq_len=seq_len, **kwargs)
+    with torch.device("cpu"):  # HF makes some tensors on the default device (meta, when
+        # a model is built there) and copies them to the one it was given
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[params["rope_type"]](
+            config, torch.device("cpu"), seq_len=seq_len, **kwargs)
     return inv_freq.float(), float(scaling)
 
 

@@ -183,5 +183,8 @@ def build_drafter(args: LlmArgs, parts: RankParts):
     if config.decoding_type == "DraftTarget":
         from tllm.speculative import draft_model
         return draft_model.build_drafter(config, parts)
+    if config.decoding_type == "MTP":
+        from tllm.speculative import mtp
+        return mtp.build_drafter(config, parts)
     from tllm.speculative import eagle3
     return eagle3.build_drafter(config, parts)

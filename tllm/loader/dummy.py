@@ -48,6 +48,32 @@ PRESETS: dict[str, tuple[str, dict]] = {
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
         max_position_embeddings=40960, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, dtype="bfloat16")),
+    # MLA (kv_lora_rank 512 + rope 64 per token), 64 routed experts of which 6 a token, 2
+    # shared, layer 0 dense; V2-Lite has no q_lora_rank and YaRN rope
+    "deepseek-v2-lite": ("deepseek_v2", dict(
+        architectures=["DeepseekV2ForCausalLM"], hidden_size=2048, intermediate_size=10944,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=None,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
+        norm_topk_prob=False, routed_scaling_factor=1.0, vocab_size=102400,
+        max_position_embeddings=163840, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707},
+        dtype="bfloat16")),
+    # Moonlight-16B-A3B's shape (DeepSeek-V3 architecture: sigmoid routing with the
+    # correction bias, one group)
+    "moonlight-16b-a3b": ("deepseek_v3", dict(
+        architectures=["DeepseekV3ForCausalLM"], hidden_size=2048, intermediate_size=11264,
+        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+        num_key_value_heads=16, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, first_k_dense_replace=1, n_group=1, topk_group=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, norm_topk_prob=True, routed_scaling_factor=2.446,
+        vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        dtype="bfloat16")),
     "gemma-2-9b": ("gemma2", dict(
         architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
         num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,

@@ -178,10 +178,7 @@ class LlamaForCausalLM(nn.Module):
         for i in self.stage_layers:  # one backend object per kind of layer
             attn, options = self.layers[i].self_attn, self.attention_options(i)
             if options not in backends:
-                backends[options] = backend_cls(
-                    attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                    options.scale or attn.head_dim ** -0.5, options.sliding_window,
-                    logits_soft_cap=options.logits_soft_cap)
+                backends[options] = self.make_attention_backend(backend_cls, attn, options)
             attn.attn = backends[options]
         self.tied = getattr(config, "tie_word_embeddings", False)
         self.embed_tokens = (embedding_layer(quant_config, config.vocab_size, config.hidden_size)
@@ -192,6 +189,13 @@ class LlamaForCausalLM(nn.Module):
                                          self.tied)
             if self.tied and self.is_first_stage:
                 self.lm_head.weight = self.embed_tokens.weight
+
+    def make_attention_backend(self, backend_cls: type[AttentionBackend], attn: nn.Module,
+                               options: AttentionOptions):
+        """The backend object the layers of one kind (`options`) share."""
+        return backend_cls(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                           options.scale or attn.head_dim ** -0.5, options.sliding_window,
+                           logits_soft_cap=options.logits_soft_cap)
 
     def make_final_norm(self, config) -> nn.Module:
         """The norm after the last layer; called with (hidden, residual), it adds them."""

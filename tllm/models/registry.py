@@ -19,6 +19,8 @@ _MODULES = {
     "Phi3ForCausalLM": "tllm.models.phi3",
     "GPTNeoXForCausalLM": "tllm.models.gpt_neox",
     "Olmo2ForCausalLM": "tllm.models.olmo2",
+    "DeepseekV2ForCausalLM": "tllm.models.deepseek.model",
+    "DeepseekV3ForCausalLM": "tllm.models.deepseek.model",
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

@@ -160,7 +160,7 @@ def verify_query_len(args: LlmArgs) -> int | None:
     speculation runs without hidden-state capture and k drafts fit the decode kernel."""
     from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES  # CUDA only
     spec = args.speculative_config
-    if spec is None or spec.decoding_type == "Eagle":  # EAGLE-3 reads hidden states: eager
+    if spec is None or spec.decoding_type in ("Eagle", "MTP"):  # hidden states: eager
         return None
     query_len = 1 + spec.max_draft_len
     return query_len if query_len <= MAX_DECODE_QUERIES else None
@@ -175,8 +175,8 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     spec = model.kv_cache_spec
     layout = kv_cache_layout(spec, kv_config.enable_sliding_window_savings)
     kv_dtype = kv_cache_dtype(kv_config, dtype, model)
-    layer_bytes_per_token = (2 * spec.num_kv_heads * spec.head_dim
-                             * torch.empty((), dtype=kv_dtype).element_size())
+    layer_bytes_per_token = spec.bytes_per_token(
+        torch.empty((), dtype=kv_dtype).element_size())
     # a block id holds a block in every slot (with one group, every layer)
     block_bytes = block * layout.num_slots * layer_bytes_per_token
     if kv_config.max_tokens is not None:  # the memory of that many tokens of every layer
@@ -201,7 +201,8 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
                           host_cache_blocks=kv_config.host_cache_size // block_bytes,
                           disk_cache_dir=kv_config.disk_cache_dir,
                           disk_cache_blocks=kv_config.disk_cache_size // block_bytes,
-                          layout=layout, max_step_tokens=args.max_num_tokens)
+                          layout=layout, max_step_tokens=args.max_num_tokens,
+                          keys_only=spec.keys_only)
 
 
 def kv_cache_layout(spec: KVCacheSpec, window_savings: bool) -> KVCacheLayout:

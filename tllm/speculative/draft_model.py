@@ -119,7 +119,7 @@ def draft_kv_cache(model: nn.Module, target_kv: KVCacheManager, device: torch.de
                           head_dim=spec.head_dim, num_blocks=target_kv.num_blocks,
                           tokens_per_block=target_kv.tokens_per_block, dtype=dtype,
                           device=device, enable_block_reuse=False,
-                          reserve_full_generation=False)
+                          reserve_full_generation=False, keys_only=spec.keys_only)
 
 
 # ---- running it ----

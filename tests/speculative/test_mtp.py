@@ -1,0 +1,70 @@
+"""MTP drafting: a tiny DeepSeek-V3 checkpoint with a next-token module (layer
+num_hidden_layers: enorm, hnorm, eh_proj, a MoE decoder layer, shared_head) drafts on the
+EAGLE-3 drafter; greedy output is the output without speculation, drafts are proposed, and
+the module's tensors are the checkpoint's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.test_deepseek_parity import make_tiny_deepseek
+from tests.speculative.test_draft_model import engine_greedy, prompts
+from tllm import MTPDecodingConfig
+
+
+def add_mtp_module(path, hf_model) -> dict[str, torch.Tensor]:
+    """Layer `num_hidden_layers` in a second safetensors file: the last layer's tensors
+    (a MoE layer) plus random enorm, hnorm, eh_proj and shared_head."""
+    from safetensors.torch import save_file
+    config = hf_model.config
+    last, mtp = config.num_hidden_layers - 1, config.num_hidden_layers
+    g = torch.Generator().manual_seed(5)
+    hidden = config.hidden_size
+    tensors = {f"model.layers.{mtp}.{name}": torch.randn(shape, generator=g) * 0.1 + offset
+               for name, shape, offset in [
+                   ("enorm.weight", (hidden,), 1.0), ("hnorm.weight", (hidden,), 1.0),
+                   ("eh_proj.weight", (hidden, 2 * hidden), 0.0),
+                   ("shared_head.norm.weight", (hidden,), 1.0),
+                   ("shared_head.head.weight", (config.vocab_size, hidden), 0.0)]}
+    from safetensors import safe_open
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        for name in f.keys():
+            if name.startswith(f"model.layers.{last}."):
+                tensors[name.replace(f".{last}.", f".{mtp}.")] = f.get_tensor(name).clone()
+    save_file(tensors, str(path / "mtp.safetensors"))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def tiny_v3_with_mtp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_v3_mtp")
+    hf_model = make_tiny_deepseek("DeepseekV3", path)
+    return path, add_mtp_module(path, hf_model)
+
+
+def test_engine_greedy_identical_with_mtp(tiny_v3_with_mtp):
+    path, _ = tiny_v3_with_mtp
+    batch = prompts() + [list(range(3, 20))]
+    plain, _ = engine_greedy(path, None, batch)
+    spec, stats = engine_greedy(path, MTPDecodingConfig(max_draft_len=2), batch)
+    assert spec == plain and stats["spec_draft_tokens"] > 0
+
+
+def test_module_holds_the_checkpoint_tensors(tiny_v3_with_mtp):
+    from tllm import LLM
+    path, tensors = tiny_v3_with_mtp
+    with LLM(str(path), speculative_config=MTPDecodingConfig(max_draft_len=1),
+             kv_cache_config={"max_tokens": 256}) as llm:
+        head = llm._engine.executor.speculation.drafter.head
+        assert torch.equal(head.eh_proj.weight, tensors["model.layers.3.eh_proj.weight"])
+        assert torch.equal(head.block.self_attn.kv_b_proj.weight,
+                           tensors["model.layers.3.self_attn.kv_b_proj.weight"])
+        assert head.embed_tokens is llm._engine.executor.runner.model.embed_tokens
+
+
+def test_a_checkpoint_without_the_module_is_refused(tmp_path):
+    from tllm import LLM
+    make_tiny_deepseek("DeepseekV3", tmp_path)
+    with pytest.raises(ValueError, match="no MTP module"):
+        LLM(str(tmp_path), speculative_config=MTPDecodingConfig(max_draft_len=1),
+            kv_cache_config={"max_tokens": 256})

@@ -1,0 +1,132 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged latent cache, in the absorbed
+form: the cache holds per token one "head" of kv_lora_rank latent dims (after
+kv_a_layernorm) followed by the rope part of the key, and no values
+(KVCacheSpec.keys_only). The model folds W_UK into the query beforehand (q_nope @ W_UK gives
+kv_lora_rank dims, the rope part of q follows), so attention is multi-query attention with
+one kv head of kv_lora_rank + rope dims whose values are the first kv_lora_rank dims of the
+keys; the model takes the output through W_UV afterwards. Prefill, chunked prefill, prefix
+reuse and decode all read the same cache this way.
+
+`MlaAttentionBackend` runs decode-only steps on a GPU with the Triton kernel
+(tllm.kernels.triton.mla_decode) and everything else on the plain-PyTorch path (the CPU path
+and the kernel's reference): the torch backend's batched plan (sequences grouped, masks) with
+each group's blocks gathered once and read as both keys and values."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tllm.attention.interface import NO_KV_SCALES, AttentionMetadata, KVCache
+from tllm.attention.torch_ref import (AttentionGroup, GatherBuffers, _gather, _real_rows,
+                                      plan_attention)
+from tllm.kernels.paged import from_cache, to_cache
+
+
+def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       scale: float = 1.0) -> None:
+    """entry [T, 1, kv_lora_rank + rope] into its slots of the latent cache."""
+    flat = cache.view(-1, *cache.shape[2:])
+    stored = to_cache(entry, cache, scale)
+    if stored.element_size() == 1:  # index_copy_ has no float8 kernel: copy the bytes
+        flat.view(torch.uint8).index_copy_(0, slot_mapping, stored.view(torch.uint8))
+    else:
+        flat.index_copy_(0, slot_mapping, stored)
+
+
+def mla_attend_group(q: torch.Tensor, cache: torch.Tensor, group: AttentionGroup,
+                     latent_dim: int, scale: float, kv_scale: float = 1.0,
+                     buffers: GatherBuffers | None = None) -> torch.Tensor:
+    """The group's real query rows [rows, heads, latent_dim] in out_rows order: q [T, heads,
+    latent_dim + rope] against the cached entries, values = their first latent_dim dims."""
+    n, max_q, num_keys = group.num_seqs, group.max_query_len, group.num_keys
+    num_heads, width = q.shape[1], q.shape[2]
+    keys = from_cache(_gather(cache, group, buffers, 0), kv_scale, q.dtype)
+    keys = keys.view(n, 1, num_keys, width)
+    values = keys[..., :latent_dim]
+    qg = q if group.q_rows is None else q.index_select(0, group.q_rows)
+    if max_q == 1:  # decode: the heads act as one kv head's queries
+        qg = qg.view(n, 1, num_heads, width)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=group.mask,
+                                           scale=scale)
+        return o.reshape(n, num_heads, latent_dim)
+    qg = qg.view(n, max_q, num_heads, width).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qg, keys.expand(-1, num_heads, -1, -1),
+                                       values.expand(-1, num_heads, -1, -1),
+                                       attn_mask=group.mask, is_causal=group.is_causal,
+                                       scale=scale)
+    return _real_rows(o, group)
+
+
+def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
+                      latent_dim: int, scale: float, kv_scale: float = 1.0,
+                      groups: list[AttentionGroup] | None = None,
+                      buffers: GatherBuffers | None = None) -> torch.Tensor:
+    """Absorbed-form attention of every query token over its sequence's cached latents:
+    q [T, heads, latent_dim + rope] -> [T, heads, latent_dim]."""
+    if groups is None:
+        groups = plan_attention(metadata, None, q.dtype,
+                                cache.shape[2] * cache.shape[3] * cache.element_size(),
+                                q.shape[1], q.shape[2])
+    out = q.new_empty(q.shape[0], q.shape[1], latent_dim)
+    for group in groups:
+        o = mla_attend_group(q, cache, group, latent_dim, scale, kv_scale, buffers)
+        if group.out_rows is None:
+            return o
+        out.index_copy_(0, group.out_rows, o)
+    return out
+
+
+_MAX_PLANS = 4  # this step's plan, and a few kept across the layers' turns
+
+
+class MlaAttentionBackend:
+    """Writes each step's latent entries into the layer's cache and attends in the absorbed
+    form (module docstring); one object per model, its plan built once per step."""
+
+    def __init__(self, num_heads: int, latent_dim: int, rope_dim: int, scale: float) -> None:
+        self.num_heads, self.latent_dim, self.rope_dim = num_heads, latent_dim, rope_dim
+        self.head_dim = latent_dim + rope_dim  # of the cache's one head
+        self.scale = scale
+        self._plans: list[tuple[AttentionMetadata, torch.dtype, list[AttentionGroup]]] = []
+        self._buffers = GatherBuffers()
+
+    def forward(self, q: torch.Tensor, entry: torch.Tensor, kv_cache: KVCache,
+                metadata: AttentionMetadata,
+                kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+        """q [T, heads, latent + rope] (W_UK folded in, rope applied); entry [T, 1, latent +
+        rope] (this step's tokens). Returns [T, heads, latent]."""
+        if metadata.capture is not None:  # piecewise capture: runs between the pieces
+            return metadata.capture.defer(self._deferred, q, entry, entry, kv_cache,
+                                          metadata, kv_scales)
+        cache = kv_cache[0]
+        if q.is_cuda and metadata.is_decode_only and cache.dtype == q.dtype:
+            from tllm.kernels.triton.mla_decode import mla_decode_attention
+            write_latent_cache(entry, cache, metadata.slot_mapping)
+            return mla_decode_attention(q, cache, metadata.block_tables, metadata.seq_lens,
+                                        self.latent_dim, self.scale, metadata.max_seq_len,
+                                        query_start_loc=metadata.query_start_loc)
+        if q.is_cuda and torch.cuda.is_current_stream_capturing():
+            # the plan is built on the host from this step's lengths: a graph would replay
+            # a stale one (the engine turns decode graphs off on this error)
+            raise RuntimeError("the torch MLA path cannot be captured in a CUDA graph")
+        write_latent_cache(entry, cache, metadata.slot_mapping, kv_scales[0])
+        return mla_attention_ref(q, cache, metadata, self.latent_dim, self.scale,
+                                 kv_scales[0], self._groups(q, cache, metadata), self._buffers)
+
+    def _deferred(self, q, entry, _entry, kv_cache, metadata, kv_scales):
+        """Run between piecewise graphs, where the output must have q's shape."""
+        out = self.forward(q, entry, kv_cache, metadata, kv_scales)
+        return F.pad(out, (0, self.rope_dim))
+
+    def _groups(self, q: torch.Tensor, cache: torch.Tensor,
+                metadata: AttentionMetadata) -> list[AttentionGroup]:
+        for plan_metadata, dtype, groups in self._plans:
+            if plan_metadata is metadata and dtype == q.dtype:
+                return groups
+        groups = plan_attention(metadata, None, q.dtype,
+                                cache.shape[2] * cache.shape[3] * cache.element_size(),
+                                q.shape[1], q.shape[2])
+        if len(self._plans) == _MAX_PLANS:
+            self._plans.pop(0)
+        self._plans.append((metadata, q.dtype, groups))
+        return groups

@@ -30,6 +30,15 @@ logger = logging.getLogger(__name__)
 class PromptInput:
     token_ids: list[int]
     text: str | None = None
+    # a vision-language model's images (PIL), in the order of the text's placeholders;
+    # the engine then expands the placeholders of `text` (token_ids count each as one)
+    images: list | None = None
+
+    def engine_input(self) -> dict:
+        if self.images:
+            return {"prompt": self.text, "multi_modal_data": {"image": self.images},
+                    "add_special_tokens": False}     # the chat template wrote them
+        return {"prompt_token_ids": self.token_ids, "prompt": self.text}
 
 
 class DeltaSource(Protocol):
@@ -267,7 +276,7 @@ class EngineClient:
         self._check_alive()
         self.check_fan_out(len(prompts), params[0].n, params[0].num_sequences)
         self._check_queue(sum(p.num_sequences for p in params))
-        inputs = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
+        inputs = [p.engine_input() for p in prompts]
         if lora_request is not None:  # the adapter the request's "model" names
             for item in inputs:
                 item["lora_request"] = lora_request

@@ -108,3 +108,23 @@ def test_responses_input_image_equals_python_api(vl_server):
     bad = http.post("/v1/responses", json={"model": "tiny-vl", "input": [
         {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "input.0.content.0"
+
+
+def test_engine_process_server_takes_images(tiny_qwen_vl, vl_server):
+    """`tllm serve`'s default: the engine in its own process (the images cross the pipe)."""
+    from tllm import KvCacheConfig
+    from tllm.llmapi.process_llm import ProcessLLM
+    llm, http = vl_server
+    image = make_image(42, 42, 13)
+    body = chat_body(image_part(data_url(png_bytes(image))), {"type": "text", "text": "hi"})
+    expected = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    remote = ProcessLLM(str(tiny_qwen_vl[0]), max_num_tokens=8, max_batch_size=4,
+                        kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024))
+    try:
+        with ServerThread(build_app(remote, ServerConfig(model="tiny-vl"))) as server:
+            with httpx.Client(base_url=server.base_url, timeout=60) as client:
+                response = client.post("/v1/chat/completions", json=body)
+    finally:
+        remote.shutdown()
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"] == expected

@@ -91,7 +91,8 @@ def content_hash(data: dict[str, torch.Tensor]) -> str:
     for name in sorted(data):
         tensor = data[name].contiguous().cpu()
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -78,6 +78,11 @@ def decode_data_url(url: str, param: str, max_pixels: int):
     return _open_bytes(io.BytesIO(raw), param, max_pixels)
 
 
+def decode_image_bytes(raw: bytes, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS):
+    """The PIL RGB image an encoded file holds, its header checked before decoding."""
+    return load_image(_open_bytes(io.BytesIO(raw), param, max_pixels), param, max_pixels)
+
+
 def check_size(size: tuple[int, int], param: str, max_pixels: int) -> None:
     width, height = size
     if width * height > max_pixels:

@@ -33,11 +33,14 @@ class PromptInput:
     # a vision-language model's images (PIL), in the order of the text's placeholders;
     # the engine then expands the placeholders of `text` (token_ids count each as one)
     images: list | None = None
+    # with images: whether the engine adds the tokenizer's special tokens to `text`
+    # (not to what a chat template rendered: it wrote them)
+    add_special_tokens: bool = False
 
     def engine_input(self) -> dict:
         if self.images:
             return {"prompt": self.text, "multi_modal_data": {"image": self.images},
-                    "add_special_tokens": False}     # the chat template wrote them
+                    "add_special_tokens": self.add_special_tokens}
         return {"prompt_token_ids": self.token_ids, "prompt": self.text}
 
 

@@ -148,3 +148,27 @@ def test_mrope_positions_equal_hf_get_rope_index(tiny_qwen_vl):
     assert (mm.mrope_positions == positions[:, 0].numpy()).all()
     assert mm.mrope_delta == int(delta[0, 0])
     assert [item.length for item in mm.items] == [6, 6]
+
+
+def test_file_urls_only_under_the_allowed_folder(tiny_qwen_vl, tmp_path):
+    path, hf_model, reference = tiny_qwen_vl
+    allowed = tmp_path / "images"
+    allowed.mkdir()
+    image = make_image(28, 42, 5)
+    image.save(allowed / "a.png")
+    image.save(tmp_path / "outside.png")
+
+    def chat(llm, url):
+        return llm.chat([{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}},
+            {"type": "text", "text": "describe"}]}], params(), use_tqdm=False)
+
+    with make_llm(path, allowed_local_media_path=str(allowed)) as llm:
+        served = chat(llm, f"file://{allowed / 'a.png'}")
+        assert served.outputs[0].token_ids == hf_greedy(
+            hf_model, reference, chat_text(IMAGE, "describe"), [image])
+        with pytest.raises(ValueError, match=r"messages\.0\.content\.0: file:// URLs may only"):
+            chat(llm, f"file://{allowed / '..' / 'outside.png'}")
+    with make_llm(path) as llm:
+        with pytest.raises(ValueError, match="file:// image URLs are off"):
+            chat(llm, f"file://{allowed / 'a.png'}")

@@ -55,6 +55,11 @@ class EncoderCache:
                 self._put(content_hash, embeds)
         return [found[item.content_hash] for item in items]
 
+    def stats(self) -> dict[str, int]:
+        return {"encoder_num_encoded": self.num_encoded, "encoder_cache_hits": self.num_hits,
+                "encoder_cache_items": len(self._embeds),
+                "encoder_cache_tokens": self._num_tokens}
+
     def _put(self, content_hash: str, embeds: torch.Tensor) -> None:
         self._embeds[content_hash] = embeds
         self._num_tokens += len(embeds)

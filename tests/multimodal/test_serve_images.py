@@ -67,6 +67,7 @@ def test_chat_with_data_url_equals_python_api(vl_server):
     direct = llm.generate({"prompt": chat_text(IMAGE, "describe"),
                            "multi_modal_data": {"image": [image]}}, params(), use_tqdm=False)
     assert served == direct.outputs[0].text
+    assert response.json()["usage"]["prompt_tokens"] == len(direct.prompt_token_ids)
 
 
 @pytest.mark.parametrize("parts, where, message", [

@@ -61,7 +61,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
                             _events(ctx, body, prompt, generation, output))
     async with generation, abort_on_disconnect(request, generation):
         choices = await generation.wait()
-    return JSONResponse(_response(ctx, body, prompt, choices, output).model_dump())
+    num_prompt = generation.num_prompt_tokens(0, len(prompt.token_ids))
+    return JSONResponse(_response(ctx, body, num_prompt, choices, output).model_dump())
 
 
 def _with_marks_decoded(body: ChatCompletionRequest,
@@ -226,7 +227,7 @@ def _logprobs(ctx: ServingContext, body: ChatCompletionRequest, token_ids: list[
                                                     body.top_logprobs or 0))
 
 
-def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,
+def _response(ctx: ServingContext, body: ChatCompletionRequest, num_prompt_tokens: int,
               choices: list[Choice], output: OutputFormat) -> ChatCompletionResponse:
     answers = []
     for c in choices:
@@ -234,7 +235,7 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptIn
         answers.append(ChatChoice(index=c.index, message=message,
                                   logprobs=_logprobs(ctx, body, c.token_ids, c.logprobs),
                                   finish_reason=finish_reason, stop_reason=c.stop_reason))
-    usage = Usage(prompt_tokens=len(prompt.token_ids),
+    usage = Usage(prompt_tokens=num_prompt_tokens,
                   completion_tokens=sum(len(c.token_ids) for c in choices))
     model = body.model or ctx.config.model_name  # an adapter's name, as asked (checked)
     return ChatCompletionResponse(id=_request_id(), model=model, choices=answers, usage=usage)
@@ -263,7 +264,8 @@ async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: Prom
                                      logprobs=logprobs, finish_reason=update.finish_reason,
                                      stop_reason=delta.stop_reason))
     if body.include_usage:
-        total = Usage(prompt_tokens=len(prompt.token_ids), completion_tokens=usage.num_generated)
+        total = Usage(prompt_tokens=generation.num_prompt_tokens(0, len(prompt.token_ids)),
+                      completion_tokens=usage.num_generated)
         yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                       usage=total))
 

@@ -172,6 +172,11 @@ class Generation:
             choices[delta.index].add(delta.engine)
         return choices
 
+    def num_prompt_tokens(self, prompt_index: int, default: int) -> int:
+        """The prompt's token count as the engine reported it once sample 0 ended (a prompt
+        with images has its placeholders expanded there), else `default`."""
+        return int(self._engine_metrics[prompt_index].get("num_prompt_tokens", default))
+
     def _receive(self, prompt_index: int, delta: CompletionDelta) -> SeqDelta | None:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = delta.prompt_logprobs

@@ -318,10 +318,24 @@ class LlmArgs(BaseModel):
     # folder's generation_config.json; "vllm", none (tllm's own defaults); or a folder
     # holding such a file (or the file).
     generation_config: str = "auto"
+    # Vision-language models: the most items of each modality one prompt may carry
+    # ({"image": 8}; vLLM's --limit-mm-per-prompt), and the folder under which
+    # file:// image URLs may be read (None: never).
+    limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 8})
+    allowed_local_media_path: str | None = None
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _check_mm_limits(cls, limits: dict[str, int]) -> dict[str, int]:
+        for modality, limit in limits.items():
+            if modality != "image" or limit < 0:
+                raise ValueError("limit_mm_per_prompt takes {'image': count >= 0}, got "
+                                 f"{limits!r}")
+        return limits
 
     @field_validator("generation_config")
     @classmethod

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 
     from tllm.kv_cache.transfer import ImportedKV
     from tllm.lora.request import LoRARequest
+    from tllm.multimodal.inputs import MultimodalInputs
     from tllm.outputs import PositionLogprobs
     from tllm.sampling.beam import BeamGroup
     from tllm.tokenizer import IncrementalDetokenizer
@@ -69,6 +70,8 @@ class Request:
     # from a context server, written into its blocks when it is admitted.
     kv_export_id: str | None = None
     kv_import: ImportedKV | None = None
+    # Images of a vision-language model's prompt (their placeholders are in the prompt)
+    multimodal: MultimodalInputs | None = None
 
     token_ids: list[int] = field(init=False)
     num_in_flight: int = 0

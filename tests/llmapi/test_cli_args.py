@@ -204,3 +204,14 @@ def test_quantization_and_kv_cache_dtype_flags():
     kwargs = llm_kwargs(args, model="dummy:smollm2-135m")
     assert kwargs["quantization"] == "fp8"
     assert kwargs["kv_cache_config"] == {"dtype": "fp8", "max_tokens": 64}
+
+
+def test_multimodal_flags():
+    kwargs = llm_kwargs(parse("--limit-mm-per-prompt", '{"image": 3}',
+                              "--allowed-local-media-path", "/srv/images"))
+    assert kwargs["limit_mm_per_prompt"] == {"image": 3}
+    assert LlmArgs(**kwargs).allowed_local_media_path == "/srv/images"
+    with pytest.raises(SystemExit):
+        parse("--limit-mm-per-prompt", "3")
+    with pytest.raises(ValueError, match="limit_mm_per_prompt"):
+        LlmArgs(model="m", limit_mm_per_prompt={"video": 1})

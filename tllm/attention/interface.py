@@ -39,6 +39,8 @@ class AttentionMetadata:
     # metadata, *rest)`) instead of attending, so that attention runs eagerly between the
     # captured pieces. None otherwise.
     capture: object | None = field(default=None, repr=False, compare=False)
+    # M-RoPE models (Qwen2.5-VL): each token's (temporal, height, width) positions [3, T]
+    mrope_positions: torch.Tensor | None = None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` (model-wide index) attends with."""

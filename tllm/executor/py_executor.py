@@ -159,6 +159,9 @@ class PyExecutor:
                 "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
                 "num_steps": self.num_steps,
                 **(self.speculation.stats.as_dict() if self.speculation is not None else {}),
+                # a vision-language model's encoder: images encoded, found in its cache
+                **(self.runner.multimodal.cache.stats()
+                   if getattr(self.runner, "multimodal", None) is not None else {}),
                 **{f"kv_{k}": v for k, v in self.kv_cache.stats_dict().items()
                    if k not in ("blocks_free", "blocks_total")}}
 

@@ -21,7 +21,13 @@ def chain_hash(request: Request, parent: int | None, index: int, tokens_per_bloc
     if parent is None:
         parent = _first_parent(request)
     bs = tokens_per_block
-    return hash((parent, tuple(request.token_ids[index * bs:(index + 1) * bs])))
+    tokens = tuple(request.token_ids[index * bs:(index + 1) * bs])
+    multimodal = getattr(request, "multimodal", None)
+    if multimodal is not None:  # images' placeholders are alike: their contents differ
+        images = multimodal.hashes_in(index * bs, (index + 1) * bs)
+        if images:
+            return hash((parent, tokens, images))
+    return hash((parent, tokens))
 
 
 def _first_parent(request: Request) -> int | None:

@@ -5,6 +5,7 @@ defaults over LlmArgs' defaults)."""
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_le
               "tensor_parallel_size", "pipeline_parallel_size", "quantization",
               "model_impl", "enable_expert_parallel", "enable_lora", "max_loras",
               "max_lora_rank", "max_cpu_loras", "revision", "download_dir",
-              "generation_config")
+              "generation_config", "limit_mm_per_prompt", "allowed_local_media_path")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
@@ -77,6 +78,12 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                             "repetition_penalty) of requests that do not set them: auto "
                             "(default), the model folder's generation_config.json, as vLLM; "
                             "vllm, tllm's own; PATH, that folder's file")
+    group.add_argument("--limit-mm-per-prompt", type=_mm_limits, metavar="JSON",
+                       help='vision-language models: the most images one prompt may carry, '
+                            'as JSON (default {"image": 8}); more are a 400')
+    group.add_argument("--allowed-local-media-path", metavar="DIR",
+                       help="vision-language models: read file:// image URLs under DIR "
+                            "(default: file:// URLs are refused; http(s) is never fetched)")
     _add_lora_args(group)
     group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,
@@ -136,6 +143,16 @@ def _add_scheduling_args(group) -> None:
                        help="scheduler_config.prefill_token_budget: schedule every running "
                             "decode first, uncounted, and at most N prefill tokens a step "
                             "(keeps the batch full when N >= max_batch_size * ISL / OSL)")
+
+
+def _mm_limits(text: str) -> dict[str, int]:
+    try:
+        limits = json.loads(text)
+    except json.JSONDecodeError:
+        limits = None
+    if not (isinstance(limits, dict) and all(isinstance(v, int) for v in limits.values())):
+        raise argparse.ArgumentTypeError(f'expected JSON such as {{"image": 4}}, got {text!r}')
+    return limits
 
 
 def llm_kwargs(args: argparse.Namespace, model: str | None = None,

@@ -21,6 +21,7 @@ from tllm.kv_cache.manager import KVCacheManager
 from tllm.loader.generation_config import sampling_defaults
 from tllm.config import LlmArgs
 from tllm.lora.manager import LoraManager
+from tllm.multimodal.processing import MultimodalProcessor
 from tllm.runner.build import RankParts, build_rank
 from tllm.runner.model_runner import ModelRunner
 from tllm.sampling.sampler import Sampler
@@ -45,6 +46,8 @@ class Engine:
     disagg: DisaggAgent | None = None   # a context or generation server's part
     # generation_config.json's sampling defaults (args.generation_config)
     sampling_defaults: dict = field(default_factory=dict)
+    # a vision-language model's processor (prompts with images); None for others
+    multimodal: MultimodalProcessor | None = None
 
     @property
     def lora(self) -> LoraManager | None:
@@ -74,6 +77,7 @@ def build_engine(args: LlmArgs) -> Engine:
         tokenizer = loader.load_tokenizer(parts.source)
         defaults = sampling_defaults(args.generation_config,
                                      parts.source.path if parts.source.kind == "hf" else None)
+        multimodal = multimodal_processor(args, parts, tokenizer)
         executor = build_executor(args, parts)
         if tokenizer is not None:  # xgrammar loads on the first guided request only
             executor.enable_guided_decoding(GuidedDecoding(
@@ -103,7 +107,21 @@ def build_engine(args: LlmArgs) -> Engine:
     line, fields = engine_summary(args, parts)
     logger.info("%s", line, extra={"fields": fields})
     return Engine(parts.config, tokenizer, executor, parts.kv_cache, parts.device, parts.dtype,
-                  parts.max_seq_len, workers, disagg, defaults)
+                  parts.max_seq_len, workers, disagg, defaults, multimodal)
+
+
+def multimodal_processor(args: LlmArgs, parts: RankParts,
+                         tokenizer: Tokenizer | None) -> MultimodalProcessor | None:
+    """The image processing of a vision-language model's folder (None: a text-only
+    model)."""
+    if not getattr(parts.model, "is_multimodal", False):
+        return None
+    if parts.source.kind != "hf" or tokenizer is None:
+        raise ValueError(f"model {args.model!r}: a vision-language model needs its HF folder "
+                         "with its tokenizer and image processor")
+    return MultimodalProcessor.from_pretrained(parts.source.path, tokenizer,
+                                               parts.model.hf_config,
+                                               args.limit_mm_per_prompt.get("image", 0))
 
 
 def engine_summary(args: LlmArgs, parts: RankParts) -> tuple[str, dict]:

@@ -17,6 +17,8 @@ from tllm.llmapi.sequence_groups import bind_outputs, make_beam_group
 from tllm.loader import DEFAULT_MODEL
 from tllm.lora.request import LoRARequest
 from tllm.lora.targets import LoraTargets
+from tllm.multimodal.chat import has_image_parts, split_chat_images
+from tllm.multimodal.inputs import MultimodalInputs
 from tllm.outputs import CompletionDelta, RequestOutput
 from tllm.sampling_params import SamplingParams
 from tllm.scheduler.policy import check_priority
@@ -24,7 +26,10 @@ from tllm.tokenizer import IncrementalDetokenizer
 
 # A prompt: text, token ids, {"prompt": text} or {"prompt_token_ids": ids}; a dict may add
 # "cache_salt" so that only prompts with the same salt share cached KV blocks, and
-# "priority" (under scheduler_config.scheduling_policy="priority").
+# "priority" (under scheduler_config.scheduling_policy="priority"). A vision-language model
+# takes {"prompt": text, "multi_modal_data": {"image": [PIL image | path | uint8 array]}}
+# (one placeholder token per image in the text; "add_special_tokens": False for text a chat
+# template rendered).
 PromptInput = Union[str, Sequence[int], dict]
 Messages = list[dict[str, Any]]
 
@@ -165,12 +170,27 @@ class LLM:
         """Generate replies to conversations, formatted with the model's chat template."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else messages
-        prompts = [{"prompt_token_ids": self._require_tokenizer().encode_chat(
-            conv, add_generation_prompt=add_generation_prompt, **template_kwargs),
-            "prompt": None} for conv in conversations]
+        prompts = [self._chat_prompt(conv, add_generation_prompt, template_kwargs)
+                   for conv in conversations]
         outputs = self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                                 lora_request=lora_request)
         return outputs[0] if single else outputs
+
+    def _chat_prompt(self, messages: Messages, add_generation_prompt: bool,
+                     template_kwargs: dict) -> dict:
+        """A conversation as a prompt: token ids, or with image parts (OpenAI
+        `image_url` parts, or `{"type": "image", "image": ...}`), text and images."""
+        tokenizer = self._require_tokenizer()
+        if not has_image_parts(messages):
+            return {"prompt_token_ids": tokenizer.encode_chat(
+                messages, add_generation_prompt=add_generation_prompt, **template_kwargs),
+                "prompt": None}
+        messages, images = split_chat_images(
+            messages, allowed_local_path=self.args.allowed_local_media_path)
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return {"prompt": text, "multi_modal_data": {"image": images},
+                "add_special_tokens": False}   # the template wrote them
 
     def shutdown(self) -> None:
         """Stop the loop thread and release the model and KV cache."""
@@ -229,11 +249,12 @@ class LLM:
             priority = prompt.get("priority")
         self._check_lora(lora_request)
         priority = check_priority(priority, self.args.scheduler_config.scheduling_policy)
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, multimodal = self._tokenize(prompt)
         requests = self._make_requests(request_id, token_ids, params)
         for request in requests:
             request.lora_request = lora_request
             request.priority = priority
+            request.multimodal = multimodal
         if isinstance(prompt, dict) and prompt.get("cache_salt") is not None:
             for request in requests:
                 request.cache_salt = str(prompt["cache_salt"])
@@ -270,7 +291,32 @@ class LLM:
         abort = engine.executor.abort if engine.disagg is None else engine.disagg.abort
         return lambda: [abort(r.request_id) for r in requests]
 
-    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: PromptInput
+                  ) -> tuple[str | None, list[int], MultimodalInputs | None]:
+        if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+            return self._process_multimodal(prompt)
+        return (*self._tokenize_text(prompt), None)
+
+    def _process_multimodal(self, prompt: dict
+                            ) -> tuple[str, list[int], MultimodalInputs | None]:
+        """A prompt with images: its placeholders expanded, the images processed."""
+        processor = self._engine.multimodal
+        if processor is None:
+            raise ValueError(f"multi_modal_data: model {self.args.model!r} takes no images")
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError("multi_modal_data must be {'image': [images]}, got "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise ValueError("inputs: a prompt with multi_modal_data needs its text as "
+                             "'prompt' (with the model's image placeholders)")
+        token_ids, multimodal = processor.process(
+            text, data.get("image") or [],
+            add_special_tokens=bool(prompt.get("add_special_tokens", True)))
+        return text, token_ids, multimodal if multimodal.items else None
+
+    def _tokenize_text(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), _check_token_ids(prompt["prompt_token_ids"])

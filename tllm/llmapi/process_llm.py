@@ -135,9 +135,11 @@ class ProcessLLM:
 
     def _new_stream(self, engine: _EngineProcess, request_id: str, prompt: dict,
                     params: SamplingParams, streaming: bool) -> DeltaStream:
-        """The caller's side of a request, registered to receive its deltas."""
-        stream = DeltaStream(request_id, prompt.get("prompt"), prompt["prompt_token_ids"],
-                             params, streaming, abort=lambda: self._abort(engine, request_id))
+        """The caller's side of a request, registered to receive its deltas (a prompt with
+        images has its token ids made in the engine process: none here)."""
+        stream = DeltaStream(request_id, prompt.get("prompt"),
+                             prompt.get("prompt_token_ids", []), params, streaming,
+                             abort=lambda: self._abort(engine, request_id))
         engine.streams[request_id] = stream
         return stream
 

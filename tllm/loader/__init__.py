@@ -75,6 +75,14 @@ def load_config(source: ModelSource):
     return hf.load_hf_config(source.path), None
 
 
+def language_config(config):
+    """The decoder's config of a vision-language model's (its text_config); any other
+    model's config as it is."""
+    if getattr(config, "vision_config", None) is None:
+        return config
+    return config.get_text_config()
+
+
 def checkpoint_dtype(config) -> torch.dtype:
     dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):

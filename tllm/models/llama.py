@@ -246,11 +246,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor | None, kv_caches: list[KVCache],
                 metadata: AttentionMetadata,
-                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None):
         """Hidden states after the last layer (last stage), or (hidden, residual) to hand
-        to the next stage. Stages after the first start from `intermediate`."""
+        to the next stage. Stages after the first start from `intermediate`. A
+        vision-language model's `mm_embeds` (rows, image embeddings) replace those rows'
+        token embeddings."""
         if self.is_first_stage:
             hidden, residual = self.embed(input_ids), None
+            if mm_embeds is not None:
+                rows, embeds = mm_embeds
+                hidden = hidden.index_copy(0, rows, embeds.to(hidden.dtype))
         else:
             hidden, residual = intermediate
         for i, kv_cache in zip(self.stage_layers, kv_caches):  # each with its group's tables

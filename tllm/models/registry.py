@@ -10,6 +10,8 @@ _MODULES = {
     "LlamaForCausalLM": "tllm.models.llama",
     "MistralForCausalLM": "tllm.models.llama",
     "Qwen2ForCausalLM": "tllm.models.qwen2",
+    "Qwen2_5_VLForConditionalGeneration": "tllm.models.qwen2_5_vl",
+    "LlavaForConditionalGeneration": "tllm.models.llava",
     "Qwen3ForCausalLM": "tllm.models.qwen3",
     "MixtralForCausalLM": "tllm.models.mixtral",
     "Qwen2MoeForCausalLM": "tllm.models.qwen2_moe",

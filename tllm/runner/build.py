@@ -62,14 +62,18 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         logger.info("tensor-parallel all-reduce: %s", f"NCCL/gloo ({off})" if off else
                     "custom one-/two-shot for small messages, NCCL for large")
     source = loader.resolve_model(args.model, args.revision, args.download_dir)
-    config, checkpoint = loader.load_config(source)
-    dtype = pick_dtype(args.dtype, config, device, source.kind == "gguf")
+    model_config, checkpoint = loader.load_config(source)
+    dtype = pick_dtype(args.dtype, model_config, device, source.kind == "gguf")
+    config = loader.language_config(model_config)  # a vision-language model's decoder's
+    if config is not model_config and mapping.world_size > 1:
+        raise ValueError("a vision-language model runs on one rank for now (tp_size and "
+                         "pp_size 1)")
     # a config without max_position_embeddings (T5's) reaches build_model, which says why
     # it cannot be served
     max_seq_len = args.max_seq_len or getattr(config, "max_position_embeddings", None)
     backend = pick_backend(args.attn_backend, device)
     quant = loader.quant_config(source, config, args.quantization)
-    model = loader.build_model(config, get_attention_backend(backend), dtype, device,
+    model = loader.build_model(model_config, get_attention_backend(backend), dtype, device,
                                max_seq_len, quant, args.model_impl)
     if max_seq_len is None:
         raise ValueError("max_seq_len: the model's config has no max_position_embeddings; "
@@ -84,7 +88,7 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     if lora is not None:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
-    if mapping.pp_size == 1:
+    if mapping.pp_size == 1 and not getattr(model, "is_multimodal", False):
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
         piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
                                            graphs.pool if graphs is not None else None)

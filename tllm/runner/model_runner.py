@@ -20,6 +20,7 @@ from tllm.request import Request
 from tllm.kv_cache.block_table import cdiv
 from tllm.runner.batch_state import BatchTables, SlotAssigner
 from tllm.runner.cuda_graph import CudaGraphRunner
+from tllm.runner.multimodal import MultimodalInputsBuilder, StepMultimodal
 from tllm.runner.inputs import StepInputs, build_step_inputs
 from tllm.runner.piecewise import PiecewiseGraphRunner
 from tllm.runner.step import RankModel, StepPlan
@@ -77,6 +78,9 @@ class ModelRunner:
         self._captured: dict[int, torch.Tensor] = {}
         self.capture_layers: tuple[int, ...] = ()
         self.has_drafter = False  # requests may carry drafts (the executor sets it)
+        # a vision-language model: image embeddings (encoder cache) and M-RoPE positions
+        self.multimodal = (MultimodalInputsBuilder(model, device)
+                           if getattr(model, "is_multimodal", False) else None)
 
     def capture_hidden_states(self, layers: tuple[int, ...]) -> None:
         """From now on every step also returns these layers' hidden states (each layer's
@@ -116,7 +120,9 @@ class ModelRunner:
         from the device token table."""
         inputs = build_step_inputs(batch, self.slots, self.rank.tables,
                                    may_have_drafts=self.has_drafter)
-        plan = self._plan(inputs)
+        multimodal = (None if self.multimodal is None else
+                      self.multimodal.build(batch.requests, inputs.diff, inputs.arrays))
+        plan = self._plan(inputs, multimodal)
         if self.lora is not None:
             plan.lora_slots = [self.lora.slot_of(r) for r in batch.requests]
             plan.lora_loads = self.lora.take_loads()
@@ -130,7 +136,7 @@ class ModelRunner:
             def patch(input_ids: torch.Tensor) -> None:
                 input_ids[rows.to(self.device, non_blocking=True)] = self.token_table[
                     slots.to(self.device, non_blocking=True)]
-        logits = self.rank.run(plan, inputs.arrays, inputs.input_ids, patch)
+        logits = self.rank.run(plan, inputs.arrays, inputs.input_ids, patch, multimodal)
         out = StepOutput(None, inputs.sample_requests, None, inputs.prompt_targets,
                          inputs.sample_slots, sample_counts=inputs.sample_counts)
         if logits is None:  # a later pipeline stage computes (and samples) them
@@ -151,16 +157,19 @@ class ModelRunner:
         out.prompt_logits = logits[num_sample:] if inputs.prompt_rows else None
         return out
 
-    def _plan(self, inputs: StepInputs) -> StepPlan:
-        """How this step runs, decided once here and carried in the plan to every rank."""
+    def _plan(self, inputs: StepInputs, multimodal: StepMultimodal | None = None) -> StepPlan:
+        """How this step runs, decided once here and carried in the plan to every rank.
+        Steps with multimodal inputs run eagerly (graphs know neither image embeddings
+        nor M-RoPE positions)."""
         plan = StepPlan(inputs.diff, inputs.logit_rows,
                         layer_groups=self.kv_cache.layer_groups)
-        graphs = self.cuda_graphs
+        graphs = self.cuda_graphs if multimodal is None else None
         num_seqs = len(inputs.diff.slots)
         plan.use_graph = (graphs is not None and not self.capture_layers
                           and graphs.can_run(plan.num_tokens, num_seqs,
                                              inputs.arrays.max_query_len))
         plan.use_piecewise = (not plan.use_graph and self.piecewise is not None
+                              and multimodal is None
                               and not self.capture_layers
                               and self.piecewise.can_run(plan.num_tokens))
         plan.ids_from_driver = self.parallel is not None

@@ -55,6 +55,8 @@ class StepTensors:
     input_ids: torch.Tensor
     metadata: AttentionMetadata
     logit_rows: torch.Tensor
+    # a vision-language model's (rows, image embeddings) replacing those rows' embeddings
+    mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def step_tensors(arrays: StepArrays, input_ids: np.ndarray, logit_rows: np.ndarray,
@@ -94,7 +96,8 @@ def run_plan(model: nn.Module, kv_caches, graphs, piecewise, plan: StepPlan,
     if not model.is_first_stage:
         shape = (plan.num_tokens, model.config.hidden_size)
         intermediate = tuple(comm.recv_from_prev_stage([shape, shape], model.activation_dtype))
-    out = model(tensors.input_ids, kv_caches, tensors.metadata, intermediate)
+    extra = {} if tensors.mm_embeds is None else {"mm_embeds": tensors.mm_embeds}
+    out = model(tensors.input_ids, kv_caches, tensors.metadata, intermediate, **extra)
     if not model.is_last_stage:
         for work in comm.send_to_next_stage(list(out)):
             work.wait()  # on CUDA this orders the streams; the host does not block
@@ -120,11 +123,12 @@ class RankModel:
 
     def run(self, plan: StepPlan, arrays: StepArrays | None = None,
             input_ids: np.ndarray | None = None,
-            patch_ids=None) -> torch.Tensor | None:
+            patch_ids=None, multimodal=None) -> torch.Tensor | None:
         """This rank's part of a step whose plan every rank has. Rank 0 passes the arrays
         it built already and the host's input ids, and `patch_ids` writes the ids only its
         device has; other ranks apply the plan's diff themselves and, when asked, receive
-        the ids from rank 0. Then the forward (pipeline sends/receives inside)."""
+        the ids from rank 0. `multimodal`: rank 0's StepMultimodal (a vision-language
+        model runs on one rank). Then the forward (pipeline sends/receives inside)."""
         if arrays is None:
             self.tables.apply(plan.diff.table_writes)
             arrays = self.tables.build(plan.diff)
@@ -136,7 +140,19 @@ class RankModel:
                                self.tables.tokens_per_block, self._longs, self._ints)
         if patch_ids is not None:
             patch_ids(tensors.input_ids)
+        if multimodal is not None:
+            self._add_multimodal(tensors, multimodal)
         if plan.ids_from_driver and comm.mapping().is_first_stage:
             comm.tp_broadcast_from_driver(tensors.input_ids)
         return run_plan(self.model, self.kv_caches, self.graphs, self.piecewise, plan,
                         tensors)
+
+    def _add_multimodal(self, tensors: StepTensors, multimodal) -> None:
+        if multimodal.mrope_positions is not None:
+            positions = torch.from_numpy(multimodal.mrope_positions).to(self.device,
+                                                                        non_blocking=True)
+            for view in [tensors.metadata, *tensors.metadata.group_views]:
+                view.mrope_positions = positions
+        if multimodal.embeds is not None:
+            rows = torch.from_numpy(multimodal.embed_rows).to(self.device, non_blocking=True)
+            tensors.mm_embeds = (rows, multimodal.embeds)

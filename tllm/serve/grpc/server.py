@@ -14,6 +14,7 @@ from typing import AsyncIterator
 import grpc
 from pydantic import ValidationError
 
+from tllm.multimodal.media import MediaError, decode_image_bytes
 from tllm.serve.http.auth import key_matches
 from tllm.serve.context import ServingContext
 from tllm.serve.http.errors import APIError, from_validation_error
@@ -100,10 +101,35 @@ class GenerationService(pb_grpc.GenerationServicer):
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
         self.limits.check(body)
+        if request.images:
+            return await self._image_prompt(request, which), body
         if which == "text":
             token_ids = await self.ctx.run_in_tokenizer(self.ctx.tokenizer.encode, request.text)
             return PromptInput(token_ids, request.text), body
         return PromptInput(prompt_value), body
+
+
+    async def _image_prompt(self, request: pb.GenerateRequest, which: str) -> PromptInput:
+        """A text prompt with images, each decoded within the server's limits (400 naming
+        `images[i]` otherwise); the engine expands the text's placeholders."""
+        if which != "text":
+            raise APIError(400, "images: a prompt with images is given as text",
+                           param="images")
+        args = getattr(self.ctx.llm, "args", None)
+        limit = args.limit_mm_per_prompt.get("image", 0) if args is not None else None
+        if limit is not None and len(request.images) > limit:
+            raise APIError(400, f"images: {len(request.images)} images given; at most {limit} "
+                           "a prompt (--limit-mm-per-prompt)", param="images")
+
+        def prepare() -> PromptInput:
+            images = [decode_image_bytes(raw, f"images[{i}]", self.ctx.config.max_image_pixels)
+                      for i, raw in enumerate(request.images)]
+            return PromptInput(self.ctx.tokenizer.encode(request.text), request.text, images,
+                               add_special_tokens=True)
+        try:
+            return await self.ctx.run_in_tokenizer(prepare)
+        except MediaError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
 
 
 def _body(request: pb.GenerateRequest, prompt) -> dict:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atllm/serve/grpc/tllm.proto\x12\x07tllm.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\x92\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.tllm.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.tllm.v1.SamplingParamsB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x03top\x18\x03 \x03(\x0b\x32\x13.tllm.v1.TopLogprob\"\xbd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.tllm.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x12\n\x10ModelInfoRequest\"{\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x15\n\reos_token_ids\x18\x05 \x03(\r2\x86\x02\n\nGeneration\x12\x41\n\x08Generate\x12\x18.tllm.v1.GenerateRequest\x1a\x19.tllm.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.tllm.v1.AbortRequest\x1a\x16.tllm.v1.AbortResponse\x12\x39\n\x06Health\x12\x16.tllm.v1.HealthRequest\x1a\x17.tllm.v1.HealthResponse\x12\x42\n\tModelInfo\x12\x19.tllm.v1.ModelInfoRequest\x1a\x1a.tllm.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1atllm/serve/grpc/tllm.proto\x12\x07tllm.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x95\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x15\n\x08logprobs\x18\n \x01(\rH\x06\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x0e \x01(\r\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x08\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x10 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x0b\n\t_logprobsB\x15\n\x13_repetition_penaltyB\x16\n\x14_skip_special_tokens\"\xa2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12&\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x11.tllm.v1.TokenIdsH\x00\x12)\n\x08sampling\x18\x04 \x01(\x0b\x32\x17.tllm.v1.SamplingParams\x12\x0e\n\x06images\x18\x05 \x03(\x0c\x42\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\x10PositionLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12 \n\x03top\x18\x03 \x03(\x0b\x32\x13.tllm.v1.TopLogprob\"\xbd\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12+\n\x08logprobs\x18\x04 \x03(\x0b\x32\x19.tllm.v1.PositionLogprobs\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x0f\n\rHealthRequest\"1\n\x0eHealthResponse\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x12\n\x10ModelInfoRequest\"{\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\rhas_tokenizer\x18\x04 \x01(\x08\x12\x15\n\reos_token_ids\x18\x05 \x03(\r2\x86\x02\n\nGeneration\x12\x41\n\x08Generate\x12\x18.tllm.v1.GenerateRequest\x1a\x19.tllm.v1.GenerateResponse0\x01\x12\x36\n\x05\x41\x62ort\x12\x15.tllm.v1.AbortRequest\x1a\x16.tllm.v1.AbortResponse\x12\x39\n\x06Health\x12\x16.tllm.v1.HealthRequest\x1a\x17.tllm.v1.HealthResponse\x12\x42\n\tModelInfo\x12\x19.tllm.v1.ModelInfoRequest\x1a\x1a.tllm.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,25 +36,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS']._serialized_start=65
   _globals['_SAMPLINGPARAMS']._serialized_end=598
   _globals['_GENERATEREQUEST']._serialized_start=601
-  _globals['_GENERATEREQUEST']._serialized_end=747
-  _globals['_TOPLOGPROB']._serialized_start=749
-  _globals['_TOPLOGPROB']._serialized_end=796
-  _globals['_POSITIONLOGPROBS']._serialized_start=798
-  _globals['_POSITIONLOGPROBS']._serialized_end=885
-  _globals['_GENERATERESPONSE']._serialized_start=888
-  _globals['_GENERATERESPONSE']._serialized_end=1077
-  _globals['_ABORTREQUEST']._serialized_start=1079
-  _globals['_ABORTREQUEST']._serialized_end=1113
-  _globals['_ABORTRESPONSE']._serialized_start=1115
-  _globals['_ABORTRESPONSE']._serialized_end=1130
-  _globals['_HEALTHREQUEST']._serialized_start=1132
-  _globals['_HEALTHREQUEST']._serialized_end=1147
-  _globals['_HEALTHRESPONSE']._serialized_start=1149
-  _globals['_HEALTHRESPONSE']._serialized_end=1198
-  _globals['_MODELINFOREQUEST']._serialized_start=1200
-  _globals['_MODELINFOREQUEST']._serialized_end=1218
-  _globals['_MODELINFORESPONSE']._serialized_start=1220
-  _globals['_MODELINFORESPONSE']._serialized_end=1343
-  _globals['_GENERATION']._serialized_start=1346
-  _globals['_GENERATION']._serialized_end=1608
+  _globals['_GENERATEREQUEST']._serialized_end=763
+  _globals['_TOPLOGPROB']._serialized_start=765
+  _globals['_TOPLOGPROB']._serialized_end=812
+  _globals['_POSITIONLOGPROBS']._serialized_start=814
+  _globals['_POSITIONLOGPROBS']._serialized_end=901
+  _globals['_GENERATERESPONSE']._serialized_start=904
+  _globals['_GENERATERESPONSE']._serialized_end=1093
+  _globals['_ABORTREQUEST']._serialized_start=1095
+  _globals['_ABORTREQUEST']._serialized_end=1129
+  _globals['_ABORTRESPONSE']._serialized_start=1131
+  _globals['_ABORTRESPONSE']._serialized_end=1146
+  _globals['_HEALTHREQUEST']._serialized_start=1148
+  _globals['_HEALTHREQUEST']._serialized_end=1163
+  _globals['_HEALTHRESPONSE']._serialized_start=1165
+  _globals['_HEALTHRESPONSE']._serialized_end=1214
+  _globals['_MODELINFOREQUEST']._serialized_start=1216
+  _globals['_MODELINFOREQUEST']._serialized_end=1234
+  _globals['_MODELINFORESPONSE']._serialized_start=1236
+  _globals['_MODELINFORESPONSE']._serialized_end=1359
+  _globals['_GENERATION']._serialized_start=1362
+  _globals['_GENERATION']._serialized_end=1624
 # @@protoc_insertion_point(module_scope)

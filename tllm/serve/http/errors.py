@@ -81,9 +81,9 @@ def from_value_error(exc: ValueError, prompt_param: str = "prompt") -> APIError:
     message = str(exc).removeprefix("SamplingParams.")
     match = re.match(r"(\w+)\b", message)
     param = match.group(1) if match else None
-    if param == "inputs":
+    if param in ("inputs", "multi_modal_data"):   # the engine's names for the prompt
+        message = f"{prompt_param}{message.removeprefix(param)}"
         param = prompt_param
-        message = f"{prompt_param}{message.removeprefix('inputs')}"
     return bad_request(message, param=param)
 
 

@@ -14,6 +14,8 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from tllm.multimodal.chat import split_chat_images
+from tllm.multimodal.media import MediaError
 from tllm.serve.context import ChoiceUsage, ServingContext, check_text, event_stream, sse
 from tllm.serve.http.errors import bad_request
 from tllm.serve.openai.generation import Choice, Generation, PromptInput, abort_on_disconnect
@@ -59,7 +61,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
                             _events(ctx, body, prompt, generation, output))
     async with generation, abort_on_disconnect(request, generation):
         choices = await generation.wait()
-    return JSONResponse(_response(ctx, body, prompt, choices, output).model_dump())
+    num_prompt = generation.num_prompt_tokens(0, len(prompt.token_ids))
+    return JSONResponse(_response(ctx, body, num_prompt, choices, output).model_dump())
 
 
 def _with_marks_decoded(body: ChatCompletionRequest,
@@ -107,9 +110,13 @@ def _message(output: OutputFormat, text: str,
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
-    """A history message as chat templates take it (tool call arguments as objects)."""
+    """A history message as chat templates take it (tool call arguments as objects; a
+    message with images keeps its parts)."""
+    content: Any = message.text()
+    if message.has_images:
+        content = [part.model_dump(exclude_none=True) for part in message.content]
     out = {"role": "system" if message.role == "developer" else message.role,
-           "content": message.text()}
+           "content": content}
     if message.tool_calls:
         out["tool_calls"] = [{"id": call.id, "type": "function", "function": {
             "name": call.function.name, "arguments": _arguments(call.function.arguments)}}
@@ -132,9 +139,36 @@ def _arguments(arguments: str | dict) -> dict | str:
 
 async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> PromptInput:
     messages = [_template_message(m) for m in body.messages]
-    for message in messages:
-        check_text(message["content"], "messages")
+    for message in body.messages:
+        check_text(message.text(), "messages")
+    if any(message.has_images for message in body.messages):
+        return await image_chat_prompt(ctx, messages, "messages", **template_kwargs(body))
     return await encode_messages(ctx, messages, "messages", **template_kwargs(body))
+
+
+async def image_chat_prompt(ctx: ServingContext, messages: list[dict], param: str,
+                            **kwargs) -> PromptInput:
+    """A prompt with images: each image_url decoded within the server's limits (a 400
+    naming the part otherwise), the template rendered with the model's placeholders;
+    the engine expands them."""
+    if ctx.config.chat_template is not None:
+        kwargs["chat_template"] = ctx.config.chat_template
+    args = getattr(ctx.llm, "args", None)
+    tokenizer = ctx.tokenizer
+
+    def prepare() -> PromptInput:
+        parts, images = split_chat_images(
+            messages, param, ctx.config.max_image_pixels,
+            getattr(args, "allowed_local_media_path", None),
+            args.limit_mm_per_prompt.get("image", 0) if args is not None else None)
+        text = tokenizer.apply_chat_template(parts, **kwargs)
+        return PromptInput(tokenizer.encode(text, add_special_tokens=False), text, images)
+    try:
+        return await ctx.run_in_tokenizer(prepare)
+    except MediaError as exc:
+        raise bad_request(str(exc), param=exc.param) from None
+    except (ValueError, TypeError, TemplateError) as exc:
+        raise bad_request(f"{param}: the chat template failed: {exc}", param=param) from exc
 
 
 # apply_chat_template's own settings, and the variables it sets itself: not for a request's
@@ -193,7 +227,7 @@ def _logprobs(ctx: ServingContext, body: ChatCompletionRequest, token_ids: list[
                                                     body.top_logprobs or 0))
 
 
-def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptInput,
+def _response(ctx: ServingContext, body: ChatCompletionRequest, num_prompt_tokens: int,
               choices: list[Choice], output: OutputFormat) -> ChatCompletionResponse:
     answers = []
     for c in choices:
@@ -201,7 +235,7 @@ def _response(ctx: ServingContext, body: ChatCompletionRequest, prompt: PromptIn
         answers.append(ChatChoice(index=c.index, message=message,
                                   logprobs=_logprobs(ctx, body, c.token_ids, c.logprobs),
                                   finish_reason=finish_reason, stop_reason=c.stop_reason))
-    usage = Usage(prompt_tokens=len(prompt.token_ids),
+    usage = Usage(prompt_tokens=num_prompt_tokens,
                   completion_tokens=sum(len(c.token_ids) for c in choices))
     model = body.model or ctx.config.model_name  # an adapter's name, as asked (checked)
     return ChatCompletionResponse(id=_request_id(), model=model, choices=answers, usage=usage)
@@ -230,7 +264,8 @@ async def _events(ctx: ServingContext, body: ChatCompletionRequest, prompt: Prom
                                      logprobs=logprobs, finish_reason=update.finish_reason,
                                      stop_reason=delta.stop_reason))
     if body.include_usage:
-        total = Usage(prompt_tokens=len(prompt.token_ids), completion_tokens=usage.num_generated)
+        total = Usage(prompt_tokens=generation.num_prompt_tokens(0, len(prompt.token_ids)),
+                      completion_tokens=usage.num_generated)
         yield sse(ChatCompletionChunk(id=request_id, created=created, model=model, choices=[],
                                       usage=total))
 

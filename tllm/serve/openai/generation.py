@@ -30,6 +30,18 @@ logger = logging.getLogger(__name__)
 class PromptInput:
     token_ids: list[int]
     text: str | None = None
+    # a vision-language model's images (PIL), in the order of the text's placeholders;
+    # the engine then expands the placeholders of `text` (token_ids count each as one)
+    images: list | None = None
+    # with images: whether the engine adds the tokenizer's special tokens to `text`
+    # (not to what a chat template rendered: it wrote them)
+    add_special_tokens: bool = False
+
+    def engine_input(self) -> dict:
+        if self.images:
+            return {"prompt": self.text, "multi_modal_data": {"image": self.images},
+                    "add_special_tokens": self.add_special_tokens}
+        return {"prompt_token_ids": self.token_ids, "prompt": self.text}
 
 
 class DeltaSource(Protocol):
@@ -160,6 +172,11 @@ class Generation:
             choices[delta.index].add(delta.engine)
         return choices
 
+    def num_prompt_tokens(self, prompt_index: int, default: int) -> int:
+        """The prompt's token count as the engine reported it once sample 0 ended (a prompt
+        with images has its placeholders expanded there), else `default`."""
+        return int(self._engine_metrics[prompt_index].get("num_prompt_tokens", default))
+
     def _receive(self, prompt_index: int, delta: CompletionDelta) -> SeqDelta | None:
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
@@ -262,7 +279,7 @@ class EngineClient:
         self._check_alive()
         self.check_fan_out(len(prompts), params[0].n, params[0].num_sequences)
         self._check_queue(sum(p.num_sequences for p in params))
-        inputs = [{"prompt_token_ids": p.token_ids, "prompt": p.text} for p in prompts]
+        inputs = [p.engine_input() for p in prompts]
         if lora_request is not None:  # the adapter the request's "model" names
             for item in inputs:
                 item["lora_request"] = lora_request

@@ -4,10 +4,10 @@ coercion, no NaN or infinity); unknown fields are kept aside for the server to i
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationInfo, WithJsonSchema,
-                      field_validator, model_validator)
+from pydantic import (BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo,
+                      WithJsonSchema, field_validator, model_validator)
 
 MAX_N = 128             # OpenAI's own cap on n (and on best_of)
 # Top logprobs per position, completions `logprobs` and chat `top_logprobs` alike: OpenAI caps
@@ -142,18 +142,41 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(_Body):
-    """One part of a message's content; only text parts are understood."""
+    """One part of a message's content: text, or (below) an image."""
 
     type: Literal["text"]
     text: str
 
     @model_validator(mode="before")
     @classmethod
-    def _only_text(cls, part):
-        if isinstance(part, dict) and part.get("type") != "text":
-            raise ValueError(f"only text content parts are supported, got type "
+    def _only_known(cls, part):
+        if isinstance(part, dict) and part.get("type") not in ("text", "image_url"):
+            raise ValueError(f"content parts are text or image_url, got type "
                              f"{part.get('type')!r}")
         return part
+
+
+class ImageUrl(_Body):
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImageUrlPart(_Body):
+    """An image for a vision-language model: a base64 data: URL (file:// under
+    --allowed-local-media-path; other URLs are not fetched)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+def _part_type(part) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "image_url" if kind == "image_url" else "text"
+
+
+ContentPart = Annotated[Union[Annotated[TextPart, Tag("text")],
+                              Annotated[ImageUrlPart, Tag("image_url")]],
+                        Discriminator(_part_type)]
 
 
 class FunctionCallIn(_Body):
@@ -172,7 +195,7 @@ class ToolCallIn(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[str | list[TextPart]] = None
+    content: Optional[str | list[ContentPart]] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCallIn]] = None
     tool_call_id: Optional[str] = None
@@ -193,7 +216,12 @@ class ChatMessage(_Body):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if part.type == "text")
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "image_url"
+                                                      for p in self.content)
 
 
 class JsonSchemaFormat(_Body):

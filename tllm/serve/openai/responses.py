@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.serve.openai.chat import encode_messages
+from tllm.serve.openai.chat import encode_messages, image_chat_prompt
 from tllm.serve.openai.choice_stream import ChoiceStream, OutputFormat, StreamUpdate
 from tllm.serve.context import ServingContext, check_text, event_stream
 from tllm.serve.http.errors import APIError, bad_request, error_responses
@@ -180,7 +180,8 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     for item in body.input:
         if isinstance(item, MessageItem):
             role = "system" if item.role == "developer" else item.role
-            messages.append({"role": role, "content": item.text()})
+            check_text(item.text(), "input")
+            messages.append({"role": role, "content": item.template_content()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {
                 "name": item.name, "arguments": _arguments(item.arguments)}}
@@ -192,7 +193,8 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": item.output})
     for message in messages:
-        check_text(message["content"], "input")
+        if isinstance(message["content"], str):
+            check_text(message["content"], "input")
     return messages
 
 
@@ -222,6 +224,9 @@ async def _encode(ctx: ServingContext, messages: list[dict],
     if tools.functions and tools.choice != "none":
         kwargs["tools"] = [{"type": "function", "function": function.model_dump(
             exclude_none=True)} for function in tools.functions]
+    if any(isinstance(m["content"], list) for m in messages):   # images
+        return await image_chat_prompt(ctx, messages, "input", add_generation_prompt=True,
+                                       **kwargs)
     return await encode_messages(ctx, messages, "input", add_generation_prompt=True,
                                  **kwargs)
 

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from tllm.serve.openai.protocol import _Body, _Response, _SamplingRequest
 
@@ -24,10 +24,30 @@ class InputTextPart(_Body):
     @model_validator(mode="before")
     @classmethod
     def _only_text(cls, part):
-        if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text"):
-            raise ValueError(f"only input_text and output_text content parts are supported, "
+        if isinstance(part, dict) and part.get("type") not in ("input_text", "output_text",
+                                                               "input_image"):
+            raise ValueError(f"content parts are input_text, output_text or input_image, "
                              f"got type {part.get('type')!r}")
         return part
+
+
+class InputImagePart(_Body):
+    """An image for a vision-language model: `image_url` a base64 data: URL (file://
+    under --allowed-local-media-path; other URLs are not fetched)."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+def _part_type(part) -> str:
+    kind = part.get("type") if isinstance(part, dict) else getattr(part, "type", None)
+    return "input_image" if kind == "input_image" else "text"
+
+
+InputPart = Annotated[Union[Annotated[InputTextPart, Tag("text")],
+                            Annotated[InputImagePart, Tag("input_image")]],
+                      Discriminator(_part_type)]
 
 
 class MessageItem(_Body):
@@ -35,14 +55,27 @@ class MessageItem(_Body):
 
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[InputTextPart]
+    content: str | list[InputPart]
     id: Optional[str] = None
     status: Optional[str] = None
 
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "\n".join(part.text for part in self.content)
+        return "\n".join(part.text for part in self.content if part.type != "input_image")
+
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(p.type == "input_image"
+                                                      for p in self.content)
+
+    def template_content(self) -> str | list[dict]:
+        """The content as chat templates take it (with images: parts, as chat's)."""
+        if not self.has_images:
+            return self.text()
+        return [{"type": "image_url", "image_url": {"url": part.image_url}}
+                if part.type == "input_image" else {"type": "text", "text": part.text}
+                for part in self.content]
 
 
 class FunctionCallItem(_Body):

@@ -9,7 +9,7 @@ import pytest
 from tests.multimodal.conftest import IMAGE, make_image
 from tests.multimodal.test_qwen2_5_vl import NUM_NEW, chat_text, make_llm, params
 from tests.multimodal.test_serve_images import png_bytes
-from tests.serve.test_grpc import HttpAndGrpc
+from tests.serve.grpc.test_grpc import HttpAndGrpc
 from tllm.serve.context import ServerConfig
 from tllm.serve.grpc import tllm_pb2 as pb
 from tllm.serve.grpc import tllm_pb2_grpc as pb_grpc

@@ -66,6 +66,11 @@ class LLM:
         return self._engine.max_seq_len
 
     @property
+    def takes_images(self) -> bool:
+        """Whether prompts may carry images (a vision-language model)."""
+        return self._engine.multimodal is not None
+
+    @property
     def sampling_defaults(self) -> dict[str, float | int]:
         """What the model's generation_config.json recommends (temperature, top_p, top_k,
         min_p, repetition_penalty; see `generation_config`): the defaults of calls and

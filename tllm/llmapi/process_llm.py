@@ -67,6 +67,7 @@ class ProcessLLM:
         self._lifecycle = threading.Lock()     # a restart and shutdown, one at a time
         self._engine, ready = self._start_engine()
         self.max_seq_len: int = ready["max_seq_len"]
+        self.takes_images: bool = ready["takes_images"]
         self.disagg_info: dict[str, str] | None = ready.get("disagg_info")
         self.lora_targets = ready.get("lora_targets")   # tllm.lora.adapter.LoraTargets | None
         self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], self.args)
@@ -352,6 +353,7 @@ def engine_main(args: LlmArgs, commands, events, log_settings: LogSettings | Non
     # the collector's full passes, which would otherwise pause the loop while it serves.
     with frozen_heap():
         events.send(("ready", {"max_seq_len": llm.max_seq_len, "stats": llm.get_stats(),
+                               "takes_images": llm.takes_images,
                                "disagg_info": llm.disagg_info,
                                "lora_targets": llm.lora_targets,
                                "sampling_defaults": llm.sampling_defaults,

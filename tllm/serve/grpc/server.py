@@ -18,6 +18,7 @@ from tllm.multimodal.media import MediaError, decode_image_bytes
 from tllm.serve.http.auth import key_matches
 from tllm.serve.context import ServingContext
 from tllm.serve.http.errors import APIError, from_validation_error
+from tllm.serve.openai.chat import check_takes_images
 from tllm.serve.openai.generation import PromptInput
 from tllm.serve.grpc import tllm_pb2 as pb
 from tllm.serve.grpc import tllm_pb2_grpc as pb_grpc
@@ -115,8 +116,9 @@ class GenerationService(pb_grpc.GenerationServicer):
         if which != "text":
             raise APIError(400, "images: a prompt with images is given as text",
                            param="images")
-        args = getattr(self.ctx.llm, "args", None)
-        limit = args.limit_mm_per_prompt.get("image", 0) if args is not None else None
+        check_takes_images(self.ctx, "images")
+        limits = getattr(getattr(self.ctx.llm, "args", None), "limit_mm_per_prompt", None)
+        limit = limits.get("image", 0) if limits is not None else None
         if limit is not None and len(request.images) > limit:
             raise APIError(400, f"images: {len(request.images)} images given; at most {limit} "
                            "a prompt (--limit-mm-per-prompt)", param="images")

@@ -146,21 +146,30 @@ async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prom
     return await encode_messages(ctx, messages, "messages", **template_kwargs(body))
 
 
+def check_takes_images(ctx: ServingContext, param: str) -> None:
+    """A 400 before any image is decoded when the model takes none (a text model)."""
+    if not getattr(ctx.llm, "takes_images", False):
+        raise bad_request(f"{param}: model {ctx.config.model_name!r} takes no images (image "
+                          "parts need a vision-language model)", param=param)
+
+
 async def image_chat_prompt(ctx: ServingContext, messages: list[dict], param: str,
                             **kwargs) -> PromptInput:
     """A prompt with images: each image_url decoded within the server's limits (a 400
     naming the part otherwise), the template rendered with the model's placeholders;
     the engine expands them."""
+    check_takes_images(ctx, param)
     if ctx.config.chat_template is not None:
         kwargs["chat_template"] = ctx.config.chat_template
     args = getattr(ctx.llm, "args", None)
+    limit = getattr(args, "limit_mm_per_prompt", None)
     tokenizer = ctx.tokenizer
 
     def prepare() -> PromptInput:
         parts, images = split_chat_images(
             messages, param, ctx.config.max_image_pixels,
             getattr(args, "allowed_local_media_path", None),
-            args.limit_mm_per_prompt.get("image", 0) if args is not None else None)
+            limit.get("image", 0) if limit is not None else None)
         text = tokenizer.apply_chat_template(parts, **kwargs)
         return PromptInput(tokenizer.encode(text, add_special_tokens=False), text, images)
     try:

@@ -178,7 +178,7 @@ def test_images_to_a_text_model_are_a_400(http):
     chat = {"model": "fake", "max_tokens": 2,
             "messages": [{"role": "user", "content": [image, {"type": "text", "text": "hi"}]}]}
     error = assert_openai_error(http.post("/v1/chat/completions", json=chat), 400)
-    assert "takes no images" in error["message"] and error["param"] == "messages"
+    assert "takes no images" in error["message"] and error["param"] == "messages.0.content.0"
     responses = {"model": "fake", "max_output_tokens": 2, "input": [{"role": "user", "content": [
         {"type": "input_image", "image_url": PNG_1x1}, {"type": "input_text", "text": "hi"}]}]}
     error = assert_openai_error(http.post("/v1/responses", json=responses), 400)

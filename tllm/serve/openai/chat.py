@@ -14,7 +14,7 @@ from jinja2 import TemplateError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm.multimodal.chat import split_chat_images
+from tllm.multimodal.chat import IMAGE_PART_TYPES, split_chat_images
 from tllm.multimodal.media import MediaError
 from tllm.serve.context import ChoiceUsage, ServingContext, check_text, event_stream, sse
 from tllm.serve.http.errors import bad_request
@@ -146,11 +146,18 @@ async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> Prom
     return await encode_messages(ctx, messages, "messages", **template_kwargs(body))
 
 
-def check_takes_images(ctx: ServingContext, param: str) -> None:
-    """A 400 before any image is decoded when the model takes none (a text model)."""
-    if not getattr(ctx.llm, "takes_images", False):
-        raise bad_request(f"{param}: model {ctx.config.model_name!r} takes no images (image "
-                          "parts need a vision-language model)", param=param)
+def check_takes_images(ctx: ServingContext, param: str,
+                       messages: list[dict] | None = None) -> None:
+    """A 400 naming the first image part (`messages.0.content.1`), before any image is
+    decoded, when the model takes none (a text model)."""
+    if getattr(ctx.llm, "takes_images", False):
+        return
+    where = next((f"{param}.{i}.content.{j}" for i, message in enumerate(messages or ())
+                  if isinstance(message.get("content"), list)
+                  for j, part in enumerate(message["content"])
+                  if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES), param)
+    raise bad_request(f"{where}: model {ctx.config.model_name!r} takes no images (image "
+                      "parts need a vision-language model)", param=where)
 
 
 async def image_chat_prompt(ctx: ServingContext, messages: list[dict], param: str,
@@ -158,7 +165,7 @@ async def image_chat_prompt(ctx: ServingContext, messages: list[dict], param: st
     """A prompt with images: each image_url decoded within the server's limits (a 400
     naming the part otherwise), the template rendered with the model's placeholders;
     the engine expands them."""
-    check_takes_images(ctx, param)
+    check_takes_images(ctx, param, messages)
     if ctx.config.chat_template is not None:
         kwargs["chat_template"] = ctx.config.chat_template
     args = getattr(ctx.llm, "args", None)

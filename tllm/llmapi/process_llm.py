@@ -27,8 +27,6 @@ starts a new process in its place (the server's supervisor decides whether and w
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import itertools
 import multiprocessing
 import pickle
@@ -39,6 +37,7 @@ from typing import Any, Callable, Sequence
 
 from tllm.llmapi.flag_aliases import llm_args
 from tllm.config import LlmArgs
+from tllm.gc_heap import frozen_heap
 from tllm.llmapi.result import DeltaStream
 from tllm.log import LogSettings, active_settings, apply_settings
 from tllm.outputs import CompletionDelta
@@ -359,19 +358,6 @@ def engine_main(args: LlmArgs, commands, events, log_settings: LogSettings | Non
                                "sampling_defaults": llm.sampling_defaults,
                                "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
         _EngineServer(llm, events).run(commands)
-
-
-@contextlib.contextmanager
-def frozen_heap():
-    """Everything alive now out of the garbage collector's passes (gc.freeze) while the
-    block runs. Unfrozen after: frozen objects are never freed at exit, and native
-    extensions (triton's nanobind types) then print pages of "leaked" warnings."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 class _EngineServer:

@@ -148,7 +148,8 @@ def _add_server_args(group) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted."""
     from tllm.llmapi.llm import LLM
-    from tllm.llmapi.process_llm import ProcessLLM, frozen_heap
+    from tllm.gc_heap import frozen_heap
+    from tllm.llmapi.process_llm import ProcessLLM
     from tllm.serve.http.server import build_server, run_until_stopped
     from tllm.serve.http.app import build_app
     from tllm.serve.http.stats_log import StatsLogger, server_stats

@@ -72,24 +72,7 @@ def _add_server_args(group) -> None:
                        "MODEL as given)")
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
                        "itself) instead of the model's")
-    group.add_argument("--tool-call-parser", choices=[AUTO, "none", *sorted(TOOL_PARSERS)],
-                       default=AUTO,
-                       help="tool_choice auto: parse tool calls from the model's output in "
-                            "this format (hermes: Qwen2.5/Qwen3; qwen3_coder; llama3_json; "
-                            "pythonic: Llama 3.2/4; mistral; deepseek_v3). Default auto: the "
-                            "one the chat template shows (<tool_call> hermes, <function= "
-                            "qwen3_coder, [TOOL_CALLS] mistral, <|python_tag|> llama3_json, "
-                            "DeepSeek's tool tokens deepseek_v3), else none: auto answers in "
-                            "text. required and named functions need no parser")
-    group.add_argument("--reasoning-parser", choices=[AUTO, "none", *sorted(REASONING_PARSERS)],
-                       default=AUTO,
-                       help="split the model's reasoning into reasoning_content: <think>..."
-                            "</think> (qwen3: an output that opens with <think>; deepseek_r1: "
-                            "the template opened it; think: either, read from the prompt), "
-                            "granite (Here is my thought process: ... Here is my response:), "
-                            "gpt_oss (harmony's analysis channel). Default auto: the one the "
-                            "chat template shows (<think> think, <|channel|> gpt_oss, "
-                            "Granite's phrase granite), else none")
+    _add_output_parser_args(group)
     group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
                        help="answer 429 while this many requests wait beyond the free "
                             "batch slots (default 1024; 0 means no limit)")
@@ -110,6 +93,41 @@ def _add_server_args(group) -> None:
     group.add_argument("--stuck-timeout", type=float, default=120.0,
                        help="seconds without an engine step, with work queued, after which "
                             "/health answers 503 (default 120)")
+    _add_media_args(group)
+    _add_engine_process_args(group)
+    _add_lora_args(group)
+    add_log_args(group)
+    group.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
+                       metavar="SECONDS", help="log a stats line (running, waiting, KV use, "
+                       "tokens/s) this often while busy (default 10; 0: never)")
+    group.add_argument("--grpc-port", type=int, help="also serve gRPC (tllm/serve/grpc/"
+                       "tllm.proto: Generate, Abort, Health, ModelInfo) on this port")
+    add_disagg_args(group)
+    add_peer_server_flags(group)
+
+
+def _add_output_parser_args(group) -> None:
+    group.add_argument("--tool-call-parser", choices=[AUTO, "none", *sorted(TOOL_PARSERS)],
+                       default=AUTO,
+                       help="tool_choice auto: parse tool calls from the model's output in "
+                            "this format (hermes: Qwen2.5/Qwen3; qwen3_coder; llama3_json; "
+                            "pythonic: Llama 3.2/4; mistral; deepseek_v3). Default auto: the "
+                            "one the chat template shows (<tool_call> hermes, <function= "
+                            "qwen3_coder, [TOOL_CALLS] mistral, <|python_tag|> llama3_json, "
+                            "DeepSeek's tool tokens deepseek_v3), else none: auto answers in "
+                            "text. required and named functions need no parser")
+    group.add_argument("--reasoning-parser", choices=[AUTO, "none", *sorted(REASONING_PARSERS)],
+                       default=AUTO,
+                       help="split the model's reasoning into reasoning_content: <think>..."
+                            "</think> (qwen3: an output that opens with <think>; deepseek_r1: "
+                            "the template opened it; think: either, read from the prompt), "
+                            "granite (Here is my thought process: ... Here is my response:), "
+                            "gpt_oss (harmony's analysis channel). Default auto: the one the "
+                            "chat template shows (<think> think, <|channel|> gpt_oss, "
+                            "Granite's phrase granite), else none")
+
+
+def _add_media_args(group) -> None:
     group.add_argument("--image-url-ttl", type=positive_float, default=3600.0,
                        help="visual models: seconds a response_format=url image stays served "
                             "(default 3600, as OpenAI's)")
@@ -117,6 +135,9 @@ def _add_server_args(group) -> None:
                        help="visual models: answer 400 to an input image (`image`, "
                             "`input_reference`) of more pixels than this, read from its "
                             "header before decoding (default 16,777,216: 4096 x 4096)")
+
+
+def _add_engine_process_args(group) -> None:
     group.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                        help="text models: run the engine in a process of its own, so HTTP "
                             "work does not slow its loop (default; --no-engine-process keeps "
@@ -128,6 +149,9 @@ def _add_server_args(group) -> None:
                        help="restart attempts in a row (backoff 0, 1, 2, 4 ... s; an engine "
                             "up 60 s resets the count) before the server gives up and exits "
                             "with status 1 (default 3)")
+
+
+def _add_lora_args(group) -> None:
     group.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH",
                        help="with --enable-lora: serve these PEFT adapter folders as models "
                             "(\"model\": NAME); more through POST /v1/load_lora_adapter")
@@ -135,14 +159,6 @@ def _add_server_args(group) -> None:
                        help="POST /v1/load_lora_adapter may load adapters from these folders "
                             "and below them (symlinks and .. resolved first), besides the "
                             "--lora-modules folders; any other lora_path gets a 403")
-    add_log_args(group)
-    group.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
-                       metavar="SECONDS", help="log a stats line (running, waiting, KV use, "
-                       "tokens/s) this often while busy (default 10; 0: never)")
-    group.add_argument("--grpc-port", type=int, help="also serve gRPC (tllm/serve/grpc/"
-                       "tllm.proto: Generate, Abort, Health, ModelInfo) on this port")
-    add_disagg_args(group)
-    add_peer_server_flags(group)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -18,25 +18,20 @@ import itertools
 import logging
 import uuid
 
-from fastapi import APIRouter, FastAPI
+from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm import __version__
 from tllm.cli_parser import FlagParser
 from tllm.log import add_log_args, configure_logging
-from tllm.serve.http.auth import install_api_key_guard
 from tllm.serve.fronts.disagg_config import DisaggFrontConfig
 from tllm.serve.disagg_worker import KV_SOURCE_HEADER
-from tllm.serve.http.request_ids import RequestIdMiddleware
-from tllm.serve.http.errors import APIError, install_error_handlers, server_stopping
-from tllm.serve.http.limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
-                                    install_request_limits)
-from tllm.serve.fronts.proxy import (RelayDrain, Upstream, pick_least_loaded, read_json_body,
-                                     relay, until_disconnect, upstream_error)
+from tllm.serve.http.errors import APIError, server_stopping
+from tllm.serve.http.limits import HttpLimits, add_http_limit_args, http_limits_from_args
+from tllm.serve.fronts.proxy import (RelayDrain, Upstream, front_app, pick_least_loaded,
+                                     read_json_body, relay, until_disconnect, upstream_error)
 
 logger = logging.getLogger(__name__)
-TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")
 # Fields of the client's request the context server's prefill does without.
 _NOT_FOR_PREFILL = ("stream", "stream_options", "n", "best_of", "max_tokens",
                     "max_completion_tokens", "min_tokens")
@@ -131,16 +126,9 @@ async def _is_healthy(server: Upstream) -> bool:
 def build_front_app(front: DisaggFront, limits: HttpLimits = HttpLimits(),
                     protect_metrics: bool = False) -> FastAPI:
     """The front's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
-    app = FastAPI(title="tllm disaggregated front", version=__version__)
+    app, routes = front_app("tllm disaggregated front", front.handle, front.drain,
+                            front.config.api_key, limits, protect_metrics)
     app.state.front = front
-    app.state.drain = front.drain
-    install_error_handlers(app)
-    install_request_limits(app, limits)
-    install_api_key_guard(app, front.config.api_key, protect_metrics)
-    app.add_middleware(RequestIdMiddleware)     # outermost: the id goes on upstream
-    routes = APIRouter()
-    for path in TEXT_ROUTES:
-        routes.add_api_route(path, _forward(front, path), methods=["POST"])
 
     @routes.get("/v1/models")
     async def models() -> Response:
@@ -157,12 +145,6 @@ def build_front_app(front: DisaggFront, limits: HttpLimits = HttpLimits(),
 
     app.include_router(routes)
     return app
-
-
-def _forward(front: DisaggFront, path: str):
-    async def forward(request: Request) -> Response:
-        return await front.handle(request, path)
-    return forward
 
 
 def run_disaggregated(argv: list[str]) -> int:

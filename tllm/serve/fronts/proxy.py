@@ -13,17 +13,23 @@ import time
 from typing import Any, AsyncIterator, Awaitable, Iterator, TypeVar
 
 import httpx
+from fastapi import APIRouter, FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from tllm import __version__
 from tllm.log import REQUEST_ID
 from tllm.serve.context import SSE_DONE, sse
-from tllm.serve.http.errors import APIError, bad_request, server_stopping
+from tllm.serve.http.auth import install_api_key_guard
+from tllm.serve.http.errors import APIError, bad_request, install_error_handlers, server_stopping
+from tllm.serve.http.limits import HttpLimits, install_request_limits
+from tllm.serve.http.request_ids import RequestIdMiddleware
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 2.0
 DOWN_FOR_S = 2.0        # a server that failed is passed over this long while others are up
 T = TypeVar("T")
+TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")   # what a front forwards
 
 
 def normalize_url(url: str) -> str:
@@ -111,6 +117,29 @@ async def read_json_body(request: Request) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the body must be a JSON object")
     return body
+
+
+def front_app(title: str, handle, drain: RelayDrain, api_key: str | None, limits: HttpLimits,
+              protect_metrics: bool) -> tuple[FastAPI, APIRouter]:
+    """A front's app and its routes (TEXT_ROUTES forwarded through `handle(request, path)`,
+    more to add, then app.include_router): error bodies, request limits, the key check, the
+    drain its server's shutdown waits for, and request ids passed on upstream."""
+    app = FastAPI(title=title, version=__version__)
+    app.state.drain = drain
+    install_error_handlers(app)
+    install_request_limits(app, limits)
+    install_api_key_guard(app, api_key, protect_metrics)
+    app.add_middleware(RequestIdMiddleware)     # outermost: the id goes on upstream
+    routes = APIRouter()
+    for path in TEXT_ROUTES:
+        routes.add_api_route(path, _forwarder(handle, path), methods=["POST"])
+    return app, routes
+
+
+def _forwarder(handle, path: str):
+    async def forward(request: Request) -> Response:
+        return await handle(request, path)
+    return forward
 
 
 class RelayDrain:

@@ -19,26 +19,21 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from fastapi import APIRouter, FastAPI
+from fastapi import FastAPI
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from tllm import __version__
 from tllm.cli_parser import FlagParser
 from tllm.log import add_log_args, configure_logging
-from tllm.serve.http.auth import install_api_key_guard
-from tllm.serve.http.request_ids import RequestIdMiddleware
-from tllm.serve.http.errors import install_error_handlers, server_stopping
-from tllm.serve.http.limits import (HttpLimits, add_http_limit_args, http_limits_from_args,
-                                    install_request_limits)
+from tllm.serve.http.errors import server_stopping
+from tllm.serve.http.limits import HttpLimits, add_http_limit_args, http_limits_from_args
 from tllm.serve.http.metrics import CONTENT_TYPE_LATEST
-from tllm.serve.fronts.proxy import (RelayDrain, Upstream, pick_least_loaded, read_json_body,
-                                     relay)
+from tllm.serve.fronts.proxy import (RelayDrain, Upstream, front_app, pick_least_loaded,
+                                     read_json_body, relay)
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
-TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")
 BYTES_PER_TOKEN = 4     # without a tokenizer, a block of text is this many bytes per token
 
 
@@ -216,18 +211,11 @@ class _RouterCollector:
 def build_router_app(router: Router, limits: HttpLimits = HttpLimits(),
                      protect_metrics: bool = False) -> FastAPI:
     """The router's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
-    app = FastAPI(title="tllm router", version=__version__)
+    app, routes = front_app("tllm router", router.handle, router.drain, router.config.api_key,
+                            limits, protect_metrics)
     app.state.router = router
-    app.state.drain = router.drain
-    install_error_handlers(app)
-    install_request_limits(app, limits)
-    install_api_key_guard(app, router.config.api_key, protect_metrics)
-    app.add_middleware(RequestIdMiddleware)     # outermost: the id goes on upstream
     registry = CollectorRegistry()
     registry.register(_RouterCollector(router))
-    routes = APIRouter()
-    for path in TEXT_ROUTES:
-        routes.add_api_route(path, _forward(router, path), methods=["POST"])
 
     @routes.get("/v1/models")
     async def models() -> Response:
@@ -257,12 +245,6 @@ def build_router_app(router: Router, limits: HttpLimits = HttpLimits(),
 
     app.include_router(routes)
     return app
-
-
-def _forward(router: Router, path: str):
-    async def forward(request: Request) -> Response:
-        return await router.handle(request, path)
-    return forward
 
 
 def run_router(argv: list[str]) -> int:

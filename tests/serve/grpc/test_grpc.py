@@ -125,6 +125,15 @@ def test_bad_input_is_invalid_argument(stub, request_, field):
     assert field in info.value.details()
 
 
+def _without_tool_versions(text: str) -> str:
+    """The stubs name the grpcio-tools/protobuf release that wrote them; a newer patch
+    release of the tools writes the same code with another number, which is not staleness."""
+    import re
+    text = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = ''", text)
+    text = re.sub(r"# Protobuf Python Version: .*", "# Protobuf Python Version:", text)
+    return re.sub(r"(Domain\.PUBLIC,\s*)\d+,\s*\d+,\s*\d+,", r"\1", text)
+
+
 def test_proto_stubs_are_current(tmp_path):
     pytest.importorskip("grpc_tools")
     from tllm.serve.grpc.generate import generate
@@ -132,7 +141,8 @@ def test_proto_stubs_are_current(tmp_path):
     from pathlib import Path
     here = Path(__file__).resolve().parents[3] / "tllm/serve/grpc"
     for name in ("tllm_pb2.py", "tllm_pb2_grpc.py"):
-        assert (tmp_path / "tllm/serve/grpc" / name).read_text() == (here / name).read_text()
+        fresh = (tmp_path / "tllm/serve/grpc" / name).read_text()
+        assert _without_tool_versions(fresh) == _without_tool_versions((here / name).read_text())
 
 
 def test_with_the_api_key_every_call_but_health_needs_it():

@@ -100,6 +100,27 @@ def test_a_batch_stops_once_all_of_its_clients_left(visual_gen, tmp_path):
         assert slow.counter.steps <= (GIVE_UP_AFTER_S + 1.0) / STEP_S < 200
 
 
+def test_a_batch_goes_on_for_the_clients_that_stay(visual_gen, tmp_path):
+    slow = SlowGen(visual_gen)
+    app = build_images_app(slow, ServerConfig(model="m"), files_dir=tmp_path,
+                           batching=BatchingConfig(max_batch_size=2, window_s=60))
+    body = {"prompt": "a cat", "steps": 12, "seed": 0, "size": "32x16"}  # >= 0.6 s
+
+    async def one_leaves(base_url: str):
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as stays, \
+                httpx.AsyncClient(base_url=base_url, timeout=GIVE_UP_AFTER_S) as leaves:
+            return await asyncio.gather(stays.post("/v1/images/generations", json=body),
+                                        leaves.post("/v1/images/generations", json=body),
+                                        return_exceptions=True)
+
+    with ServerThread(app) as server:
+        kept, left = asyncio.run(one_leaves(server.base_url))
+        assert isinstance(left, httpx.TimeoutException), left
+        assert kept.status_code == 200, kept.text
+        wait_for(lambda: app.state.ctx.num_cancelled == 1)
+    assert slow.num_started == 1 and slow.counter.steps == 12
+
+
 def test_url_files_expire(visual_gen, tmp_path):
     app = build_images_app(visual_gen, ServerConfig(model="m", image_url_ttl_s=60),
                            files_dir=tmp_path)

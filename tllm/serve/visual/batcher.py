@@ -163,7 +163,9 @@ class ImageBatcher:
         for request, result in zip(batch, results):
             if request.future.done():
                 continue
-            if isinstance(result, BaseException):
+            if request.cancellation.aborted:    # its client left while the others stayed
+                request.future.set_exception(GenerationCancelled("the client left"))
+            elif isinstance(result, BaseException):
                 request.future.set_exception(result)
             else:
                 request.future.set_result(result)

@@ -1,6 +1,7 @@
 """The images server's housekeeping: a client that disconnects cancels its request (a queued
 one is skipped, a running one stops at its next denoising step, a batch once all of its
-clients left) and the next request is served; "url" files are deleted once expired; a temporary files folder goes with the server."""
+clients left, the others still answered) and the next request is served; "url" files are
+deleted once expired; a temporary files folder goes with the server."""
 from __future__ import annotations
 
 import asyncio

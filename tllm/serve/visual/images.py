@@ -7,8 +7,9 @@ loop keeps answering while it runs. Compatible requests (same size, steps, guida
 one transformer batch (batcher.py: up to `max_batch_size`, collected for `window_s`), each
 getting the images it gets alone; requests beyond `max_queue_size` pending get 429. A client
 that disconnects cancels its request: removed if still queued, stopped at the next denoising
-step if running (a batch stops once all of its clients have left). Files behind "url" responses are deleted `image_url_ttl_s` after they were
-written (OpenAI's image URLs also expire, after an hour).
+step if running (a batch stops once all of its clients have left). Files behind "url"
+responses are deleted `image_url_ttl_s` after they were written (OpenAI's image URLs also
+expire, after an hour). GET /metrics has the batch sizes.
 Extensions to OpenAI's body: steps, seed, negative_prompt, true_cfg_scale, guidance_scale;
 for the layered model, `image` (base64 input image), layers, resolution and caption_language
 (a blank prompt asks the model to caption the image, where its folder has a processor), and
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -46,7 +48,6 @@ from tllm.serve.http.server import run_uvicorn
 from tllm.serve.http.app import read_body
 from tllm.serve.openai.protocol import INT64_MAX, ModelCard, ModelList
 from tllm.serve.http.request_ids import RequestIdMiddleware
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tllm.serve.visual.batcher import (BatchMetrics, BatchingConfig, ImageBatcher, QueueFull,
                                        QueuedRequest)
 

@@ -1,6 +1,7 @@
 """The images server's housekeeping: a client that disconnects cancels its request (a queued
-one is skipped, a running one stops at its next denoising step) and the next request is
-served; "url" files are deleted once expired; a temporary files folder goes with the server."""
+one is skipped, a running one stops at its next denoising step, a batch once all of its
+clients left, the others still answered) and the next request is served; "url" files are
+deleted once expired; a temporary files folder goes with the server."""
 from __future__ import annotations
 
 import asyncio
@@ -11,6 +12,7 @@ import httpx
 
 from tests.serve.helpers import assert_openai_error
 from tllm.serve.context import ServerConfig
+from tllm.serve.visual.batcher import BatchingConfig
 from tllm.serve.visual.images import build_images_app
 from tllm.serve.testing import ServerThread
 from tllm.visual_gen.pipeline import DenoiseHook
@@ -46,6 +48,10 @@ class SlowGen:
         self.num_started += 1
         return self.gen.generate(prompt, params, image=image, hooks=[*hooks, self.counter])
 
+    def generate_batch(self, requests, hooks=()):
+        self.num_started += 1
+        return self.gen.generate_batch(requests, hooks=[*hooks, self.counter])
+
 
 def wait_for(condition, timeout_s: float = 5.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -65,7 +71,8 @@ async def give_up(base_url: str, num_requests: int) -> list[BaseException]:
 
 def test_clients_that_leave_cancel_their_requests(visual_gen, tmp_path):
     slow = SlowGen(visual_gen)
-    app = build_images_app(slow, ServerConfig(model="m"), files_dir=tmp_path)
+    app = build_images_app(slow, ServerConfig(model="m"), files_dir=tmp_path,
+                           batching=BatchingConfig(max_batch_size=1))
     ctx = app.state.ctx
     with ServerThread(app) as server:
         results = asyncio.run(give_up(server.base_url, 2))
@@ -79,6 +86,40 @@ def test_clients_that_leave_cancel_their_requests(visual_gen, tmp_path):
                               json={"prompt": "a dog", **FAST}, timeout=60)
         assert response.status_code == 200, response.text
         assert slow.num_started == 2
+
+
+def test_a_batch_stops_once_all_of_its_clients_left(visual_gen, tmp_path):
+    slow = SlowGen(visual_gen)
+    app = build_images_app(slow, ServerConfig(model="m"), files_dir=tmp_path,
+                           batching=BatchingConfig(max_batch_size=2, window_s=60))
+    ctx = app.state.ctx
+    with ServerThread(app) as server:
+        results = asyncio.run(give_up(server.base_url, 2))
+        assert all(isinstance(r, httpx.TimeoutException) for r in results), results
+        wait_for(lambda: ctx.num_cancelled == 2 and ctx.num_pending == 0)
+        assert slow.num_started == 1        # one batch of both
+        assert slow.counter.steps <= (GIVE_UP_AFTER_S + 1.0) / STEP_S < 200
+
+
+def test_a_batch_goes_on_for_the_clients_that_stay(visual_gen, tmp_path):
+    slow = SlowGen(visual_gen)
+    app = build_images_app(slow, ServerConfig(model="m"), files_dir=tmp_path,
+                           batching=BatchingConfig(max_batch_size=2, window_s=60))
+    body = {"prompt": "a cat", "steps": 12, "seed": 0, "size": "32x16"}  # >= 0.6 s
+
+    async def one_leaves(base_url: str):
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as stays, \
+                httpx.AsyncClient(base_url=base_url, timeout=GIVE_UP_AFTER_S) as leaves:
+            return await asyncio.gather(stays.post("/v1/images/generations", json=body),
+                                        leaves.post("/v1/images/generations", json=body),
+                                        return_exceptions=True)
+
+    with ServerThread(app) as server:
+        kept, left = asyncio.run(one_leaves(server.base_url))
+        assert isinstance(left, httpx.TimeoutException), left
+        assert kept.status_code == 200, kept.text
+        wait_for(lambda: app.state.ctx.num_cancelled == 1)
+    assert slow.num_started == 1 and slow.counter.steps == 12
 
 
 def test_url_files_expire(visual_gen, tmp_path):

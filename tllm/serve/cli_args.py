@@ -135,6 +135,13 @@ def _add_media_args(group) -> None:
                        help="visual models: answer 400 to an input image (`image`, "
                             "`input_reference`) of more pixels than this, read from its "
                             "header before decoding (default 16,777,216: 4096 x 4096)")
+    group.add_argument("--visual-max-batch-size", type=positive_int, default=4,
+                       help="image models: run up to this many compatible requests (same "
+                            "size, steps, guidance) as one transformer batch (default 4; 1: "
+                            "no batching). --max-queue-size caps the requests pending (429)")
+    group.add_argument("--visual-batch-window-ms", type=non_negative_float, default=10.0,
+                       help="image models: wait at most this long after a request arrives "
+                            "for others to batch with it (default 10)")
 
 
 def _add_engine_process_args(group) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from tllm.device import pick_device
 from tllm.extras import require_extra
-from tllm.visual_gen import memory, registry
+from tllm.visual_gen import batching, memory, registry
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
 
@@ -83,3 +83,17 @@ class VisualGen:
         images = None if image is None else (
             list(image) if isinstance(image, (list, tuple)) else [image])
         return self.pipeline.generate(prompts, params or VisualGenParams(), images, hooks)
+
+    @property
+    def can_batch(self) -> bool:
+        """Whether generate_batch() can run several requests as one transformer batch."""
+        return batching.can_batch(self.pipeline)
+
+    def generate_batch(self, requests: Sequence[batching.ImageRequest],
+                       hooks: Sequence[DenoiseHook] = ()) -> list[VisualGenOutput | Exception]:
+        """Several requests (same batching.batch_key) as one transformer batch, each image
+        as its request alone makes it: each request's output, or the exception that failed
+        it before the batch ran (its prompt or parameters)."""
+        if not self.can_batch:
+            raise ValueError(f"model: {self.model!r} does not batch requests")
+        return batching.generate_batch(self.pipeline, requests, hooks)

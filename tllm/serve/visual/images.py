@@ -3,10 +3,13 @@ VisualGen, plus /v1/models, /health, /version, and generated files under /files 
 response_format "url"; with --api-key their URLs are signed and expire with the file).
 
 Generation runs in one worker thread (one image batch on the device at a time), so the event
-loop keeps answering while it runs; requests beyond `max_queue_size` waiting get 429. A client
-that disconnects cancels its request: skipped if still queued, stopped at the next denoising
-step if running. Files behind "url" responses are deleted `image_url_ttl_s` after they were
-written (OpenAI's image URLs also expire, after an hour).
+loop keeps answering while it runs. Compatible requests (same size, steps, guidance...) run as
+one transformer batch (batcher.py: up to `max_batch_size`, collected for `window_s`), each
+getting the images it gets alone; requests beyond `max_queue_size` pending get 429. A client
+that disconnects cancels its request: removed if still queued, stopped at the next denoising
+step if running (a batch stops once all of its clients have left). Files behind "url"
+responses are deleted `image_url_ttl_s` after they were written (OpenAI's image URLs also
+expire, after an hour). GET /metrics has the batch sizes.
 Extensions to OpenAI's body: steps, seed, negative_prompt, true_cfg_scale, guidance_scale;
 for the layered model, `image` (base64 input image), layers, resolution and caption_language
 (a blank prompt asks the model to caption the image, where its folder has a processor), and
@@ -14,7 +17,6 @@ each generated image gives `layers` entries of `data`, in order.
 """
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import re
@@ -29,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from fastapi import APIRouter, FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -45,6 +48,8 @@ from tllm.serve.http.server import run_uvicorn
 from tllm.serve.http.app import read_body
 from tllm.serve.openai.protocol import INT64_MAX, ModelCard, ModelList
 from tllm.serve.http.request_ids import RequestIdMiddleware
+from tllm.serve.visual.batcher import (BatchMetrics, BatchingConfig, ImageBatcher, QueueFull,
+                                       QueuedRequest)
 
 MAX_N = 10              # OpenAI's cap on images per request
 MAX_STEPS = 200
@@ -90,11 +95,23 @@ class ImagesContext:
     config: ServerConfig
     files_dir: Path
     owns_files_dir: bool = False        # a temporary folder, removed on close()
+    batching: BatchingConfig = BatchingConfig()
     pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="tllm-visual"))
     signer: UrlSigner = field(default_factory=UrlSigner)
-    num_pending: int = 0
     num_cancelled: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics = BatchMetrics(self.config.model_name)
+        self.batcher = ImageBatcher(
+            lambda batch, stop: _generate_batch_pngs(self.gen, batch, stop), self.pool,
+            self.batching.max_batch_size, self.batching.window_s, self.config.max_queue_size,
+            self.metrics)
+
+    @property
+    def num_pending(self) -> int:
+        """Image requests waiting or running."""
+        return self.batcher.num_pending
 
     def save(self, png: bytes) -> str:
         """Write a PNG for a "url" response, first deleting the expired ones; its name."""
@@ -126,19 +143,21 @@ class ImagesContext:
                 pass
 
     def close(self) -> None:
+        self.batcher.close()
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.owns_files_dir:
             shutil.rmtree(self.files_dir, ignore_errors=True)
 
 
-def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = None) -> FastAPI:
+def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = None,
+                     batching: BatchingConfig = BatchingConfig()) -> FastAPI:
     """The server's ASGI app over a loaded VisualGen; call `app.state.ctx.close()` once the
     server has stopped. Files for "url" responses go to files_dir (by default a new temporary
     folder, removed on close)."""
     owns_files_dir = files_dir is None
     files_dir = Path(files_dir or tempfile.mkdtemp(prefix="tllm-images-"))
     files_dir.mkdir(parents=True, exist_ok=True)
-    ctx = ImagesContext(gen, config, files_dir, owns_files_dir)
+    ctx = ImagesContext(gen, config, files_dir, owns_files_dir, batching)
     app = FastAPI(title="tllm", version=__version__)
     app.state.ctx = ctx
     install_error_handlers(app)
@@ -151,7 +170,7 @@ def build_images_app(gen, config: ServerConfig, files_dir: str | Path | None = N
     if getattr(gen, "makes_video", False):
         from tllm.serve.visual.videos import video_routes
         app.include_router(video_routes(ctx))
-    app.include_router(_ops_routes())
+    app.include_router(_ops_routes(ctx))
     app.mount(FILES_ROUTE, StaticFiles(directory=files_dir), name="files")
     return app
 
@@ -161,7 +180,8 @@ def serve_images(args, config: ServerConfig) -> int:
     from tllm.visual_gen.api import VisualGen
 
     gen = VisualGen(config.model, dtype=args.dtype or "auto", device=args.device)
-    app = build_images_app(gen, config)
+    batching = BatchingConfig(args.visual_max_batch_size, args.visual_batch_window_ms / 1000)
+    app = build_images_app(gen, config, batching=batching)
     print(f"serving {config.model_name} on http://{args.host}:{args.port}/v1 (images)",
           file=sys.stderr)
     try:
@@ -188,8 +208,12 @@ def _api_routes(ctx: ImagesContext) -> APIRouter:
     return api
 
 
-def _ops_routes() -> APIRouter:
+def _ops_routes(ctx: ImagesContext) -> APIRouter:
     ops = APIRouter()
+
+    @ops.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(ctx.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @ops.get("/health")
     async def health() -> Response:
@@ -211,11 +235,8 @@ async def create_images(ctx: ImagesContext, request: Request,
         raise bad_request("this model generates videos: POST /v1/videos", param="model")
     params = _params(body)
     image = _input_image(ctx, body)
-    limit = ctx.config.max_queue_size
-    if limit is not None and ctx.num_pending >= limit:
-        raise APIError(429, f"too many image requests waiting ({limit})",
-                       code="queue_full", headers={"retry-after": "1"})
-    pngs = await _run_generation(ctx, request, body.prompt, params, image)
+    queued = QueuedRequest(body.prompt, params, image, _batch_key(ctx.gen, params, image))
+    pngs = await _run_generation(ctx, request, queued)
     if body.response_format == "b64_json":
         data = [{"b64_json": base64.b64encode(png).decode()} for png in pngs]
     else:
@@ -224,24 +245,31 @@ async def create_images(ctx: ImagesContext, request: Request,
     return {"created": int(time.time()), "data": data}
 
 
-async def _run_generation(ctx: ImagesContext, request: Request, prompt: str, params,
-                          image) -> list[bytes]:
-    """PNGs from the worker thread; cancelled if the client disconnects meanwhile."""
-    from tllm.visual_gen.pipeline import Cancellation, GenerationCancelled
+async def _run_generation(ctx: ImagesContext, request: Request,
+                          queued: QueuedRequest) -> list[bytes]:
+    """PNGs from the batcher; cancelled if the client disconnects meanwhile."""
+    from tllm.visual_gen.pipeline import GenerationCancelled
 
-    cancellation = Cancellation()
-    ctx.num_pending += 1
     try:
-        async with abort_on_disconnect(request, cancellation):
-            return await asyncio.get_running_loop().run_in_executor(
-                ctx.pool, _generate_pngs, ctx.gen, prompt, params, image, cancellation)
+        async with abort_on_disconnect(request, queued):
+            return await ctx.batcher.submit(queued)
+    except QueueFull as exc:
+        raise APIError(429, str(exc), code="queue_full", headers={"retry-after": "1"}) from exc
     except ValueError as exc:
         raise _from_value_error(exc) from exc
     except GenerationCancelled as exc:
         ctx.num_cancelled += 1      # nobody reads the answer: the client has gone
         raise APIError(499, "the client closed the request", code="client_closed") from exc
-    finally:
-        ctx.num_pending -= 1
+
+
+def _batch_key(gen, params, image):
+    """The request's batch key, or None where it runs alone (a model that does not batch, an
+    input image)."""
+    from tllm.visual_gen.batching import batch_key
+
+    if image is not None or not getattr(gen, "can_batch", False):
+        return None
+    return batch_key(params)
 
 
 def _params(body: ImageGenerationRequest):
@@ -276,6 +304,20 @@ def _input_image(ctx: ImagesContext, body: ImageGenerationRequest):
         raise bad_request("this model decomposes an input image into layers: send it as "
                           "base64 in `image`", param="image")
     return decode_image(body.image, "image", ctx.config.max_image_pixels)
+
+
+def _generate_batch_pngs(gen, batch: list[QueuedRequest], stop) -> list:
+    """Each request's PNGs, or the exception that failed it (in the worker thread)."""
+    from tllm.visual_gen.batching import ImageRequest
+
+    if len(batch) == 1:
+        (queued,) = batch
+        return [_generate_pngs(gen, queued.prompt, queued.params, queued.image,
+                               queued.cancellation)]
+    outputs = gen.generate_batch([ImageRequest(q.prompt, q.params) for q in batch],
+                                 hooks=[stop])
+    return [out if isinstance(out, Exception) else [_png(image) for image in out.images]
+            for out in outputs]
 
 
 def _generate_pngs(gen, prompt: str, params, image, cancellation) -> list[bytes]:

@@ -82,10 +82,18 @@ class QwenImagePipeline(VisualPipeline):
                  images: Sequence[Any] | None = None,
                  hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:
         self.check_request(params, images, prompts)
+        seeds = image_seeds(params.seed, len(prompts) * params.num_images_per_prompt)
+        return self.generate_from_embeds(self.text_embeds(prompts, params), seeds, params,
+                                         hooks)
+
+    @torch.no_grad()
+    def generate_from_embeds(self, embeds: TextEmbeds, seeds: list[int],
+                             params: VisualGenParams,
+                             hooks: Sequence[DenoiseHook] = ()) -> VisualGenOutput:
+        """One image per seed from its text states (the images of several requests can share
+        a call: visual_gen/batching.py)."""
         height = params.height or self.default_size
         width = params.width or self.default_size
-        seeds = image_seeds(params.seed, len(prompts) * params.num_images_per_prompt)
-        embeds = self.text_embeds(prompts, params)
         latent_h, latent_w = self._latent_size(height, width)
         noise = initial_noise((1, self.latent_channels, latent_h, latent_w), seeds, self.dtype,
                               self.device)

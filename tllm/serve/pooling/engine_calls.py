@@ -17,7 +17,6 @@ from tllm.serve.openai.generation import engine_stopped
 from tllm.serve.openai.params import ModelLimits
 
 GENERATE = "generate"
-TASKS = (GENERATE, "embed", "score", "classify")
 
 
 def model_task(llm) -> str:

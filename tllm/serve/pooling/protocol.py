@@ -104,6 +104,16 @@ class RerankRequest(_Body):
                                  "null or 0: all)")
     return_documents: bool = True
 
+    @field_validator("documents", mode="before")
+    @classmethod
+    def _document_form(cls, documents):
+        for index, doc in enumerate(documents if isinstance(documents, list) else ()):
+            if not (isinstance(doc, str) or isinstance(doc, dict)
+                    and isinstance(doc.get("text"), str)):
+                raise ValueError(f"document {index} is neither a string nor an object with "
+                                 "a string `text`")
+        return documents
+
     def texts(self) -> list[str]:
         return [doc if isinstance(doc, str) else doc.text for doc in self.documents]
 

@@ -110,3 +110,9 @@ def test_the_api_key_covers_the_pooling_and_token_routes():
                     assert client.post(path, json=body, headers=BEARER).status_code == 200
             v2 = client.post("/v2/rerank", json=GOOD[RERANK])
     assert v2.status_code == 401
+
+
+@pytest.mark.parametrize("ids", [[1, 256], [1, -1], [2**70]], ids=["256", "-1", "2**70"])
+def test_the_server_refuses_ids_outside_the_vocabulary_before_the_engine(http, ids):
+    error = assert_openai_error(http.post(EMBEDDINGS, json={"input": ids}), 400)
+    assert "outside the vocabulary (size 256)" in error["message"], error

@@ -74,10 +74,12 @@ async def token_inputs(ctx: ServingContext, limits: ModelLimits,
     token_ids = [next(encoded) if isinstance(item, str) else list(item) for item in inputs]
     max_len = ctx.llm.max_seq_len
     for index, ids in enumerate(token_ids):
-        worst = max(ids, default=0)
-        if worst > limits.max_token_id:
-            raise bad_request(f"{param}: input {index} has token id {worst}, outside the "
+        outside = [t for t in ids if not 0 <= t <= limits.max_token_id]
+        if outside:
+            raise bad_request(f"{param}: input {index} has token id {outside[0]}, outside the "
                               f"vocabulary (size {limits.max_token_id + 1})", param=param)
+        if not ids:     # a text the tokenizer makes nothing of
+            raise bad_request(f"{param}: input {index} has no tokens", param=param)
         if len(ids) > max_len:
             raise APIError(400, f"{param}: input {index} has {len(ids)} tokens, more than "
                            f"the model's max_seq_len ({max_len})", param=param,

@@ -95,12 +95,20 @@ async def run_all(ctx: ServingContext, calls: list[Awaitable], param: str) -> li
     try:
         return await asyncio.gather(*tasks)
     except ValueError as exc:
-        raise from_value_error(exc, param) from exc
+        raise _as_field(from_value_error(exc, param), param) from exc
     except EngineDeadError as exc:
         raise engine_stopped() from exc
     finally:
         for task in tasks:      # those still running, after a failure (done ones: no-op)
             task.cancel()
+
+
+def _as_field(error: APIError, param: str) -> APIError:
+    """The engine's names for what it was given, as the request's field `param`."""
+    if error.param in ("prompt", "prompts"):
+        error.message = f"{param}{error.message.removeprefix(error.param)}"
+        error.param = param
+    return error
 
 
 def num_tokens(outputs: Sequence[PoolingRequestOutput]) -> int:

@@ -18,10 +18,11 @@ class FakePoolingLLM(FakeLLM):
     `embedding_size` cosines of the token ids (truncated to `dimensions`, then normalised
     again); score (a cross-encoder): the share of the query's distinct bytes the document
     holds, so a document that repeats the query scores 1; classify: two probabilities.
-    `max_in_flight` counts the most encode calls that were running at once."""
+    `max_in_flight` counts the most encode calls that were running at once; with `delay_s`,
+    each takes that long, and `num_cancelled` counts those cancelled meanwhile."""
 
     def __init__(self, task: str = "embed", embedding_size: int = 8, max_seq_len: int = 512,
-                 vocab_size: int = 256) -> None:
+                 vocab_size: int = 256, delay_s: float = 0.0) -> None:
         if task not in POOLING_TASKS:
             raise ValueError(f"task: one of {POOLING_TASKS}, got {task!r}")
         super().__init__(max_seq_len=max_seq_len)
@@ -29,8 +30,10 @@ class FakePoolingLLM(FakeLLM):
         self.vocab_size = vocab_size
         self.pooling_info = {"embedding_size": embedding_size if task == "embed" else None,
                              "labels": ["no", "yes"] if task == "classify" else None}
+        self.delay_s = delay_s
         self.num_in_flight = 0
         self.max_in_flight = 0
+        self.num_cancelled = 0
         self._num_requests = 0
 
     def generate_async(self, inputs: dict, params, streaming: bool = False):
@@ -44,8 +47,11 @@ class FakePoolingLLM(FakeLLM):
         self.num_in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.num_in_flight)
         try:
-            await asyncio.sleep(0)      # the others of a batch come in meanwhile
+            await asyncio.sleep(self.delay_s)   # the others of a batch come in meanwhile
             data = self._pooled(prompt, token_ids, params)
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
         finally:
             self.num_in_flight -= 1
         self._num_requests += 1

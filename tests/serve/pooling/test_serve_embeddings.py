@@ -4,6 +4,7 @@ inputs sent to the engine at once; the task decides which routes answer."""
 from __future__ import annotations
 
 import base64
+import time
 
 import httpx
 import numpy as np
@@ -108,3 +109,15 @@ def test_embeddings_of_a_generation_model_name_the_task():
     error = assert_openai_error(response, 400)
     assert error["param"] == "model" and "'generate'" in error["message"]
     assert completion.status_code == 200
+
+
+def test_a_client_that_goes_away_cancels_its_engine_calls():
+    llm = FakePoolingLLM(task="embed", delay_s=30)
+    with ServerThread(build_app(llm, ServerConfig(model="embedder"))) as server:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(server.base_url + "/v1/embeddings", json={"input": ["a", "b", "c"]},
+                       timeout=0.5)
+        deadline = time.monotonic() + 10
+        while llm.num_cancelled < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert llm.num_cancelled == 3 and llm.num_in_flight == 0

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import base64
+import functools
 
 import numpy as np
+
+from starlette.requests import Request
 
 from tllm.outputs import PoolingRequestOutput
 from tllm.pooling_params import PoolingParams
@@ -17,14 +20,15 @@ from tllm.serve.pooling.protocol import (EmbeddingData, EmbeddingRequest, Embedd
                                          PoolingUsage)
 
 
-async def create_embeddings(ctx: ServingContext, limits: ModelLimits,
+async def create_embeddings(ctx: ServingContext, limits: ModelLimits, request: Request,
                             body: EmbeddingRequest) -> EmbeddingResponse:
     check_base_model(ctx, body.model)
     _check_dimensions(ctx, body.dimensions)
     token_ids = await token_inputs(ctx, limits, body.inputs(), "input")
     params = PoolingParams(task="embed", dimensions=body.dimensions)
-    outputs = await run_all(ctx, [ctx.llm.encode_async({"prompt_token_ids": ids}, params)
-                                  for ids in token_ids], "input")
+    calls = [functools.partial(ctx.llm.encode_async, {"prompt_token_ids": ids}, params)
+             for ids in token_ids]
+    outputs = await run_all(ctx, request, calls, "input")
     data = [EmbeddingData(index=index, embedding=_encoded(output, body.encoding_format))
             for index, output in enumerate(outputs)]
     return EmbeddingResponse(model=body.model or ctx.config.model_name, data=data,

@@ -4,7 +4,7 @@ max_seq_len), and their runs in the engine, all at once so that they batch."""
 from __future__ import annotations
 
 import asyncio
-from typing import Awaitable, Sequence
+from typing import Awaitable, Callable, Sequence
 
 from fastapi import Depends
 from starlette.requests import Request
@@ -13,7 +13,7 @@ from tllm.llmapi.process_llm import EngineDeadError
 from tllm.outputs import PoolingRequestOutput
 from tllm.serve.context import ServingContext, check_text
 from tllm.serve.http.errors import APIError, bad_request, from_value_error
-from tllm.serve.openai.generation import engine_stopped
+from tllm.serve.openai.generation import abort_on_disconnect, engine_stopped
 from tllm.serve.openai.params import ModelLimits
 
 GENERATE = "generate"
@@ -87,19 +87,41 @@ async def token_inputs(ctx: ServingContext, limits: ModelLimits,
     return token_ids
 
 
-async def run_all(ctx: ServingContext, calls: list[Awaitable], param: str) -> list:
-    """Await the engine calls together (they batch in the engine); one that fails cancels
-    the rest. A ValueError of the engine is a 400 naming `param`, a dead engine a 503."""
+async def run_all(ctx: ServingContext, request: Request, calls: list[Callable[[], Awaitable]],
+                  param: str) -> list:
+    """Run the engine calls together (they batch in the engine); one that fails, or the
+    client going away, cancels the rest. A ValueError of the engine is a 400 naming
+    `param`, a dead engine a 503."""
     ctx.engine.check_alive()
-    tasks = [asyncio.ensure_future(call) for call in calls]
+    running = _Running([asyncio.ensure_future(call()) for call in calls])
     try:
-        return await asyncio.gather(*tasks)
+        async with abort_on_disconnect(request, running):
+            return await asyncio.gather(*running.tasks)
+    except asyncio.CancelledError:
+        if not running.is_aborted:      # this handler itself is cancelled
+            raise
+        raise APIError(400, "the client disconnected", code="client_disconnected") from None
     except ValueError as exc:
         raise _as_field(from_value_error(exc, param), param) from exc
     except EngineDeadError as exc:
         raise engine_stopped() from exc
     finally:
-        for task in tasks:      # those still running, after a failure (done ones: no-op)
+        running.cancel()    # those still running after a failure (done ones: no-op)
+
+
+class _Running:
+    """A request's engine calls, for abort_on_disconnect to cancel."""
+
+    def __init__(self, tasks: list[asyncio.Future]) -> None:
+        self.tasks = tasks
+        self.is_aborted = False
+
+    def abort(self) -> None:
+        self.is_aborted = True
+        self.cancel()
+
+    def cancel(self) -> None:
+        for task in self.tasks:
             task.cancel()
 
 

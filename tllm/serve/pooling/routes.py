@@ -4,6 +4,7 @@ every model (/tokenize, /detokenize). A route of another task answers 400 naming
 from __future__ import annotations
 
 from fastapi import APIRouter
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from tllm.serve.context import ServingContext
@@ -35,26 +36,26 @@ def pooling_routes(ctx: ServingContext, limits: ModelLimits, with_body: list) ->
     @router.post("/v1/embeddings", dependencies=[*with_body, needs_task(ctx, "embed")],
                  summary="Create embeddings (embed models)",
                  responses={200: {"model": EmbeddingResponse}, **body_errors})
-    async def embeddings(body: EmbeddingRequest) -> Response:
+    async def embeddings(request: Request, body: EmbeddingRequest) -> Response:
         ignored = check_fields(body, strict)
-        return answer(await create_embeddings(ctx, limits, body), ignored)
+        return answer(await create_embeddings(ctx, limits, request, body), ignored)
 
     scoring = [*with_body, needs_task(ctx, "score", "embed")]
 
     @router.post("/v1/score", dependencies=scoring,
                  summary="Score text pairs, 1:N or N:N (score and embed models)",
                  responses={200: {"model": ScoreResponse}, **body_errors})
-    async def score(body: ScoreRequest) -> Response:
+    async def score(request: Request, body: ScoreRequest) -> Response:
         ignored = check_fields(body, strict)
-        return answer(await create_score(ctx, body), ignored)
+        return answer(await create_score(ctx, request, body), ignored)
 
     for path in ("/v1/rerank", "/v2/rerank"):
         @router.post(path, dependencies=scoring, summary="Rank documents by relevance to a "
                      "query (score and embed models)",
                      responses={200: {"model": RerankResponse}, **body_errors})
-        async def rerank(body: RerankRequest) -> Response:
+        async def rerank(request: Request, body: RerankRequest) -> Response:
             ignored = check_fields(body, strict)
-            return answer(await create_rerank(ctx, body), ignored)
+            return answer(await create_rerank(ctx, request, body), ignored)
 
     @router.post("/tokenize", dependencies=with_body,
                  summary="Tokenize a prompt or chat messages",

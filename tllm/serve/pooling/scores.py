@@ -3,6 +3,10 @@ and Cohere's: a query, documents, the best top_n by relevance). A cross-encoder 
 pair; an embedding model, the cosine of the two texts' embeddings (the engine's score_async)."""
 from __future__ import annotations
 
+import functools
+
+from starlette.requests import Request
+
 from tllm.outputs import PoolingRequestOutput
 from tllm.serve.context import ServingContext
 from tllm.serve.http.errors import bad_request
@@ -13,7 +17,8 @@ from tllm.serve.pooling.protocol import (PoolingUsage, RerankRequest, RerankResp
                                          ScoreRequest, ScoreResponse)
 
 
-async def create_score(ctx: ServingContext, body: ScoreRequest) -> ScoreResponse:
+async def create_score(ctx: ServingContext, request: Request,
+                       body: ScoreRequest) -> ScoreResponse:
     check_base_model(ctx, body.model)
     firsts = [body.text_1] if isinstance(body.text_1, str) else body.text_1
     seconds = [body.text_2] if isinstance(body.text_2, str) else body.text_2
@@ -25,23 +30,24 @@ async def create_score(ctx: ServingContext, body: ScoreRequest) -> ScoreResponse
     check_texts(firsts, "text_1")
     check_texts(seconds, "text_2")
     if len(firsts) == 1:
-        outputs = await _scores(ctx, firsts[0], seconds, "text_2")
+        outputs = await _scores(ctx, request, firsts[0], seconds, "text_2")
     else:   # N:N: one pair per call, all at once
-        pairs = await run_all(ctx, [ctx.llm.score_async(first, [second])
-                                    for first, second in zip(firsts, seconds)], "text_2")
+        pairs = await run_all(ctx, request, [functools.partial(ctx.llm.score_async, first, [second])
+                                             for first, second in zip(firsts, seconds)], "text_2")
         outputs = [pair[0] for pair in pairs]
     data = [ScoreData(index=index, score=output.score) for index, output in enumerate(outputs)]
     return ScoreResponse(model=body.model or ctx.config.model_name, data=data,
                          usage=PoolingUsage(prompt_tokens=num_tokens(outputs)))
 
 
-async def create_rerank(ctx: ServingContext, body: RerankRequest) -> RerankResponse:
+async def create_rerank(ctx: ServingContext, request: Request,
+                        body: RerankRequest) -> RerankResponse:
     check_base_model(ctx, body.model)
     documents = body.texts()
     check_count(len(documents), "documents", ctx)
     check_texts([body.query], "query")
     check_texts(documents, "documents")
-    outputs = await _scores(ctx, body.query, documents, "documents")
+    outputs = await _scores(ctx, request, body.query, documents, "documents")
     # stable: documents of one score keep their order
     ranked = sorted(range(len(documents)), key=lambda index: -outputs[index].score)
     results = [RerankResult(index=index, relevance_score=outputs[index].score,
@@ -52,8 +58,9 @@ async def create_rerank(ctx: ServingContext, body: RerankRequest) -> RerankRespo
                           usage=PoolingUsage(prompt_tokens=num_tokens(outputs)))
 
 
-async def _scores(ctx: ServingContext, query: str, documents: list[str],
+async def _scores(ctx: ServingContext, request: Request, query: str, documents: list[str],
                   param: str) -> list[PoolingRequestOutput]:
     """One score per document, in their order (the engine batches the pairs)."""
-    [outputs] = await run_all(ctx, [ctx.llm.score_async(query, documents)], param)
+    [outputs] = await run_all(
+        ctx, request, [functools.partial(ctx.llm.score_async, query, documents)], param)
     return outputs

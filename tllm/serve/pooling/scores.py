@@ -32,9 +32,9 @@ async def create_score(ctx: ServingContext, request: Request,
     if len(firsts) == 1:
         outputs = await _scores(ctx, request, firsts[0], seconds, "text_2")
     else:   # N:N: one pair per call, all at once
-        pairs = await run_all(ctx, request, [functools.partial(ctx.llm.score_async, first, [second])
-                                             for first, second in zip(firsts, seconds)], "text_2")
-        outputs = [pair[0] for pair in pairs]
+        calls = [functools.partial(ctx.llm.score_async, first, [second])
+                 for first, second in zip(firsts, seconds)]
+        outputs = [pair[0] for pair in await run_all(ctx, request, calls, "text_2")]
     data = [ScoreData(index=index, score=output.score) for index, output in enumerate(outputs)]
     return ScoreResponse(model=body.model or ctx.config.model_name, data=data,
                          usage=PoolingUsage(prompt_tokens=num_tokens(outputs)))

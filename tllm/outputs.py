@@ -75,3 +75,24 @@ class CompletionDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The answer of a pooling request (embed, score, classify): one vector per prompt."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: list[float]     # embed: the vector; classify: one probability per label; score: [score]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data
+
+    @property
+    def score(self) -> float:
+        return self.data[0]

@@ -21,6 +21,7 @@ from tllm.serve.lora import parse_lora_modules
 from tllm.serve.openai.parser_choice import AUTO
 from tllm.serve.openai.reasoning import REASONING_PARSERS
 from tllm.serve.openai.tool_parsers import TOOL_PARSERS
+from tllm.serve.pooling.cli_args import add_pooling_args, max_pooling_inputs, pooling_llm_kwargs
 from tllm.visual_gen.registry import is_visual_model
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def _add_server_args(group) -> None:
     group.add_argument("--chat-template", help="a Jinja chat template file (or the template "
                        "itself) instead of the model's")
     _add_output_parser_args(group)
+    add_pooling_args(group)
     group.add_argument("--max-queue-size", type=non_negative_int, default=1024,
                        help="answer 429 while this many requests wait beyond the free "
                             "batch slots (default 1024; 0 means no limit)")
@@ -226,6 +228,7 @@ def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
         kwargs["seed"] = args.seed
     if getattr(args, "role", None) is not None:
         kwargs["disaggregation"] = disagg_kwargs(args)
+    kwargs.update(pooling_llm_kwargs(args))
     return kwargs.pop("model"), kwargs
 
 
@@ -252,7 +255,8 @@ def server_config(args: argparse.Namespace, model: str):
                         lora_modules=parse_lora_modules(getattr(args, "lora_modules", None)),
                         lora_allowed_paths=tuple(getattr(args, "lora_allowed_paths", None) or ()),
                         strict_request_fields=getattr(args, "strict_request_fields", False),
-                        allowed_origins=parse_origins(getattr(args, "allowed_origins", None)))
+                        allowed_origins=parse_origins(getattr(args, "allowed_origins", None)),
+                        max_pooling_inputs=max_pooling_inputs(args))
 
 
 def _read_chat_template(value: str | None) -> str | None:

@@ -57,6 +57,7 @@ class ServerConfig:
     lora_allowed_paths: tuple[str, ...] = ()    # load_lora_adapter: these folders and below
     strict_request_fields: bool = False     # unknown request fields: 400, not ignored
     allowed_origins: tuple[str, ...] = ()   # CORS: browser pages of these origins ("*": any)
+    max_pooling_inputs: int | None = 2048   # texts or documents of one embed/score request
 
     @property
     def model_name(self) -> str:

@@ -65,7 +65,8 @@ def test_the_table_covers_each_kind_s_routes():
     """The routes the table and README name exist where they should."""
     templates = {kind: {t for _, t, _ in _routes(build(kind, api_key=KEY))} for kind in KINDS}
     assert {"/metrics", "/dashboard", "/dashboard/stats.json", "/v1/models",
-            "/docs/assets/{name}"} <= templates["text"]
+            "/docs/assets/{name}", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank",
+            "/tokenize", "/detokenize"} <= templates["text"]
     assert {"/disagg/info", "/disagg/stats"} <= templates["generation_role"]
     assert {"/files", "/v1/images/generations", "/v1/videos/{video_id}/content", "/docs",
             "/openapi.json"} <= templates["visual"]

@@ -20,7 +20,10 @@ from tllm.serve.http.app import build_app
 from tllm.serve.testing import FakeLLM, ServerThread
 
 COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
+TOKENIZE, DETOKENIZE = "/tokenize", "/detokenize"
 BASES = {COMPLETIONS: {"model": "fake", "prompt": "hi", "max_tokens": 2},
+         TOKENIZE: {"model": "fake", "prompt": "hi"},
+         DETOKENIZE: {"model": "fake", "tokens": [104, 105]},
          CHAT: {"model": "fake", "messages": [{"role": "user", "content": "hi"}],
                 "max_tokens": 2},
          RESPONSES: {"model": "fake", "input": "hi", "max_output_tokens": 2}}
@@ -61,6 +64,7 @@ REFUSED = [
      {"input": _function_call_input(DIGITS)}, "input"),
     ("function_call arguments nested 100,000 deep", RESPONSES,
      {"input": _function_call_input(DEEP)}, "input"),
+    ("detokenize id of 20 digits", DETOKENIZE, {"tokens": [10**20]}, "tokens"),
 ]
 
 
@@ -72,11 +76,13 @@ def test_refused_with_a_400_naming_the_field(http, path, fields, param):
     assert http.post(COMPLETIONS, json=BASES[COMPLETIONS]).status_code == 200
 
 
+@pytest.mark.parametrize("path", [CHAT, TOKENIZE])
 @pytest.mark.parametrize("arguments", [DIGITS, DEEP], ids=["5,000 digits", "deep nesting"])
-def test_chat_history_arguments_json_cannot_hold_pass_as_text(http, arguments):
+def test_chat_history_arguments_json_cannot_hold_pass_as_text(http, arguments, path):
     """A past call's arguments that do not parse go to the template as text, as other
-    non-JSON arguments do."""
-    response = http.post(CHAT, json={**BASES[CHAT], "messages": _past_call(arguments)})
+    non-JSON arguments do (in /tokenize's messages too)."""
+    body = {**BASES[path], "prompt": None} if path == TOKENIZE else BASES[path]
+    response = http.post(path, json={**body, "messages": _past_call(arguments)})
     assert response.status_code == 200, response.text
 
 

@@ -12,9 +12,13 @@ from tests.serve.helpers import assert_openai_error, wait_until_idle
 
 pytestmark = pytest.mark.slow
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+TOKENIZE, DETOKENIZE, EMBEDDINGS = "/tokenize", "/detokenize", "/v1/embeddings"
 DROP = object()  # a field to leave out of the base body
 JSON = {"content-type": "application/json"}
 BASES = {COMPLETIONS: {"model": MODEL, "prompt": "Hello", "max_tokens": 2},
+         TOKENIZE: {"model": MODEL, "prompt": "Hello"},
+         DETOKENIZE: {"model": MODEL, "tokens": [1, 2]},
+         EMBEDDINGS: {"model": MODEL, "input": "Hello"},
          CHAT: {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
                 "max_tokens": 2}}
 
@@ -138,6 +142,18 @@ CASES = [
     chat("max_tokens past the context", {"max_tokens": MAX_SEQ_LEN}, param="max_tokens",
          code="context_length_exceeded"),
     chat("unknown chat model", {"model": "other"}, status=404, param="model"),
+    # the token routes (every model), and a pooling route of a generation model
+    Case("tokenize prompt and messages", {"messages": [{"role": "user", "content": "x"}]},
+         path=TOKENIZE),
+    Case("tokenize empty messages", {"prompt": DROP, "messages": []}, param="messages",
+         path=TOKENIZE),
+    Case("tokenize unknown model", {"model": "other"}, status=404, param="model",
+         path=TOKENIZE),
+    Case("detokenize id outside the vocabulary", {"tokens": [49152]}, param="tokens",
+         path=DETOKENIZE),
+    Case("detokenize string ids", {"tokens": ["1"]}, param="tokens.0", path=DETOKENIZE),
+    Case("embeddings of a generation model", {}, param="model", code="unsupported_task",
+         path=EMBEDDINGS),
 ]
 
 

@@ -22,6 +22,7 @@ from schemathesis.specs.openapi.checks import (content_type_conformance,  # noqa
 from tllm.serve.context import ServerConfig  # noqa: E402
 from tllm.serve.http.app import build_app  # noqa: E402
 from tllm.serve.testing import FakeLLM, ServerThread  # noqa: E402
+from tllm.serve.testing_pooling import FakePoolingLLM  # noqa: E402
 
 # Cases per operation and mode: bodies are where the bugs live, GETs have no parameters.
 # (Time is printed, not asserted: speed goals live in benchmarks, not in unit tests.)
@@ -44,7 +45,9 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
     operations = [result.ok() for result in schema.get_all_operations()]
     assert {f"{op.method.upper()} {op.path}" for op in operations} >= {
         "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
-        "GET /version", "GET /metrics", "GET /dashboard/stats.json"}
+        "GET /version", "GET /metrics", "GET /dashboard/stats.json", "POST /v1/embeddings",
+        "POST /v1/score", "POST /v1/rerank", "POST /v2/rerank", "POST /tokenize",
+        "POST /detokenize"}
     start, num_cases = time.monotonic(), 0
     with httpx.Client(base_url=server.base_url, timeout=10) as client:
         for operation in operations:
@@ -54,6 +57,25 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
     print(f"schemathesis: {num_cases} cases over {len(operations)} operations in "
           f"{seconds:.1f} s")
     assert num_cases >= MIN_CASES
+
+
+def test_schemathesis_over_an_embedding_model():
+    """The pooling routes answer more than the task's 400 on an embedding model: fuzz them
+    there too (the generation routes' 400 is the same whatever the body)."""
+    llm = FakePoolingLLM(task="embed", max_seq_len=48)
+    with ServerThread(build_app(llm, ServerConfig(model="fake"))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=10) as client:
+        schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+        operations = [result.ok() for result in schema.get_all_operations()]
+        pooling = [op for op in operations if op.path in POOLING_PATHS]
+        assert len(pooling) == len(POOLING_PATHS)
+        num_cases = sum(_fuzz(operation, mode, client, server.base_url)
+                        for operation in pooling
+                        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE))
+    assert num_cases >= 100
+
+
+POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank")
 
 
 def _fuzz(operation, mode, client: httpx.Client, base_url: str) -> int:

@@ -33,13 +33,15 @@ from tllm.serve.openai.protocol import (ChatCompletionRequest, ChatCompletionRes
                                  HealthResponse, ModelCard, ModelList, VersionResponse)
 from tllm.serve.openai.request_fields import check_fields, mark_ignored
 from tllm.serve.openai.responses import responses_routes
+from tllm.serve.pooling.engine_calls import GENERATE, needs_task
+from tllm.serve.pooling.routes import POOLING_ENDPOINTS, pooling_routes
 
 logger = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models",
              "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
              "/health", "/version",
              "/metrics", "/dashboard", "/dashboard/stats.json", "/openapi.json", "/docs",
-             "/redoc")
+             "/redoc", *POOLING_ENDPOINTS)
 
 
 def build_app(llm, config: ServerConfig) -> FastAPI:
@@ -49,7 +51,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     ctx = ServingContext.create(llm, config)
     app = FastAPI(title="tllm", version=__version__, openapi_url=None, docs_url=None,
                   redoc_url=None, description="OpenAI-compatible completions and chat "
-                  "completions, with vLLM's extra sampling fields.")
+                  "completions, with vLLM's extra sampling fields; embeddings, score and "
+                  "rerank for pooling models; tokenize and detokenize.")
     app.state.ctx = ctx
     app.state.drain = ctx.engine    # what the server's shutdown waits for, then ends
     app.state.sessions = sessions = SessionStore()
@@ -61,6 +64,7 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     app.add_middleware(_HttpGuard, metrics=ctx.metrics)
     app.add_middleware(RequestIdMiddleware)     # outermost: every response names its id
     app.include_router(_api_routes(ctx, ModelLimits.of(llm)))
+    app.include_router(pooling_routes(ctx, ModelLimits.of(llm), [Depends(json_content_type)]))
     app.include_router(_ops_routes(ctx))
     app.include_router(_docs_routes(app))
     app.include_router(dashboard_routes(ctx, sessions))
@@ -76,8 +80,9 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
     api = APIRouter(prefix="/v1", responses=error_responses(401, 500))
     with_body = [Depends(json_content_type)]
     body_errors = error_responses(400, 404, 408, 413, 415, 429, 503)
+    generates = [*with_body, needs_task(ctx, GENERATE)]     # 400 on a pooling model
 
-    @api.post("/completions", dependencies=with_body, summary="Create a completion",
+    @api.post("/completions", dependencies=generates, summary="Create a completion",
               responses={200: {"model": CompletionResponse, "content": SSE_CONTENT,
                                "description": "The completion; with `stream`, its chunks"},
                          **body_errors})
@@ -86,7 +91,7 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
         limits.check(body)
         return mark_ignored(await create_completion(ctx, request, body), ignored)
 
-    @api.post("/chat/completions", dependencies=with_body, summary="Create a chat completion",
+    @api.post("/chat/completions", dependencies=generates, summary="Create a chat completion",
               responses={200: {"model": ChatCompletionResponse, "content": SSE_CONTENT,
                                "description": "The chat completion; with `stream`, "
                                "ChatCompletionChunk events"}, **body_errors})
@@ -112,7 +117,7 @@ def _api_routes(ctx: ServingContext, limits: ModelLimits) -> APIRouter:
 
     api.include_router(lora_routes(ctx.loras, with_body))
 
-    api.include_router(responses_routes(ctx, limits, with_body))
+    api.include_router(responses_routes(ctx, limits, generates))
     return api
 
 

@@ -76,9 +76,10 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_value_error(exc: ValueError, prompt_param: str = "prompt") -> APIError:
-    """A ValueError of the engine (SamplingParams, prompt checks) as a 400 naming the field;
+    """A ValueError of the engine (SamplingParams, PoolingParams, prompt checks) as a 400
+    naming the field;
     the engine's `inputs` is the request's prompt_param."""
-    message = str(exc).removeprefix("SamplingParams.")
+    message = re.sub(r"^(Sampling|Pooling)Params\.", "", str(exc))
     match = re.match(r"(\w+)\b", message)
     param = match.group(1) if match else None
     if param in ("inputs", "multi_modal_data"):   # the engine's names for the prompt

@@ -40,7 +40,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     lora = ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
-    prompt = await _chat_prompt(ctx, body)
+    prompt = await chat_prompt(ctx, body)
     max_tokens = max_new_tokens(len(prompt.token_ids), body.max_new_tokens,
                                 ctx.llm.max_seq_len, "messages")
     reasoning = await _reasoning_parser(ctx, prompt)
@@ -137,7 +137,8 @@ def _arguments(arguments: str | dict) -> dict | str:
         return arguments
 
 
-async def _chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> PromptInput:
+async def chat_prompt(ctx: ServingContext, body: ChatCompletionRequest) -> PromptInput:
+    """The prompt of a request's messages and template fields (chat's, /tokenize's)."""
     messages = [_template_message(m) for m in body.messages]
     for message in body.messages:
         check_text(message.text(), "messages")

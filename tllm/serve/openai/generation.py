@@ -342,6 +342,11 @@ class EngineClient:
         status = self.supervisor.status() if self.supervisor is not None else None
         return status or "the engine loop is not running"
 
+    def check_alive(self) -> None:
+        """503 unless the server admits requests and the engine runs (for requests that
+        do not go through `start`: the pooling routes)."""
+        self._check_alive()
+
     def _check_alive(self) -> None:
         if self.is_stopping:
             raise server_stopping()

@@ -152,3 +152,37 @@ def test_bad_arguments(models):
             llm.update_weights_from_disk("/nonexistent/folder")
     with pytest.raises(ValueError, match="sleep_mode_policy"):
         LLM(first, sleep_mode_policy="later", **ENGINE)
+
+
+TRAINER = """
+import sys
+from pathlib import Path
+from tllm.distributed.weight_sync import leave_group, send, trainer_group
+from tllm.loader.hf import iter_weights, weight_files
+group = trainer_group("127.0.0.1", int(sys.argv[2]), world_size=2, group_name="rl")
+send(group, [t for _, t in iter_weights(weight_files(Path(sys.argv[1])))])
+leave_group(group)
+"""
+
+
+def test_update_weights_from_a_trainer_process_over_gloo(models):
+    import socket
+    import subprocess
+    import sys
+    (first, _), (second, expected) = models
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tensors = _tensors(second)
+    with LLM(first, **ENGINE) as llm:
+        trainer = subprocess.Popen([sys.executable, "-c", TRAINER, second, str(port)])
+        try:
+            llm.init_weight_update_group("127.0.0.1", port, 1, 2, group_name="rl")
+            llm.update_weights_from_distributed(
+                list(tensors), [str(t.dtype) for t in tensors.values()],
+                [list(t.shape) for t in tensors.values()], group_name="rl")
+            assert trainer.wait(timeout=60) == 0
+        finally:
+            trainer.kill()
+        llm.destroy_weight_update_group("rl")
+        assert _greedy(llm) == expected

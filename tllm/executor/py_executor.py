@@ -171,6 +171,7 @@ class PyExecutor:
                 "kv_capacity_tokens": self.kv_cache.capacity_tokens,
                 "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
                 "num_steps": self.num_steps,
+                "generation_held": int(self.gate.holds_launches),  # paused or asleep
                 **(self.speculation.stats.as_dict() if self.speculation is not None else {}),
                 # a vision-language model's encoder: images encoded, found in its cache
                 **(self.runner.multimodal.cache.stats()

@@ -57,6 +57,8 @@ class ServerConfig:
     lora_allowed_paths: tuple[str, ...] = ()    # load_lora_adapter: these folders and below
     strict_request_fields: bool = False     # unknown request fields: 400, not ignored
     allowed_origins: tuple[str, ...] = ()   # CORS: browser pages of these origins ("*": any)
+    enable_sleep_mode: bool = False         # /sleep, /wake_up, /pause_generation, ...
+    weight_update_dirs: tuple[str, ...] = ()    # /update_weights_from_disk: folders below
 
     @property
     def model_name(self) -> str:

@@ -328,7 +328,8 @@ class EngineClient:
             return self._down_reason()
         stats = self.llm.get_stats()
         now = time.monotonic()
-        is_busy = stats["num_running"] + stats["num_waiting"] > 0
+        is_busy = (stats["num_running"] + stats["num_waiting"] > 0
+                   and not stats.get("generation_held"))   # paused or asleep: on purpose
         if stats["num_steps"] != self._last_num_steps or not is_busy:
             self._last_num_steps = stats["num_steps"]
             self._last_progress = now

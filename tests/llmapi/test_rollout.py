@@ -186,3 +186,24 @@ def test_update_weights_from_a_trainer_process_over_gloo(models):
             trainer.kill()
         llm.destroy_weight_update_group("rl")
         assert _greedy(llm) == expected
+
+
+def test_fp8_level2_sleep_then_new_weights_from_disk(models):
+    (first, _), (second, _) = models
+    expected = _greedy_fresh(second, quantization="fp8")
+    with LLM(first, quantization="fp8", **ENGINE) as llm:
+        llm.sleep(level=2)
+        llm.wake_up()
+        llm.update_weights_from_disk(second)   # the fp8 scales come from the conversion
+        assert _greedy(llm) == expected
+
+
+def test_parked_storage_comes_back_with_its_bytes():
+    from tllm.runner.rank_rollout import _park, _unpark
+    tensor = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    view = tensor[1]
+    parked = _park(tensor.untyped_storage(), keep=True)
+    assert tensor.untyped_storage().nbytes() == 0
+    _unpark(parked)
+    assert torch.equal(tensor, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(view, torch.tensor([4.0, 5.0, 6.0, 7.0]))

@@ -67,6 +67,19 @@ def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     return iter_weights(weight_files(folder), "cpu")
 
 
+def checkpoint_keys(model: nn.Module) -> set[str]:
+    """The keys `load_weights` reports for a complete checkpoint (its `expected_weights`,
+    less the run-time parameters a conversion made, such as fp8 scales of weights quantized
+    at load); empty for a model that cannot tell."""
+    expected = getattr(model, "expected_weights", None)
+    if expected is None:
+        return set()
+    derived = {f"{name}.{param}" for name, layer in _reloaded_layers(model)
+               for param, _ in layer.named_parameters(recurse=False)
+               if param not in ("weight", "bias")}
+    return {key for key in expected() if key.split("#")[0] not in derived}
+
+
 class _StagedLayer:
     """A layer converted after loading, back in its checkpoint form for an update."""
 

@@ -21,8 +21,8 @@ from torch import nn
 from tllm.distributed import weight_sync
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.kv_cache.transfer import stored_tensors
-from tllm.loader.weight_update import (NamedTensors, check_updatable, checkpoint_tensors,
-                                       update_model_weights)
+from tllm.loader.weight_update import (NamedTensors, check_updatable, checkpoint_keys,
+                                       checkpoint_tensors, update_model_weights)
 
 logger = logging.getLogger(__name__)
 SLEEP_LEVELS = (1, 2)
@@ -93,7 +93,7 @@ class RankRollout:
             self.parked_weights = [_park(s, keep) for s in _storages(self.model.parameters())]
         if level == 2:
             self.weights_dropped = True
-            self._missing = set(_expected_weights(self.model))
+            self._missing = checkpoint_keys(self.model)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
@@ -188,7 +188,8 @@ def _park(storage: torch.UntypedStorage, keep: bool) -> _Parked:
     nbytes = storage.nbytes()
     host = None
     if keep:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        host = torch.empty(nbytes, dtype=torch.uint8,
+                           pin_memory=storage.device.type == "cuda")
         host.copy_(_bytes(storage))
     storage.resize_(0)
     return _Parked(storage, nbytes, host)
@@ -203,7 +204,3 @@ def _unpark(parked: _Parked) -> None:
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
-
-def _expected_weights(model: nn.Module) -> set[str]:
-    expected = getattr(model, "expected_weights", None)
-    return expected() if expected is not None else set()

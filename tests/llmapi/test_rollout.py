@@ -207,3 +207,18 @@ def test_parked_storage_comes_back_with_its_bytes():
     _unpark(parked)
     assert torch.equal(tensor, torch.arange(12, dtype=torch.float32).reshape(3, 4))
     assert torch.equal(view, torch.tensor([4.0, 5.0, 6.0, 7.0]))
+
+
+def test_weight_group_arguments_checked_before_anything_runs(models):
+    (first, _), _ = models
+    with LLM(first, **ENGINE) as llm:
+        with pytest.raises(ValueError, match="backend"):
+            llm.init_weight_update_group("127.0.0.1", 29500, 1, 2, backend="mpi")
+        with pytest.raises(ValueError, match="rank_offset"):
+            llm.init_weight_update_group("127.0.0.1", 29500, 0, 2)
+        with pytest.raises(ValueError, match="same length"):
+            llm.update_weights_from_distributed(["a"], [], [[1]])
+        with pytest.raises(ValueError, match="not a torch dtype"):
+            llm.update_weights_from_distributed(["a"], ["float99"], [[1]])
+        with pytest.raises(ValueError, match="no weight update group"):
+            llm.update_weights_from_distributed(["a"], ["float32"], [[1]])

@@ -37,7 +37,7 @@ def join_group(master_address: str, master_port: int, rank: int, world_size: int
                timeout: datetime.timedelta = JOIN_TIMEOUT) -> WeightGroup:
     """This process's member of the group (rank 0 hosts the store); blocks until every
     rank has joined."""
-    _check(master_address, master_port, rank, world_size, group_name, backend)
+    check_group_args(master_address, master_port, rank, world_size, group_name, backend)
     store = dist.TCPStore(master_address, int(master_port), world_size,
                           is_master=rank == 0, timeout=timeout)
     store = dist.PrefixStore(f"tllm-weights/{group_name}/", store)
@@ -67,12 +67,19 @@ def send(group: WeightGroup, tensors: Iterable[torch.Tensor]) -> None:
 def receive(group: WeightGroup, names: list[str], dtypes: list, shapes: list,
             device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) as each broadcast arrives (one tensor in memory at a time)."""
+    return _receive_each(group, check_specs(names, dtypes, shapes), device)
+
+
+def check_specs(names: list[str], dtypes: list, shapes: list
+                ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """(name, dtype, shape) of each tensor to receive; ValueError naming a bad one."""
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"names, dtypes and shapes must have the same length, got "
                          f"{len(names)}, {len(dtypes)} and {len(shapes)}")
-    specs = [(name, parse_dtype(dtype), _shape(shape))
-             for name, dtype, shape in zip(names, dtypes, shapes)]
-    return _receive_each(group, specs, device)
+    if not all(isinstance(name, str) and name for name in names):
+        raise ValueError("names must be non-empty strings (HF checkpoint names)")
+    return [(name, parse_dtype(dtype), _shape(shape))
+            for name, dtype, shape in zip(names, dtypes, shapes)]
 
 
 def _receive_each(group: WeightGroup, specs: list, device: torch.device
@@ -106,7 +113,7 @@ def _shape(shape) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _check(master_address: str, master_port: int, rank: int, world_size: int,
+def check_group_args(master_address: str, master_port: int, rank: int, world_size: int,
            group_name: str, backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from tllm.distributed import comm
+from tllm.distributed import comm, weight_sync
 from tllm.runner.rank_rollout import SLEEP_LEVELS, WAKE_TAGS, RankCommand, RankRollout
 
 if TYPE_CHECKING:
@@ -100,6 +100,11 @@ class RolloutControl:
     def init_weight_update_group(self, master_address: str, master_port: int,
                                  rank_offset: int, world_size: int,
                                  group_name: str = "weights", backend: str = "gloo") -> None:
+        if not isinstance(rank_offset, int) or rank_offset < 1:
+            raise ValueError(f"rank_offset must be >= 1 (the trainer is rank 0), got "
+                             f"{rank_offset!r}")
+        weight_sync.check_group_args(master_address, master_port, rank_offset, world_size,
+                                     group_name, backend)
         self._when_quiet(lambda: self._on_ranks(RankCommand("init_group", {
             "master_address": master_address, "master_port": master_port,
             "rank_offset": rank_offset, "world_size": world_size, "group_name": group_name,
@@ -107,6 +112,7 @@ class RolloutControl:
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list, shapes: list,
                                         group_name: str = "weights") -> None:
+        weight_sync.check_specs(list(names), list(dtypes), list(shapes))
         self._update(RankCommand("update_from_group", {
             "names": list(names), "dtypes": list(dtypes),
             "shapes": [list(s) for s in shapes], "group_name": group_name}))

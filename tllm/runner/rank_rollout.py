@@ -166,7 +166,12 @@ class RankRollout:
             raise ValueError(f"group_name: no weight update group {group_name!r} "
                              "(init_weight_update_group first)")
         check_updatable(self.model)
-        self.update_weights(weight_sync.receive(group, names, dtypes, shapes, self.device))
+        tensors = weight_sync.receive(group, names, dtypes, shapes, self.device)
+        try:
+            self.update_weights(tensors)
+        finally:   # the trainer sends every tensor: take the rest of a failed update
+            for _ in tensors:
+                pass
 
     def destroy_group(self, group_name: str) -> None:
         group = self.groups.pop(group_name, None)

@@ -81,7 +81,7 @@ class RankRollout:
     # ---- sleep and wake ----
 
     def sleep(self, level: int) -> None:
-        if self.is_sleeping:
+        if self.is_sleeping:    # (a second sleep, of any level, changes nothing)
             return
         self.kv_cache.reset_prefix_cache()     # its contents are about to go
         self._release_graphs()
@@ -100,6 +100,7 @@ class RankRollout:
 
     def wake(self, tags: list[str] | None = None) -> None:
         tags = list(WAKE_TAGS) if tags is None else tags
+        was_sleeping = self.is_sleeping
         if "weights" in tags and self.parked_weights is not None:
             for parked in self.parked_weights:
                 _unpark(parked)
@@ -109,7 +110,7 @@ class RankRollout:
                 _unpark(parked)
             self.parked_kv = None
             self._zero_null_block()
-        if not self.is_sleeping:
+        if was_sleeping and not self.is_sleeping:
             self._capture_graphs()
 
     def _kv_tensors(self) -> Iterator[torch.Tensor]:
@@ -184,7 +185,8 @@ def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:
     seen: dict[int, torch.UntypedStorage] = {}
     for tensor in tensors:
         storage = tensor.untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
+        # (a storage torch does not own, e.g. a memory-mapped file, cannot shrink: it stays)
+        if storage.nbytes() and storage.resizable() and storage.data_ptr() not in seen:
             seen[storage.data_ptr()] = storage
     return list(seen.values())
 

@@ -222,3 +222,10 @@ def test_weight_group_arguments_checked_before_anything_runs(models):
             llm.update_weights_from_distributed(["a"], ["float99"], [[1]])
         with pytest.raises(ValueError, match="no weight update group"):
             llm.update_weights_from_distributed(["a"], ["float32"], [[1]])
+
+
+def test_update_weights_refuses_weight_only_quantization(models):
+    (first, _), _ = models
+    with LLM(first, quantization="int8_wo", **ENGINE) as llm:
+        with pytest.raises(ValueError, match="cannot be updated in place"):
+            llm.update_weights_from_disk(first)

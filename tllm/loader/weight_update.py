@@ -50,12 +50,15 @@ def check_updatable(model: nn.Module) -> None:
     with per-tensor or static scales)."""
     for name, module in model.named_modules():
         quant = getattr(module, "quant", None)
-        if quant is None or _is_updatable(_base_method(quant)):
+        if quant is not None and not _is_updatable(_base_method(quant)):
+            scheme = getattr(quant, "name", type(quant).__name__)
+        elif quant is None and hasattr(module, "process_after_loading"):
+            scheme = type(module).__name__     # a quantized embedding or LM head
+        else:
             continue
-        raise ValueError(f"update_weights: layer {name!r} is quantized with "
-                         f"{getattr(quant, 'name', type(quant).__name__)!r}, whose weights "
-                         "cannot be updated in place (serve the model unquantized, or FP8 "
-                         "quantized at load)")
+        raise ValueError(f"update_weights: layer {name!r} is quantized ({scheme!r}): its "
+                         "weights cannot be updated in place (serve the model unquantized, "
+                         "or FP8 quantized at load)")
 
 
 def checkpoint_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

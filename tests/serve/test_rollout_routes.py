@@ -101,3 +101,17 @@ def test_sleep_wake_and_new_weights_over_http(models):
             assert http.post("/update_weights_from_disk",
                              json={"model_path": second}).status_code == 200
             assert _greedy(llm) == expected_second
+
+
+def test_a_paused_or_sleeping_engine_with_work_queued_is_not_stuck():
+    llm = RolloutFakeLLM()
+    held = {"generation_held": 1}
+    llm.get_stats = lambda: {**FakeLLM.get_stats(llm), **held}
+    llm.active.add(object())                # work queued, the step counter never moves
+    with _Served(llm, stuck_timeout_s=0.0) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/health").status_code == 200
+        held["generation_held"] = 0
+        http.get("/health")
+        assert http.get("/health").status_code == 503
+    llm.active.clear()

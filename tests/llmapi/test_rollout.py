@@ -229,3 +229,36 @@ def test_update_weights_refuses_weight_only_quantization(models):
     with LLM(first, quantization="int8_wo", **ENGINE) as llm:
         with pytest.raises(ValueError, match="cannot be updated in place"):
             llm.update_weights_from_disk(first)
+
+
+class _FakeGraphs:
+    """Counts what sleep and wake do to a graph runner (CUDA graphs need a GPU)."""
+
+    batch_sizes = [1, 2]
+
+    def __init__(self) -> None:
+        self.pool = "pool"
+        self.events: list[str] = []
+
+    def release(self) -> None:
+        self.events.append("release")
+
+    def capture(self) -> None:
+        self.events.append("capture")
+
+
+def test_graphs_dropped_on_sleep_and_captured_once_on_full_wake(models):
+    (first, expected), _ = models
+    with LLM(first, **ENGINE) as llm:
+        assert not llm.is_sleeping                 # (builds the control)
+        graphs, piecewise = _FakeGraphs(), _FakeGraphs()
+        llm._rollout.rank.graphs, llm._rollout.rank.piecewise = graphs, piecewise
+        llm.wake_up()                               # awake already: nothing to capture
+        llm.sleep()
+        llm.wake_up(tags=["weights"])               # the KV cache still asleep
+        assert graphs.events == piecewise.events == ["release"]
+        llm.wake_up(tags=["kv_cache"])
+        assert graphs.events == piecewise.events == ["release", "capture"]
+        assert piecewise.pool == "pool"            # the decode graphs' new pool, shared
+        llm._rollout.rank.graphs = llm._rollout.rank.piecewise = None
+        assert _greedy(llm) == expected

@@ -129,8 +129,6 @@ class RankRollout:
                 runner.release()
 
     def _capture_graphs(self) -> None:
-        if self.device.type != "cuda":
-            return
         if self.graphs is not None and self.graphs.batch_sizes:
             self.graphs.capture()
         if self.piecewise is not None:

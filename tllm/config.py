@@ -323,6 +323,9 @@ class LlmArgs(BaseModel):
     # file:// image URLs may be read (None: never).
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 8})
     allowed_local_media_path: str | None = None
+    # RL rollouts: a request submitted while the engine sleeps waits for wake_up ("wait")
+    # or fails at once ("fail"; tllm.executor.loop_gate.EngineAsleepError).
+    sleep_mode_policy: Literal["wait", "fail"] = "wait"
 
     @property
     def world_size(self) -> int:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
+from tllm.executor.loop_gate import LoopGate
 from tllm.executor.beam_search import BeamSearch, check_beam_support, end_beams_with
 from tllm.executor.outputs import OutputStage
 from tllm.executor.postprocess import Postprocessor
@@ -103,6 +104,7 @@ class PyExecutor:
         # every open request fails with it.
         self.fatal_error: Exception | None = None
         self.health_check: Callable[[], Exception | None] = lambda: None
+        self.gate = LoopGate()  # pause, sleep, calls run with no step in flight (RL)
         self._thread.start()
         _live_executors.add(self)
 
@@ -120,6 +122,7 @@ class PyExecutor:
         """Queue a request; ValueError (nothing queued) if its grammar cannot be served."""
         if self.fatal_error is not None:
             raise RuntimeError(f"the engine has stopped: {self.fatal_error}")
+        self.gate.check_submit()
         if request.sampling_params.guided_decoding is not None:
             if self.guided is None:
                 raise ValueError("sampling_params.guided_decoding: this engine cannot guide "
@@ -133,6 +136,16 @@ class PyExecutor:
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request submitted so far (between steps)."""
+        self._inbox.put(("call", self._abort_all))
+
+    def call_when_quiet(self, fn: Callable[[], object]):
+        """fn's Future: the loop runs fn between steps once none is in flight."""
+        future = self.gate.add_quiet_call(fn)
+        self._inbox.put(("call", lambda: None))   # wakes an idle loop
+        return future
 
     def call_soon(self, fn: Callable[[], None]) -> None:
         """Run fn on the loop thread between steps (for state only that thread may touch,
@@ -158,6 +171,7 @@ class PyExecutor:
                 "kv_capacity_tokens": self.kv_cache.capacity_tokens,
                 "kv_cache_dtype": str(self.kv_cache.dtype).removeprefix("torch."),
                 "num_steps": self.num_steps,
+                "generation_held": int(self.gate.holds_launches),  # paused or asleep
                 **(self.speculation.stats.as_dict() if self.speculation is not None else {}),
                 # a vision-language model's encoder: images encoded, found in its cache
                 **(self.runner.multimodal.cache.stats()
@@ -203,12 +217,16 @@ class PyExecutor:
             while self._fetch_requests(block=self._is_idle()) and self.fatal_error is None:
                 self._iteration()
                 self.outputs.flush()
+                if self.gate.has_quiet_calls and not self._in_flight:
+                    self.gate.run_quiet_calls()
         finally:  # even if the loop itself dies, every open result gets its end
+            self.gate.fail_quiet_calls(RuntimeError("the engine has stopped"))
             self._abort_all()
             self.outputs.close()
 
     def _is_idle(self) -> bool:
-        return not self.scheduler.has_unfinished and not self._in_flight
+        return ((not self.scheduler.has_unfinished or self.gate.holds_launches)
+                and not self._in_flight)
 
     def _iteration(self) -> None:
         """Launch what the strategy allows, bring the oldest step's tokens to the host when
@@ -241,6 +259,8 @@ class PyExecutor:
         # Sampling at launch gives the next step its inputs, so such strategies launch one
         # step per iteration; pipeline stages take a step each over disjoint requests.
         limit = 1 if self.strategy.samples_at_launch else self.strategy.max_in_flight
+        if self.gate.holds_launches:
+            limit = 0
         num_launched = 0
         while num_launched < limit and len(self._in_flight) < self.strategy.max_in_flight:
             if self.speculation is not None:

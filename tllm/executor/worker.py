@@ -3,6 +3,7 @@ each step rank 0 plans until rank 0 sends STOP. It holds no requests and no sche
 everything it needs for a step is in the StepPlan (a diff of its own batch tables)."""
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -17,8 +18,11 @@ from tllm.config import LlmArgs
 from tllm.runner.batch_state import BatchTables
 from tllm.runner.build import build_rank
 from tllm.runner.model_runner import batch_tables
+from tllm.runner.rank_rollout import RankCommand, RankRollout
 from tllm.runner.step import STOP, RankModel
 from tllm.sampling.last_stage import LastStageSampler
+
+logger = logging.getLogger(__name__)
 
 
 def worker_main(spec: dict) -> None:
@@ -52,14 +56,17 @@ def _check_in(spec: dict, mapping: Mapping):
 def run_worker(args: LlmArgs, device: torch.device) -> None:
     """What a worker rank runs, in whatever process its launcher gave it."""
     parts = build_rank(args, device)
+    rollout = RankRollout(parts.model, parts.kv_cache, parts.graphs, parts.piecewise,
+                          parts.device, parts.dtype, rank_offset=comm.mapping().rank)
     serve_steps(parts.model, parts.kv_cache, parts.graphs, parts.device, args.seed,
                 batch_tables(args.max_batch_size, parts.max_seq_len, parts.kv_cache),
-                parts.lora, parts.piecewise)
+                parts.lora, parts.piecewise, rollout)
 
 
 @torch.inference_mode()
 def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int,
-                tables: BatchTables, lora=None, piecewise=None) -> None:
+                tables: BatchTables, lora=None, piecewise=None,
+                rollout: RankRollout | None = None) -> None:
     mapping = comm.mapping()
     rank = RankModel(model, kv_cache.kv_caches, graphs, device, tables, lora, piecewise)
     # with pipeline parallelism the last stage samples and sends rank 0 the tokens
@@ -68,6 +75,9 @@ def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int,
                else None)
     pending: list = []  # the previous step's sends, kept alive until they complete
     while (plan := comm.broadcast_object()) != STOP:
+        if isinstance(plan, RankCommand):   # sleep, wake, new weights: between steps
+            _run_command(rollout, plan)
+            continue
         logits = rank.run(plan)
         if sampler is not None:
             for _, work in pending:
@@ -77,6 +87,16 @@ def serve_steps(model, kv_cache, graphs, device: torch.device, seed: int,
         work.wait()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _run_command(rollout: RankRollout | None, command: RankCommand) -> None:
+    """Rank 0 ran it too and reports its error to the caller: here it is logged only."""
+    try:
+        with torch.inference_mode(False):
+            rollout.apply(command)
+    except Exception:
+        logger.exception("rank %d: rollout command %r failed", comm.mapping().rank,
+                         command.name)
 
 
 def _results(sampler: LastStageSampler, plan, logits: torch.Tensor) -> list[torch.Tensor]:

@@ -88,3 +88,9 @@ class BlockPool:
         if block.block_hash is None and block_hash not in self._cached:
             block.block_hash = block_hash
             self._cached[block_hash] = block_id
+
+    def forget_cached(self) -> None:
+        """No block is reusable by its contents any more (held ones stay held)."""
+        for block_id in self._cached.values():
+            self.blocks[block_id].block_hash = None
+        self._cached.clear()

@@ -125,6 +125,9 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         # changed index), and those with blocks or a copy promised for the coming step.
         self._table_changes: dict[str, int] = {}
         self._to_prepare: dict[str, BlockTable] = {}
+        # requests that held blocks when the prefix cache was reset: their KV mixes old and
+        # new weights, so none of their blocks is ever published
+        self._unpublishable: set[str] = set()
 
     # ---- capacity queries ----
 
@@ -296,6 +299,7 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
             return
         if request.error is None:
             self._publish(request, request.num_computed_tokens)
+        self._unpublishable.discard(request.request_id)
         table = self._tables.pop(request.request_id)
         for g, blocks in enumerate(table.groups):
             self._release(g, [b for b in blocks if b != self.null_block])
@@ -418,6 +422,8 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
     def _publish(self, request: Request, num_computed_tokens: int) -> None:
         """Hash and publish the request's full blocks of computed tokens not published yet.
         A token sampled but not yet on the host ends what is known."""
+        if request.request_id in self._unpublishable:
+            return
         table = self._tables[request.request_id]
         num_full = min(num_computed_tokens, len(request.token_ids)) // self.tokens_per_block
         hashes = table.block_hashes
@@ -481,6 +487,14 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
             out[f"group{g}_window"] = window or 0
             out[f"group{g}_blocks_used"] = self._group_blocks[g]
         return out
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, in every tier (the weights changed, or the KV memory
+        was released); blocks requests hold stay theirs, never to be published."""
+        self.pool.forget_cached()
+        if self.host_store is not None:
+            self.host_store.clear()
+        self._unpublishable.update(self._tables)
 
     def close(self) -> None:
         if self.host_store is not None:

@@ -47,6 +47,11 @@ class DiskBlockStore:
         self._entries.move_to_end(block_hash)
         return torch.load(self._path(block_hash), weights_only=True)
 
+    def clear(self) -> None:
+        for block_hash in self._entries:
+            self._path(block_hash).unlink(missing_ok=True)
+        self._entries.clear()
+
     def close(self) -> None:
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -93,6 +98,12 @@ class HostBlockStore:
             if data is not None:
                 return data, "disk"
         return None
+
+    def clear(self) -> None:
+        """Forget every block, on disk too (the files are removed)."""
+        self._entries.clear()
+        if self.next_tier is not None:
+            self.next_tier.clear()
 
     def close(self) -> None:
         self._entries.clear()

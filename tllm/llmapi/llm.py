@@ -13,6 +13,7 @@ from tllm.llmapi.engine import build_engine
 from tllm.llmapi.flag_aliases import llm_args
 from tllm.config import LlmArgs
 from tllm.llmapi.result import GenerationResult
+from tllm.llmapi.rollout import RolloutMethods, rollout_control
 from tllm.llmapi.sequence_groups import bind_outputs, make_beam_group
 from tllm.loader import DEFAULT_MODEL
 from tllm.lora.request import LoRARequest
@@ -34,7 +35,7 @@ PromptInput = Union[str, Sequence[int], dict]
 Messages = list[dict[str, Any]]
 
 
-class LLM:
+class LLM(RolloutMethods):
     """An LLM with its own executor loop, e.g. `LLM("smollm2")` or `LLM("/path/to/hf_dir",
     max_batch_size=64, kv_cache_config=KvCacheConfig(max_tokens=65536))`."""
 
@@ -196,6 +197,14 @@ class LLM:
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         return {"prompt": text, "multi_modal_data": {"image": images},
                 "add_special_tokens": False}   # the template wrote them
+
+    def _rollout_call(self, name: str, *args):
+        """Sleep, wake, weight updates (tllm.llmapi.rollout)."""
+        self._check_open()
+        if getattr(self, "_rollout", None) is None:
+            self._rollout = rollout_control(self._engine, self.args.sleep_mode_policy)
+        attr = getattr(self._rollout, name)
+        return attr(*args) if callable(attr) else attr
 
     def shutdown(self) -> None:
         """Stop the loop thread and release the model and KV cache."""

@@ -38,7 +38,9 @@ from typing import Any, Callable, Sequence
 from tllm.llmapi.flag_aliases import llm_args
 from tllm.config import LlmArgs
 from tllm.gc_heap import frozen_heap
+from tllm.llmapi.process_rollout import RolloutCalls, run_rollout_call
 from tllm.llmapi.result import DeltaStream
+from tllm.llmapi.rollout import RolloutMethods
 from tllm.log import LogSettings, active_settings, apply_settings
 from tllm.outputs import CompletionDelta
 from tllm.sampling_params import SamplingParams
@@ -52,7 +54,7 @@ class EngineDeadError(RuntimeError):
     with it until `restart()`."""
 
 
-class ProcessLLM:
+class ProcessLLM(RolloutMethods):
     """The server's handle on an engine process: `submit_batch`, `get_stats`, `is_alive`,
     `tokenizer`, `max_seq_len`, `lora_targets`, `sampling_defaults`, `shutdown` (what the
     server uses of an LLM), and `restart` once the process has died."""
@@ -143,6 +145,10 @@ class ProcessLLM:
         engine.streams[request_id] = stream
         return stream
 
+    def _rollout_call(self, name: str, *args):
+        """Sleep, wake, weight updates: run in the engine process (llmapi/process_rollout)."""
+        return self._engine.rollout.call(self._engine.send, name, args)
+
     def restart(self) -> None:
         """Replace the engine process with a new one (the old one has died, or is killed
         here): blocks until the new one is ready, and raises as the constructor does if it
@@ -213,7 +219,9 @@ class ProcessLLM:
                 message = engine.events.recv()
             except (EOFError, OSError):
                 break
-            if message[0] == "deltas":
+            if message[0] == "rollout_done":
+                engine.rollout.settle(message)
+            elif message[0] == "deltas":
                 engine.stats = message[2]
                 if message[1]:
                     self._call_in_loop(self._deliver, engine, message[1])
@@ -221,6 +229,7 @@ class ProcessLLM:
                 self._call_in_loop(self._settle, engine, message)
         engine.stats = {**engine.stats, "alive": False}
         engine.process.join(timeout=1.0)    # its pipe closes as it exits: know its exit code
+        engine.rollout.fail_all(EngineDeadError(engine.death_note()))   # (no event loop)
         self._call_in_loop(engine.fail_all)
 
     def _call_in_loop(self, fn, *args) -> None:
@@ -264,6 +273,7 @@ class _EngineProcess:
         self.pending: dict[int, asyncio.Future] = {}
         self.aborts: list[str] = []     # to send at the end of this event-loop turn
         self.is_gone = False            # its receiver has ended: nothing more comes
+        self.rollout = RolloutCalls()   # sleep, wake, weight updates waiting for answers
         self._send_lock = threading.Lock()
 
     def is_alive(self) -> bool:
@@ -389,6 +399,9 @@ class _EngineServer:
                         abort = self.aborts.get(request_id)
                         if abort is not None:
                             abort()
+                elif message[0] == "rollout":
+                    run_rollout_call(self.llm, *message[1:], answer=lambda i, r, e: self._post(
+                        ("rollout_done", i, r, e if e is None else _picklable(e))))
                 elif message[0] == "shutdown":
                     break
         finally:

@@ -147,6 +147,13 @@ class CudaGraphRunner:
                     f"({self.verify_query_len} tokens a request)" if self.verify_query_len
                     else "")
 
+    def release(self) -> None:
+        """Drop the graphs and their pool (sleep: they name the released KV cache and
+        weights); `capture()` makes them again."""
+        self.graphs.clear()
+        self.verify_graphs.clear()
+        self.pool = None
+
     def _capture_one(self, batch_size: int, query_len: int, pool, stream):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -148,6 +148,13 @@ class PiecewiseGraphRunner:
         self.positions[:n].copy_(metadata.positions)  # for code that reads them outside
         return self.graphs[bucket].replay(metadata, n)
 
+    def release(self) -> None:
+        """Drop the graphs, their pool and output buffers (sleep); set `pool` (the decode
+        graphs' new one, or None: a pool of their own) and `capture()` to make them again."""
+        self.graphs.clear()
+        self._outputs.clear()
+        self.pool = None
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Every bucket, largest first, in one memory pool."""

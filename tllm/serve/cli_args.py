@@ -18,6 +18,7 @@ from tllm.serve.http.cors import add_cors_args, parse_origins
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
 from tllm.serve.http.limits import add_http_limit_args
 from tllm.serve.lora import parse_lora_modules
+from tllm.serve.http.rollout_routes import add_rollout_args, rollout_server_options
 from tllm.serve.openai.parser_choice import AUTO
 from tllm.serve.openai.reasoning import REASONING_PARSERS
 from tllm.serve.openai.tool_parsers import TOOL_PARSERS
@@ -98,6 +99,7 @@ def _add_server_args(group) -> None:
     _add_media_args(group)
     _add_engine_process_args(group)
     _add_lora_args(group)
+    add_rollout_args(group)
     add_log_args(group)
     group.add_argument("--log-stats-interval", type=non_negative_float, default=10.0,
                        metavar="SECONDS", help="log a stats line (running, waiting, KV use, "
@@ -256,7 +258,8 @@ def server_config(args: argparse.Namespace, model: str):
                         lora_allowed_paths=tuple(getattr(args, "lora_allowed_paths", None) or ()),
                         strict_request_fields=getattr(args, "strict_request_fields", False),
                         allowed_origins=parse_origins(getattr(args, "allowed_origins", None)),
-                        max_pooling_inputs=max_pooling_inputs(args))
+                        max_pooling_inputs=max_pooling_inputs(args),
+                        **rollout_server_options(args))
 
 
 def _read_chat_template(value: str | None) -> str | None:

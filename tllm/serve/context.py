@@ -58,6 +58,8 @@ class ServerConfig:
     strict_request_fields: bool = False     # unknown request fields: 400, not ignored
     allowed_origins: tuple[str, ...] = ()   # CORS: browser pages of these origins ("*": any)
     max_pooling_inputs: int | None = 2048   # texts or documents of one embed/score request
+    enable_sleep_mode: bool = False         # /sleep, /wake_up, /pause_generation, ...
+    weight_update_dirs: tuple[str, ...] = ()    # /update_weights_from_disk: folders below
 
     @property
     def model_name(self) -> str:

@@ -24,6 +24,7 @@ from tllm.serve.http.errors import (APIError, bad_request, error_responses,
                                from_validation_error, install_error_handlers, internal_error)
 from tllm.serve.http.limits import install_request_limits
 from tllm.serve.lora import lora_routes
+from tllm.serve.http.rollout_routes import rollout_routes
 from tllm.serve.http.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from tllm.serve.openai.params import ModelLimits
 from tllm.serve.openai.parser_choice import resolve_parsers
@@ -68,6 +69,8 @@ def build_app(llm, config: ServerConfig) -> FastAPI:
     app.include_router(_ops_routes(ctx))
     app.include_router(_docs_routes(app))
     app.include_router(dashboard_routes(ctx, sessions))
+    app.include_router(rollout_routes(llm, config.enable_sleep_mode, config.weight_update_dirs,
+                                      [Depends(json_content_type)]))
     if getattr(llm, "disagg_info", None) is not None:
         app.include_router(disagg_routes(llm))
         app.add_middleware(KVSourceHeader, llm=llm)

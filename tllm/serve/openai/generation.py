@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable, Protocol
 from starlette.requests import Request
 
 from tllm.guided.probe import UnsatisfiableGrammarError
+from tllm.executor.loop_gate import EngineAsleepError
 from tllm.llmapi.process_llm import EngineDeadError
 from tllm.outputs import CompletionDelta, PositionLogprobs
 from tllm.sampling_params import SamplingParams
@@ -298,6 +299,8 @@ class EngineClient:
             raise from_value_error(exc, prompt_param) from exc
         except EngineDeadError as exc:     # it died since _check_alive
             raise self._unavailable() from exc
+        except EngineAsleepError as exc:   # sleep_mode_policy="fail"
+            raise APIError(503, str(exc), code="engine_asleep") from exc
         num_samples = params[0].n
         # the HTTP request's id comes with the line (tllm.log): this maps it to the engine's
         logger.debug("submitted as engine request(s) %s",
@@ -328,7 +331,8 @@ class EngineClient:
             return self._down_reason()
         stats = self.llm.get_stats()
         now = time.monotonic()
-        is_busy = stats["num_running"] + stats["num_waiting"] > 0
+        is_busy = (stats["num_running"] + stats["num_waiting"] > 0
+                   and not stats.get("generation_held"))   # paused or asleep: on purpose
         if stats["num_steps"] != self._last_num_steps or not is_busy:
             self._last_num_steps = stats["num_steps"]
             self._last_progress = now

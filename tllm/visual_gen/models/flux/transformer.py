@@ -70,10 +70,10 @@ FLUX1_DEV = FluxConfig(guidance_embeds=True)
 FLUX1_SCHNELL = FluxConfig()
 
 
-def timestep_features(t: torch.Tensor) -> torch.Tensor:
+def timestep_features(t: torch.Tensor, channels: int = TIMESTEP_CHANNELS) -> torch.Tensor:
     """Sinusoids of t (already scaled to [0, 1000]), cos first, float32: diffusers'
-    Timesteps(256, flip_sin_to_cos=True, downscale_freq_shift=0)."""
-    half = TIMESTEP_CHANNELS // 2
+    Timesteps(channels, flip_sin_to_cos=True, downscale_freq_shift=0)."""
+    half = channels // 2
     exponent = -math.log(10000) * torch.arange(half, dtype=torch.float32, device=t.device) / half
     args = t[:, None].float() * exponent.exp()[None, :]
     return torch.cat([args.cos(), args.sin()], dim=-1)

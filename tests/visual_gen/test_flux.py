@@ -105,3 +105,12 @@ def test_transformer_equals_diffusers(guidance_embeds):
     views = ours.diffusers_state_dict(list(state))
     assert views.keys() == state.keys()
     assert all(torch.equal(views[name], tensor) for name, tensor in state.items())
+
+
+def test_dummy_presets_have_the_real_shapes():
+    from tllm.visual_gen import registry
+    dev = registry.resolve("dummy:flux.1-dev")
+    assert dev.pipeline_class().__name__ == "FluxPipeline"
+    assert 16.5e9 < dev.pipeline_class().dummy_parameter_count("flux.1-dev") < 17.2e9
+    with torch.device("meta"):      # 12B transformer, T5-XXL, CLIP-L, the VAE
+        assert 11.8e9 < sum(p.numel() for p in FluxTransformer(FluxConfig()).parameters()) < 12e9

@@ -92,3 +92,16 @@ def test_transformer_equals_diffusers(cross_attn_norm):
     state = theirs.state_dict()
     views = ours.diffusers_state_dict(list(state))
     assert all(torch.equal(views[name], tensor) for name, tensor in state.items())
+
+
+def test_dummy_presets_have_the_real_shapes():
+    from tllm.visual_gen import registry
+    from tllm.visual_gen.models.wan.transformer import WAN22_T2V_A14B, WAN22_TI2V_5B
+    spec = registry.resolve("dummy:wan2.2-ti2v-5b")
+    assert spec.pipeline_class().__name__ == "WanPipeline"
+    with torch.device("meta"):
+        assert 4.9e9 < sum(p.numel() for p in WanTransformer(WAN22_TI2V_5B).parameters()) < 5.1e9
+        assert 14e9 < sum(p.numel() for p in WanTransformer(WAN22_T2V_A14B).parameters()) < 14.5e9
+    # the 5B with UMT5-XXL and the VAE; A14B's two experts
+    assert 11e9 < spec.pipeline_class().dummy_parameter_count("wan2.2-ti2v-5b") < 12e9
+    assert 34e9 < spec.pipeline_class().dummy_parameter_count("wan2.2-t2v-a14b") < 35e9

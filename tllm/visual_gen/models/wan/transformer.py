@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tllm.kernels.triton.ltx2_norms import norm_rope_ref
 from tllm.loader.hf import CheckpointError, iter_safetensors, safetensors_files
 from tllm.visual_gen.models.checkpoint import load_named
 from tllm.visual_gen.models.flux.transformer import MLPEmbedding, timestep_features
@@ -75,17 +76,19 @@ _FP32_MODULES = ("time_embed", "scale_shift_table")
 
 
 class WanRope:
-    """cos/sin [tokens, head_dim / 2] (float32) of a (frames, rows, columns) token grid; the
-    head's pairs split between the axes as diffusers splits them (angles in float64)."""
+    """cos/sin [tokens, inner_dim / 2] (float32) of a (frames, rows, columns) token grid, one
+    per rotated pair of every head: each head's pairs split between the axes as diffusers
+    splits them (angles in float64), the same for every head."""
 
-    def __init__(self, head_dim: int) -> None:
+    def __init__(self, head_dim: int, num_heads: int) -> None:
         spatial = 2 * (head_dim // 6)
         self.dims = (head_dim - 2 * spatial, spatial, spatial)
-        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.num_heads = num_heads
+        self._last: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def tables(self, grid: tuple[int, int, int], device: torch.device):
         key = (grid, str(device))
-        if key not in self._cache:
+        if self._last is None or self._last[0] != key:     # one video size at a time
             axes = []
             for axis, (size, dim) in enumerate(zip(grid, self.dims)):
                 inv = 1.0 / ROPE_THETA ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
@@ -94,22 +97,51 @@ class WanRope:
                 shape[axis] = size
                 axes.append(angles.view(shape).expand(*grid, dim // 2))
             angles = torch.cat(axes, dim=-1).reshape(math.prod(grid), -1)
-            self._cache = {key: (angles.cos().float().to(device), angles.sin().float().to(device))}
-        return self._cache[key]
+            angles = angles.repeat(1, self.num_heads)
+            self._last = (key, (angles.cos().float().to(device),
+                                angles.sin().float().to(device)))
+        return self._last[1]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[2i], x[2i+1]) of x [B, S, H, D] by the angles of [S, D / 2] tables."""
-    even, odd = x[..., 0::2], x[..., 1::2]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2).type_as(x)
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether the elementwise work runs in the Triton kernels (CUDA tensors; tests also
+    run them on the CPU under the Triton interpreter)."""
+    return x.is_cuda
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """SDPA over [B, S, H, D] inputs -> [B, S, H * D] (cuDNN/flash preferred on CUDA)."""
+def qk_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+            rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """RMSNorm across the heads (x [B, S, H * D], rows may be strided), then RoPE."""
+    tables = () if rope is None else rope
+    if uses_triton(x):
+        from tllm.kernels.triton.ltx2_norms import norm_rope
+        return norm_rope(x, weight, eps, *tables)
+    return norm_rope_ref(x, weight, eps, *tables)
+
+
+def modulated_norm(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor, eps: float,
+                   residual: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """LayerNorm(x) * (1 + scale) + shift in float32, rounded once to x's dtype; with
+    residual=(y, gate), first x = x + gate * y (float32, rounded): returns (x, that norm).
+    shift, scale, gate: [B, 1, d] float32 views of one tensor."""
+    if uses_triton(x):
+        from tllm.kernels.triton.mmdit import adaln_modulate
+        return adaln_modulate(x, shift, scale, eps, None, residual)
+    if residual is not None:
+        x = gated_add(x, *residual)
+    h = (F.layer_norm(x.float(), x.shape[-1:], eps=eps) * (1 + scale) + shift).type_as(x)
+    return h if residual is None else (x, h)
+
+
+def gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return (x.float() + y.float() * gate).type_as(x)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """SDPA over [B, S, H * D] inputs -> [B, S, H * D] (cuDNN/flash preferred on CUDA)."""
+    q, k, v = (t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (q, k, v))
     with _sdpa_backends(q.device):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                             v.transpose(1, 2))
+        out = F.scaled_dot_product_attention(q, k, v)
     return out.transpose(1, 2).flatten(2)
 
 
@@ -123,7 +155,8 @@ def _sdpa_backends(device: torch.device):
 
 class WanBlock(nn.Module):
     """Self-attention (RoPE), cross-attention to the text, MLP; the modulation vectors are
-    shift, scale, gate for self-attention, then for the MLP."""
+    shift, scale, gate for self-attention, then for the MLP. The residual adds are fused
+    into the norm that follows them (on CUDA, one Triton kernel each)."""
 
     def __init__(self, config: WanConfig) -> None:
         super().__init__()
@@ -143,37 +176,46 @@ class WanBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, text: torch.Tensor, temb_proj: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        mod = (self.scale_shift_table + temb_proj.float()).unbind(1)     # 6 x [B, d] fp32
-        shift, scale, gate, c_shift, c_scale, c_gate = (m[:, None] for m in mod)
-        h = self._modulated_norm(x, shift, scale)
-        x = (x.float() + self._self_attention(h, rope) * gate).type_as(x)
-        h = x if self.norm2 is None else F.layer_norm(
-            x.float(), x.shape[-1:], self.norm2.weight.float(), self.norm2.bias.float(),
-            self.eps).type_as(x)
-        x = x + self._cross_attention(h, text)
-        h = self._modulated_norm(x, c_shift, c_scale)
-        ff = self.fc2(F.gelu(self.fc1(h), approximate="tanh"))
-        return (x.float() + ff.float() * c_gate).type_as(x)
+        mods = self._modulations(temb_proj)
+        h = modulated_norm(x, mods[0], mods[1], self.eps)
+        x, h = self._cross_norm(x, self._self_attention(h, rope), mods)
+        x, h = modulated_norm(x, mods[3], mods[4], self.eps,
+                              (self._cross_attention(h, text), mods[8]))
+        return gated_add(x, self.fc2(F.gelu(self.fc1(h), approximate="tanh")), mods[5])
 
-    def _modulated_norm(self, x, shift, scale) -> torch.Tensor:
-        h = F.layer_norm(x.float(), x.shape[-1:], eps=self.eps)
-        return (h * (1 + scale) + shift).type_as(x)
+    def _modulations(self, temb_proj: torch.Tensor) -> list[torch.Tensor]:
+        """[B, 1, d] float32 views of one tensor: shift, scale, gate (self-attention), the
+        same for the MLP, norm2's bias and weight - 1 (norm2 as a modulated norm), ones
+        (the cross-attention's ungated residual)."""
+        table = self.scale_shift_table + temb_proj.float()           # [B, 6, d]
+        extra = table.new_ones(table.shape[0], 3, table.shape[2])
+        if self.norm2 is not None:
+            extra[:, 0], extra[:, 1] = self.norm2.bias.float(), self.norm2.weight.float() - 1
+        return list(torch.cat([table, extra], dim=1).split(1, dim=1))
+
+    def _cross_norm(self, x, attn, mods):
+        """x + gate * attn, and norm2 of it (the cross-attention's input)."""
+        if self.norm2 is None:
+            x = gated_add(x, attn, mods[2])
+            return x, x
+        if uses_triton(x):
+            from tllm.kernels.triton.mmdit import adaln_modulate
+            return adaln_modulate(x, mods[6], mods[7], self.eps, None, (attn, mods[2]))
+        x = gated_add(x, attn, mods[2])
+        return x, F.layer_norm(x.float(), x.shape[-1:], self.norm2.weight.float(),
+                               self.norm2.bias.float(), self.eps).type_as(x)
 
     def _self_attention(self, h: torch.Tensor, rope) -> torch.Tensor:
         q, k, v = self.self_qkv(h).chunk(3, dim=-1)
-        q = self._heads(F.rms_norm(q, q.shape[-1:], self.self_q_norm, self.eps))
-        k = self._heads(F.rms_norm(k, k.shape[-1:], self.self_k_norm, self.eps))
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return self.self_out(attention(q, k, self._heads(v)))
+        q = qk_norm(q, self.self_q_norm, self.eps, rope)
+        k = qk_norm(k, self.self_k_norm, self.eps, rope)
+        return self.self_out(attention(q, k, v, self.num_heads))
 
     def _cross_attention(self, h: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        q = F.rms_norm(self.cross_q(h), h.shape[-1:], self.cross_q_norm, self.eps)
+        q = qk_norm(self.cross_q(h), self.cross_q_norm, self.eps)
         k, v = self.cross_kv(text).chunk(2, dim=-1)
-        k = F.rms_norm(k, k.shape[-1:], self.cross_k_norm, self.eps)
-        return self.cross_out(attention(self._heads(q), self._heads(k), self._heads(v)))
-
-    def _heads(self, x: torch.Tensor) -> torch.Tensor:
-        return x.unflatten(-1, (self.num_heads, -1))
+        k = qk_norm(k, self.cross_k_norm, self.eps)
+        return self.cross_out(attention(q, k, v, self.num_heads))
 
 
 class WanTransformer(nn.Module):
@@ -183,7 +225,7 @@ class WanTransformer(nn.Module):
         super().__init__()
         self.config = config
         dim = config.inner_dim
-        self.rope = WanRope(config.attention_head_dim)
+        self.rope = WanRope(config.attention_head_dim, config.num_attention_heads)
         self.patch_embedding = nn.Conv3d(config.in_channels, dim, config.patch_size,
                                          stride=config.patch_size)
         self.time_embed = MLPEmbedding(config.freq_dim, dim)
@@ -231,8 +273,8 @@ class WanTransformer(nn.Module):
         for block in self.blocks:
             x = block(x, text, temb_proj, rope)
         shift, scale = (self.scale_shift_table + temb[:, None]).chunk(2, dim=1)
-        x = (F.layer_norm(x.float(), x.shape[-1:], eps=self.config.eps) * (1 + scale)
-             + shift).type_as(x)
+        x = modulated_norm(x, shift.float().contiguous(), scale.float().contiguous(),
+                           self.config.eps)
         out = self.proj_out(x).reshape(batch, *grid, pt, ph, pw, -1)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
 

@@ -150,6 +150,9 @@ class FluxPipeline(VisualPipeline):
         rule = ClassifierFreeGuidance(params.true_cfg_scale if num_copies == 2 else 1.0)
         txt_ids = torch.zeros(states.shape[1], 3, device=self.device, dtype=self.dtype)
         guidance = None
+        if not self.is_distilled and params.guidance_scale is not None:
+            logger.warning("guidance_scale is ignored: the model is not guidance-distilled "
+                           "(true_cfg_scale with a negative_prompt guides it)")
         if self.is_distilled:
             scale = DEFAULT_GUIDANCE if params.guidance_scale is None else params.guidance_scale
             guidance = torch.full((len(states),), scale, device=self.device,

@@ -123,7 +123,8 @@ class FluxTransformer(nn.Module):
     def __init__(self, config: FluxConfig) -> None:
         super().__init__()
         self.config = config
-        dim, heads, head_dim = config.inner_dim, config.num_attention_heads, config.attention_head_dim
+        dim, heads = config.inner_dim, config.num_attention_heads
+        head_dim = config.attention_head_dim
         self.time_embed = MLPEmbedding(TIMESTEP_CHANNELS, dim)
         self.guidance_embed = (MLPEmbedding(TIMESTEP_CHANNELS, dim) if config.guidance_embeds
                                else None)

@@ -10,7 +10,8 @@ scheduler of our scheduler's config.
 
 1. step: one denoising step of the transformer at the pipeline's size: FLUX.1-dev one
    forward (guidance-distilled, no CFG); Wan one CFG step (ours: both branches in one
-   forward; diffusers: two forwards, as its pipeline calls it). --warmup then --runs, median.
+   forward; diffusers: two forwards, as its pipeline calls it, with one timestep per row where
+   its TI2V pipeline passes one per token). --warmup then --runs, median.
 2. pipeline: text to image / video end to end (text encoders, noise, the steps, VAE decode):
    FLUX.1-dev 1024x1024, 28 steps, guidance 3.5; Wan 704x1280 (720p), --wan-frames frames,
    --wan-steps UniPC steps with CFG 5 (default 20: the 50 of diffusers' default take twice as
@@ -19,6 +20,9 @@ scheduler of our scheduler's config.
 
     python benchmarks/gpu_flux_wan.py --out gpu_flux_wan.json               # H200
     python benchmarks/gpu_flux_wan.py --tiny --device cpu --dtype float32  # CPU smoke test
+
+--models flux or --models wan runs one family (e.g. one per call where a call's time is
+short: each builds its random weights on the GPU, then times both sides).
 
 Prints a markdown table last; writes the numbers as JSON to --out (or $OUT/gpu_flux_wan.json)."""
 from __future__ import annotations

@@ -72,6 +72,6 @@ def test_registry(qwen_image_dir, layered_dir, tmp_path):
     assert not registry.is_visual_model(str(tmp_path)) and not registry.is_visual_model(None)
     with pytest.raises(ValueError, match="unknown visual dummy"):
         registry.resolve("dummy:nope")
-    (tmp_path / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    (tmp_path / "model_index.json").write_text('{"_class_name": "StableDiffusionXLPipeline"}')
     with pytest.raises(ValueError, match="not supported"):
         registry.resolve(str(tmp_path))

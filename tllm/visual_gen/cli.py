@@ -21,7 +21,9 @@ def add_visual_parser(commands) -> argparse.ArgumentParser:
                     "the same way.")
     parser.add_argument("--model", "-m", required=True,
                         help="diffusers model folder (model_index.json), 'dummy:qwen-image', "
-                             "'dummy:qwen-image-layered', 'dummy:cosmos' or 'dummy:ltx2' "
+                             "'dummy:qwen-image-layered', 'dummy:flux.1-dev', "
+                             "'dummy:flux.1-schnell', 'dummy:cosmos', 'dummy:ltx2', "
+                             "'dummy:wan2.2-ti2v-5b' or 'dummy:wan2.2-t2v-a14b' "
                              "(random weights in the real shapes: a GPU's worth), or "
                              "'dummy:qwen-image-tiny' (tiny shapes: seconds on a CPU)")
     parser.add_argument("--prompt", "-p", action="append", required=True,

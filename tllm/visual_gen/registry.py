@@ -33,6 +33,10 @@ register("Cosmos3OmniPipeline", "tllm.visual_gen.models.cosmos3.pipeline:Cosmos3
          dummies=("dummy:cosmos",))
 register("LTX2Pipeline", "tllm.visual_gen.models.ltx2.pipeline:LTX2Pipeline",
          dummies=("dummy:ltx2",))
+register("FluxPipeline", "tllm.visual_gen.models.flux.pipeline:FluxPipeline",
+         dummies=("dummy:flux.1-dev", "dummy:flux.1-schnell"))
+register("WanPipeline", "tllm.visual_gen.models.wan.pipeline:WanPipeline",
+         dummies=("dummy:wan2.2-ti2v-5b", "dummy:wan2.2-t2v-a14b"))
 register("LTX2ImageToVideoPipeline",
          "tllm.visual_gen.models.ltx2.pipeline:LTX2ImageToVideoPipeline")
 

@@ -1,0 +1,1 @@
+"""Wan 2.1 / 2.2 (Alibaba): text to video."""

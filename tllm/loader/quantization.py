@@ -10,7 +10,7 @@ from tllm.layers.quant import QuantConfig
 from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
 from tllm.layers.quant.gguf import GgufConfig
 from tllm.loader.hf import CheckpointError
-from tllm.loader.quant_formats import SUPPORTED, awq, compressed, gptq, hf_fp8, modelopt
+from tllm.loader.quant_formats import SUPPORTED, awq, compressed, gptq, hf_fp8, modelopt, mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,8 @@ def checkpoint_quant_config(path: Path | None, hf_config) -> QuantConfig | None:
         return awq.parse(raw)
     if method == "gptq":
         return gptq.parse(raw)
+    if method == "mxfp4":
+        return mxfp4.parse(raw)
     raise CheckpointError(f"quantization format {method or raw!r} is not supported; "
                           f"{SUPPORTED}")
 

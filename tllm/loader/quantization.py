@@ -22,7 +22,8 @@ def resolve_quant_config(kind: str, path: Path | None, hf_config,
     GGUF file dequantized (as it ran before its blocks were kept) and anything unquantized."""
     if kind == "gguf":
         return gguf_quant_config(hf_config, requested)
-    found = checkpoint_quant_config(path, hf_config) if kind == "hf" else None
+    # a dummy preset may declare its model's format (GPT-OSS's MXFP4 experts)
+    found = checkpoint_quant_config(path, hf_config) if kind in ("hf", "dummy") else None
     if found is not None:
         if requested is not None and requested != found.name:
             raise ValueError(f"quantization={requested!r} asked for, but the checkpoint is "

@@ -168,8 +168,8 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _context_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        q if sinks is None else sinks, qk_scale, soft_cap, sliding_window or 0, num_seqs, float(k_scale),
-        float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q if sinks is None else sinks, qk_scale, soft_cap, sliding_window or 0, num_seqs,
+        float(k_scale), float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, TOKENS_PER_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=dot_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,

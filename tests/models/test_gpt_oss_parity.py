@@ -133,3 +133,36 @@ def test_mxfp4_checkpoint_matches_hf_on_its_dequantized_experts(tmp_path):
 
     completions, _ = run(tmp_path / "mxfp4", prompts, NUM_NEW[:6], inspect=kept_packed)
     check_against_hf(hf_model, prompts, completions, NUM_NEW[:6])
+
+
+def test_dummy_preset_has_the_real_shapes():
+    """dummy:gpt-oss-20b on the meta device, MXFP4 as declared: 20.9 billion parameters
+    (two FP4 values a byte), alternating 128-token windows."""
+    from tllm import loader
+    from tllm.attention import get_attention_backend
+    source = loader.resolve_model("dummy:gpt-oss-20b")
+    config, _ = loader.load_config(source)
+    model = loader.build_model(config, get_attention_backend("torch"), torch.bfloat16,
+                               torch.device("meta"), 4096,
+                               loader.quant_config(source, config, None))
+    values = sum(p.numel() * (2 if name.endswith("blocks") else 1)
+                 for name, p in model.named_parameters() if not name.endswith("scales"))
+    assert values / 1e9 == pytest.approx(20.91, abs=0.01)
+    assert tuple(model.layers[0].mlp.experts.w13_blocks.shape) == (32, 2 * 2880, 90, 16)
+    assert model.kv_cache_spec.layer_windows[:4] == (128, None, 128, None)
+
+
+def test_dummy_weights_fill_packed_experts():
+    import transformers
+    from tllm import loader
+    from tllm.attention import get_attention_backend
+    from tllm.layers.quant.mxfp4 import Mxfp4Config
+    from tllm.loader.dummy import init_dummy_weights
+    config = transformers.GptOssConfig(**TINY_GPT_OSS, architectures=["GptOssForCausalLM"])
+    model = loader.build_model(config, get_attention_backend("torch"), torch.float32,
+                               torch.device("cpu"), 256, Mxfp4Config())
+    init_dummy_weights(model)
+    experts = model.layers[1].mlp.experts
+    assert experts.w13_blocks.float().std() > 50  # random bytes
+    assert 119 <= int(experts.w2_scales.min()) <= int(experts.w2_scales.max()) < 123
+    assert model.layers[0].self_attn.sinks.std() > 0

@@ -4,7 +4,7 @@ K / 32, 16] uint8, two values a byte (the low nibble first), and `scales` [rows,
 uint8, an E8M0 exponent (value = fp4 * 2 ** (scale - 127)).
 
 `dequantize_mxfp4` is the CPU path and the reference for the Triton dequant-in-GEMM kernel
-(tllm.kernels.triton.mxfp4_moe); it matches transformers' own decoder bit for bit."""
+(tllm.kernels.triton.swiglu_moe); it matches transformers' own decoder bit for bit."""
 from __future__ import annotations
 
 import torch

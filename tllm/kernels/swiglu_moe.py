@@ -1,5 +1,5 @@
 """Experts with biases and GPT-OSS's clamped SwiGLU, in torch: the CPU path and the reference
-for the Triton MXFP4 kernels. Each routed (token, expert) pair computes
+for the Triton kernels (tllm.kernels.triton.swiglu_moe). Each routed (token, expert) pair computes
 
     gate, up = x W13^T + b13 (gate rows first); gate <= limit, -limit <= up <= limit;
     y = ((up + 1) * gate * sigmoid(alpha * gate)) W2^T + b2

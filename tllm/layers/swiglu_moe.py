@@ -51,6 +51,13 @@ class SwigluMoEMethod:
 
     def apply(self, layer: FusedMoE, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda:
+            from tllm.kernels.triton.swiglu_moe import swiglu_experts_triton
+            return swiglu_experts_triton(
+                hidden, layer.w13_weight, layer.w13_bias, layer.w2_weight,
+                layer.w2_bias if layer.tp_rank == 0 else None, topk_weights, topk_ids,
+                self.alpha, self.limit, layer.expert_start)
+
         def expert(e: int):
             return (layer.w13_weight[e], layer.w13_bias[e], layer.w2_weight[e],
                     down_bias(layer, e))

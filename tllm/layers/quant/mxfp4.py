@@ -70,11 +70,11 @@ class Mxfp4SwigluMoEMethod:
     def apply(self, layer, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda:
-            from tllm.kernels.triton.mxfp4_moe import mxfp4_experts_triton
-            return mxfp4_experts_triton(
-                hidden, layer.w13_blocks, layer.w13_scales, layer.w13_bias, layer.w2_blocks,
-                layer.w2_scales, layer.w2_bias, topk_weights, topk_ids, self.alpha,
-                self.limit, layer.expert_start)
+            from tllm.kernels.triton.swiglu_moe import swiglu_experts_triton
+            return swiglu_experts_triton(
+                hidden, layer.w13_blocks, layer.w13_bias, layer.w2_blocks, layer.w2_bias,
+                topk_weights, topk_ids, self.alpha, self.limit, layer.expert_start,
+                w13_scales=layer.w13_scales, w2_scales=layer.w2_scales)
         return swiglu_experts_ref(hidden, lambda e: self.dequantized(layer, e, hidden.dtype),
                                   layer.num_local_experts, topk_weights, topk_ids, self.alpha,
                                   self.limit, layer.expert_start)

@@ -1,7 +1,7 @@
-"""GPT-OSS's experts from MXFP4 blocks in Triton: the grouped GEMMs of fused_moe.py (the same
-sort of (token, expert) pairs by expert, the same top-k sum) with the weights read as packed
-FP4 codes and E8M0 scales and dequantized in registers, so a decode step reads 4.25 bits a
-weight. Biases and the clamped SwiGLU are the GEMMs' epilogues:
+"""GPT-OSS's experts in Triton: the grouped GEMMs of fused_moe.py (the same sort of (token,
+expert) pairs by expert, the same top-k sum) with biases and the clamped SwiGLU as the GEMMs'
+epilogues, the weights in the model's dtype or MXFP4 blocks read as packed FP4 codes and
+E8M0 scales and dequantized in registers (a decode step reads 4.25 bits a weight):
 
   1. gate_up: [P, I] = clamped_swiglu(x W_gate^T + b_gate, x W_up^T + b_up), W13's gate rows
      then its up rows (as the model loads them);
@@ -13,7 +13,7 @@ K tile is two dots: the even columns of x against the low nibbles, the odd ones 
 high. FP4 codes times powers of two are exact in bf16, so the dequantized tile equals the
 reference decoder's (tllm.kernels.mxfp4) before the dot.
 
-Reference: tllm.kernels.swiglu_moe.swiglu_experts_ref over dequantize_mxfp4."""
+Reference: tllm.kernels.swiglu_moe.swiglu_experts_ref (over dequantize_mxfp4)."""
 from __future__ import annotations
 
 import torch
@@ -62,15 +62,30 @@ def _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair,
 
 
 @triton.jit
-def _mxfp4_expert_gemm_kernel(
-        out_ptr, a_ptr, blocks_ptr, scales_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
+def _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K: tl.constexpr,
+               DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] . W[n, k0:k0+BLOCK_K]^T, W in the model's dtype."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    a = tl.load(a_base + offs_k[None, :], mask=is_pair[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_base + offs_k[:, None], mask=k_ok[:, None], other=0.0)
+    if DOT_FP32:
+        a, w = a.to(tl.float32), w.to(tl.float32)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _swiglu_expert_gemm_kernel(
+        out_ptr, a_ptr, w_ptr, scales_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
         num_padded_ptr, topk_weights_ptr, N, K, num_pairs, num_tiles_m, alpha, limit,
-        stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_bias, stride_om,
+        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
         ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, n] for the pairs of one sorted tile (fused_moe's _expert_gemm_kernel, with
-    MXFP4 weights, a bias and GPT-OSS's activation when GATED)."""
+    plain or MXFP4 weights (w_ptr: their bytes), a bias, and GPT-OSS's activation when
+    GATED)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
@@ -86,23 +101,32 @@ def _mxfp4_expert_gemm_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_n = (offs_n % N).to(tl.int64)                  # rows past N computed, not stored
     a_base = a_ptr + (pairs // ROWS_PER_A).to(tl.int64)[:, None] * stride_am
-    w_base = blocks_ptr + expert * stride_be + rows_n[None, :] * stride_bn
+    w_base = w_ptr + expert * stride_we + rows_n[None, :] * stride_wn
     s_base = scales_ptr + expert * stride_se + rows_n[None, :] * stride_sn
     bias_base = bias_ptr + expert * stride_bias + rows_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        acc = _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
-                         PRECISION)
+        if MXFP4:
+            acc = _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
+                             PRECISION)
+            if GATED:
+                acc_up = _dot_mxfp4(acc_up, a_base, w_base + N * stride_wn,
+                                    s_base + N * stride_sn, k0, K, is_pair, BLOCK_K,
+                                    DOT_FP32, PRECISION)
+        else:
+            acc = _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
+                             PRECISION)
+            if GATED:
+                acc_up = _dot_plain(acc_up, a_base, w_base + N * stride_wn, k0, K, is_pair,
+                                    BLOCK_K, DOT_FP32, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_base).to(tl.float32)[None, :]
         if GATED:
-            acc_up = _dot_mxfp4(acc_up, a_base, w_base + N * stride_bn,
-                                s_base + N * stride_sn, k0, K, is_pair, BLOCK_K, DOT_FP32,
-                                PRECISION)
-    acc += tl.load(bias_base).to(tl.float32)[None, :]
+            acc_up += tl.load(bias_base + N).to(tl.float32)[None, :]
     if GATED:
         gate = tl.minimum(acc, limit)
-        up = tl.minimum(tl.maximum(acc_up + tl.load(bias_base + N).to(tl.float32)[None, :],
-                                   -limit), limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
         acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
@@ -111,58 +135,67 @@ def _mxfp4_expert_gemm_kernel(
              mask=is_pair[:, None] & (offs_n < N)[None, :])
 
 
-def mxfp4_expert_gemm(a: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
-                      bias: torch.Tensor, pairs, tile: GemmTile, group_m: int = 1,
-                      rows_per_a: int = 1, gated: bool = False, alpha: float = 1.0,
-                      limit: float = 0.0,
-                      topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None,
+                       bias: torch.Tensor | None, pairs, tile: GemmTile, group_m: int = 1,
+                       rows_per_a: int = 1, gated: bool = False, alpha: float = 1.0,
+                       limit: float = 0.0,
+                       topk_weights: torch.Tensor | None = None) -> torch.Tensor:
     """One grouped GEMM over the sorted `pairs` (fused_moe.PairBlocks): a [P / rows_per_a,
-    K]; blocks [E, rows, K / 32, 16], scales [E, rows, K / 32], bias [E, rows] with rows =
-    2N (gate, then up) if gated, else N -> [P, N] in a's dtype."""
-    n = blocks.shape[1] // 2 if gated else blocks.shape[1]
-    k = blocks.shape[2] * BLOCK_SIZE
+    K]; w [E, rows, K] in a's dtype, or with `scales` MXFP4 blocks [E, rows, K / 32, 16]
+    and scales [E, rows, K / 32]; bias [E, rows] or None; rows = 2N (gate, then up) if
+    gated, else N -> [P, N] in a's dtype."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2] * BLOCK_SIZE if scales is not None else w.shape[2]
     out = torch.empty(pairs.num_pairs, n, dtype=a.dtype, device=a.device)
     if pairs.num_pairs == 0 or n == 0:
         return out
     weights = topk_weights.reshape(-1) if topk_weights is not None else pairs.num_padded
+    scale_arg = w if scales is None else scales  # unread without MXFP4
+    bias_arg = w if bias is None else bias
     grid = (pairs.max_blocks * cdiv(n, tile.block_n),)
-    _mxfp4_expert_gemm_kernel[grid](
-        out, a, blocks, scales, bias, pairs.sorted_pairs, pairs.block_expert,
+    _swiglu_expert_gemm_kernel[grid](
+        out, a, w, scale_arg, bias_arg, pairs.sorted_pairs, pairs.block_expert,
         pairs.num_padded, weights, n, k, pairs.num_pairs, pairs.max_blocks, float(alpha),
-        float(limit), a.stride(0), blocks.stride(0), blocks.stride(1), scales.stride(0),
-        scales.stride(1), bias.stride(0), out.stride(0), ROWS_PER_A=rows_per_a, GATED=gated,
-        MUL_WEIGHT=topk_weights is not None, BLOCK_M=pairs.block_m, BLOCK_N=tile.block_n,
+        float(limit), a.stride(0), w.stride(0), w.stride(1), scale_arg.stride(0),
+        scale_arg.stride(1), bias_arg.stride(0), out.stride(0), ROWS_PER_A=rows_per_a,
+        GATED=gated, MUL_WEIGHT=topk_weights is not None, MXFP4=scales is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_M=group_m,
-        DOT_FP32=needs_fp32_dot(_mxfp4_expert_gemm_kernel, a.dtype),
+        DOT_FP32=needs_fp32_dot(_swiglu_expert_gemm_kernel, a.dtype),
         PRECISION=dot_precision(a.dtype), num_warps=tile.num_warps,
         num_stages=tile.num_stages)
     return out
 
 
-def mxfp4_experts_triton(hidden: torch.Tensor, w13_blocks: torch.Tensor,
-                         w13_scales: torch.Tensor, w13_bias: torch.Tensor,
-                         w2_blocks: torch.Tensor, w2_scales: torch.Tensor,
-                         w2_bias: torch.Tensor, topk_weights: torch.Tensor,
-                         topk_ids: torch.Tensor, alpha: float, limit: float,
-                         expert_start: int = 0, config: MoeConfig | None = None
-                         ) -> torch.Tensor:
-    """hidden [T, H]; w13 [E, 2I, H/32, (16)] (gate rows, then up rows); w2 [E, H, I/32,
-    (16)]; biases [E, 2I] and [E, H]; topk_* [T, k] (global ids; this rank holds experts
-    expert_start .. + E - 1). Returns [T, H] in hidden's dtype."""
-    check_mxfp4(w13_blocks, w13_scales)
-    check_mxfp4(w2_blocks, w2_scales)
-    if hidden.dim() != 2 or hidden.shape[1] != w13_blocks.shape[2] * BLOCK_SIZE:
-        raise ValueError(f"hidden must be [tokens, {w13_blocks.shape[2] * BLOCK_SIZE}], got "
-                         f"{tuple(hidden.shape)}")
+def swiglu_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: torch.Tensor,
+                          w2: torch.Tensor, w2_bias: torch.Tensor | None,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, alpha: float,
+                          limit: float, expert_start: int = 0,
+                          w13_scales: torch.Tensor | None = None,
+                          w2_scales: torch.Tensor | None = None,
+                          config: MoeConfig | None = None) -> torch.Tensor:
+    """hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] in hidden's
+    dtype, or with the scales MXFP4 blocks [E, 2I, H/32, 16] and [E, H, I/32, 16]; biases
+    [E, 2I] and [E, H] (w2_bias None: not added, as on all tensor-parallel ranks but one);
+    topk_* [T, k] (global ids; this rank holds experts expert_start .. + E - 1). Returns
+    [T, H] in hidden's dtype."""
+    k13 = w13.shape[2] * (BLOCK_SIZE if w13_scales is not None else 1)
+    if hidden.dim() != 2 or hidden.shape[1] != k13:
+        raise ValueError(f"hidden must be [tokens, {k13}], got {tuple(hidden.shape)}")
+    for blocks, scales in ((w13, w13_scales), (w2, w2_scales)):
+        if scales is not None:
+            check_mxfp4(blocks, scales)
+        elif blocks.dtype != hidden.dtype:
+            raise ValueError(f"expert weights are {blocks.dtype}; hidden is {hidden.dtype}")
     num_tokens, top_k = topk_ids.shape
-    num_experts = w13_blocks.shape[0]
+    num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
     cfg = config or moe_config(num_tokens, top_k, num_experts)
     pairs = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
-    inter = mxfp4_expert_gemm(hidden.contiguous(), w13_blocks, w13_scales, w13_bias, pairs,
-                              cfg.gate_up, cfg.group_m, rows_per_a=top_k, gated=True,
-                              alpha=alpha, limit=limit)
-    pair_out = mxfp4_expert_gemm(inter, w2_blocks, w2_scales, w2_bias, pairs, cfg.down,
-                                 cfg.group_m, topk_weights=topk_weights.float().contiguous())
+    inter = swiglu_expert_gemm(hidden.contiguous(), w13, w13_scales, w13_bias, pairs,
+                               cfg.gate_up, cfg.group_m, rows_per_a=top_k, gated=True,
+                               alpha=alpha, limit=limit)
+    pair_out = swiglu_expert_gemm(inter, w2, w2_scales, w2_bias, pairs, cfg.down, cfg.group_m,
+                                  topk_weights=topk_weights.float().contiguous())
     return sum_top_k(pair_out, topk_ids, num_experts, expert_start)

@@ -166,3 +166,26 @@ def test_dummy_weights_fill_packed_experts():
     assert experts.w13_blocks.float().std() > 50  # random bytes
     assert 119 <= int(experts.w2_scales.min()) <= int(experts.w2_scales.max()) < 123
     assert model.layers[0].self_attn.sinks.std() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantized", [False, True], ids=["bf16-sliced", "mxfp4-ep"])
+def test_tensor_parallel_equals_one_rank(tmp_path, quantized):
+    """TP=2 on gloo: heads and their sinks split, the experts' intermediate features sliced
+    with the down bias added once (16-bit), or whole MXFP4 experts on each rank
+    (`enable_expert_parallel`)."""
+    hf_model = make_tiny_gpt_oss(tmp_path / "bf16")
+    path = tmp_path / "bf16"
+    if quantized:
+        path = tmp_path / "mxfp4"
+        save_mxfp4(hf_model, path)
+    prompts = make_prompts(384)[:6]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    runs = []
+    for tp in (1, 2):
+        with LLM(str(path), tensor_parallel_size=tp, enable_expert_parallel=quantized,
+                 max_num_tokens=24,
+                 kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024)) as llm:
+            runs.append([o.outputs[0].token_ids
+                         for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]

@@ -8,6 +8,8 @@ sliding-window KV capacity.
              weight-read floor of the active experts, and ISL/OSL 128/128 max-load
              throughput (1,000 requests)
   qwen3moe   the same for dummy:qwen3-30b-a3b
+  gptoss     the same for dummy:gpt-oss-20b (MXFP4 experts through the dequant-in-GEMM
+             kernels, attention sinks); not in the default parts: --parts floor,gptoss
   window     benchmarks/sliding_window_capacity.py on dummy:gemma-2-9b: concurrent
              requests that fit with and without window-aware KV in the same memory
 
@@ -36,9 +38,11 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 PARTS = ("floor", "kernel", "mixtral", "qwen3moe", "window")
-MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b"}
+MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
+          "gptoss": "dummy:gpt-oss-20b"}
 # seconds per part at --budget 560 (scaled with it)
-SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160}
+SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
+          "gptoss": 195}
 FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
                     "read: every non-expert parameter (LM head included; the input "
                     "embedding counted apart) plus top_k experts' weights per MoE layer")
@@ -46,18 +50,20 @@ FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode 
 
 def active_weight_bytes(model: str, dtype: torch.dtype) -> dict:
     """Bytes a batch-1 decode step reads, from the model tllm builds (on the meta device:
-    no memory). Expert weights are the 3-D parameters with the experts as first dim."""
+    no memory), in the checkpoint's own format (MXFP4 experts: blocks and scales). Expert
+    weights are the experts' parameters with the experts as first dim (biases too)."""
     from tllm import loader
     from tllm.attention import get_attention_backend
-    config, _ = loader.load_config(loader.resolve_model(model))
+    source = loader.resolve_model(model)
+    config, _ = loader.load_config(source)
     built = loader.build_model(config, get_attention_backend("torch"), dtype,
-                               torch.device("meta"), 64)
+                               torch.device("meta"), 64, loader.quant_config(source, config, None))
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
     top_k = getattr(config, "num_experts_per_tok", 0)
     dense = experts = embedding = 0
     for name, p in built.named_parameters():
         size = p.numel() * p.element_size()
-        if p.dim() == 3 and num_experts and p.shape[0] == num_experts:
+        if num_experts and p.dim() >= 2 and p.shape[0] == num_experts and ".experts." in name:
             experts += size
         else:
             dense += size

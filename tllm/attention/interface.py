@@ -157,18 +157,22 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
-                kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+                kv_scales: tuple[float, float] = NO_KV_SCALES,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
         Returns [num_tokens, num_heads, head_dim]. An fp8 cache stores k / k_scale and
-        v / v_scale (`kv_scales`, this layer's per-tensor scales)."""
+        v / v_scale (`kv_scales`, this layer's per-tensor scales). `sinks`: this layer's
+        learned logit per head (GPT-OSS's attention sinks, [num_heads] float32), added to
+        each softmax's denominator; a per-call argument since every layer has its own."""
 
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: KVCache, metadata: AttentionMetadata, rotary,
-                          kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+                          kv_scales: tuple[float, float] = NO_KV_SCALES,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Rotary embedding, then forward; a backend may fuse the rotation into its cache
         write (the rotary module holds cos/sin tables [max_position, head_dim])."""
         q, k = rotary(metadata.positions, q, k)
-        return self.forward(q, k, v, kv_cache, metadata, kv_scales)
+        return self.forward(q, k, v, kv_cache, metadata, kv_scales, sinks)
 
 
 # name -> "module:Class", imported only when the backend is chosen.

@@ -5,8 +5,9 @@ Triton kernels.
 sequences are grouped by shape, each group's blocks are gathered with one index_select and
 its queries padded to the group's longest, with a mask for per-sequence lengths, causality
 and sliding windows. `paged_attention_ref` (the per-sequence loop it replaced) stays as the
-reference the batched path is tested against. Soft-capped scores (Gemma 2), which SDPA cannot
-compute, take `soft_capped_attention` with the same masks; the uncapped path stays on SDPA."""
+reference the batched path is tested against. Soft-capped scores (Gemma 2) and attention sinks
+(GPT-OSS), which SDPA cannot compute, take `soft_capped_attention` with the same masks; the
+rest stays on SDPA."""
 from __future__ import annotations
 
 import math
@@ -42,16 +43,18 @@ def _expand_kv(x: torch.Tensor, group: int) -> torch.Tensor:
 def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                         scale: float, sliding_window: int | None = None,
                         kv_scales: tuple[float, float] = NO_KV_SCALES,
-                        logits_soft_cap: float | None = None) -> torch.Tensor:
+                        logits_soft_cap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every query token over its sequence's cached context, one sequence at a
-    time (the reference for the batched path)."""
+    time (the reference for the batched path). `sinks`: [num_heads] logits in each head's
+    softmax denominator."""
     out = torch.empty_like(q)
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
         k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, metadata.tokens_per_block)
         qi = q[start:start + query_len].transpose(0, 1)          # [heads, q, d]
         k, v = from_cache(k, kv_scales[0], q.dtype), from_cache(v, kv_scales[1], q.dtype)
-        o = _attend_sequence(qi, k, v, scale, sliding_window, logits_soft_cap)
+        o = _attend_sequence(qi, k, v, scale, sliding_window, logits_soft_cap, sinks)
         out[start:start + query_len] = o.transpose(0, 1)
         start += query_len
     return out
@@ -59,14 +62,16 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionM
 
 def _attend_sequence(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      sliding_window: int | None,
-                     logits_soft_cap: float | None) -> torch.Tensor:
+                     logits_soft_cap: float | None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's queries [heads, q, d] (the last q of its positions) over its keys and
     values [seq, kv_heads, d]."""
     query_len, seq_len = qi.shape[1], k.shape[0]
-    if logits_soft_cap is not None:
+    if logits_soft_cap is not None or sinks is not None:
         mask = causal_mask(query_len, seq_len, sliding_window, qi.device)
         return soft_capped_attention(qi, k.transpose(0, 1), v.transpose(0, 1), mask, scale,
-                                     logits_soft_cap)
+                                     logits_soft_cap,
+                                     None if sinks is None else sinks.view(-1, 1, 1))
     group = qi.shape[0] // k.shape[1]
     ki, vi = _expand_kv(k, group), _expand_kv(v, group)
     gqa = {"enable_gqa": True} if _SDPA_GQA and group > 1 else {}
@@ -232,7 +237,8 @@ class GatherBuffers:
 def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scale: float,
                  kv_scales: tuple[float, float] = NO_KV_SCALES,
                  buffers: GatherBuffers | None = None,
-                 logits_soft_cap: float | None = None) -> torch.Tensor:
+                 logits_soft_cap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The group's real query rows, [rows, num_heads, head_dim], in out_rows order."""
     n, max_q, num_keys = group.num_seqs, group.max_query_len, group.num_keys
     num_kv_heads, head_dim = kv_cache[0].shape[2:]
@@ -245,17 +251,20 @@ def attend_group(q: torch.Tensor, kv_cache: KVCache, group: AttentionGroup, scal
         # decode: the query heads of one kv head act as its queries, so each kv head's keys
         # and values are read once, with no repeat and no GQA broadcast
         qg = qg.view(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-        if logits_soft_cap is not None:
-            o = soft_capped_attention(qg, k, v, group.mask, scale, logits_soft_cap)
+        if logits_soft_cap is not None or sinks is not None:
+            o = soft_capped_attention(
+                qg, k, v, group.mask, scale, logits_soft_cap,
+                None if sinks is None else sinks.view(num_kv_heads, -1, 1))
         else:
             o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.mask, scale=scale)
         return o.reshape(n, num_heads, head_dim)
     qg = qg.view(n, max_q, num_heads, head_dim).transpose(1, 2)
-    if logits_soft_cap is not None:
+    if logits_soft_cap is not None or sinks is not None:
         mask = group.mask
         if group.is_causal:  # SDPA's is_causal: query i sees keys 0..i
             mask = torch.ones(max_q, num_keys, dtype=torch.bool, device=q.device).tril_()
-        o = soft_capped_attention(qg, k, v, mask, scale, logits_soft_cap)
+        o = soft_capped_attention(qg, k, v, mask, scale, logits_soft_cap,
+                                  None if sinks is None else sinks.view(num_heads, 1, 1))
         return _real_rows(o, group)
     gqa = {}
     if num_heads != num_kv_heads:
@@ -293,21 +302,23 @@ def paged_attention_batched(q: torch.Tensor, kv_cache: KVCache, metadata: Attent
                             groups: list[AttentionGroup] | None = None,
                             out: torch.Tensor | None = None,
                             buffers: GatherBuffers | None = None,
-                            logits_soft_cap: float | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """What `paged_attention_ref` computes, for the whole batch in a few calls. `groups`:
     this step's plan (`plan_attention`), reused across layers; `out`: written in place;
     `buffers`: reused for the gathered keys and values; `logits_soft_cap`: scores -> cap *
-    tanh(scores / cap) before the mask."""
+    tanh(scores / cap) before the mask; `sinks`: [num_heads] softmax-denominator logits."""
     if groups is None:
         groups = plan_attention(metadata, sliding_window, q.dtype, _kv_bytes(kv_cache),
                                 q.shape[1], q.shape[2])
     if len(groups) == 1 and groups[0].out_rows is None:
-        o = attend_group(q, kv_cache, groups[0], scale, kv_scales, buffers, logits_soft_cap)
+        o = attend_group(q, kv_cache, groups[0], scale, kv_scales, buffers, logits_soft_cap,
+                         sinks)
         return o if out is None else out.copy_(o)
     out = torch.empty_like(q) if out is None else out
     for group in groups:
         out.index_copy_(0, group.out_rows, attend_group(q, kv_cache, group, scale, kv_scales,
-                                                        buffers, logits_soft_cap))
+                                                        buffers, logits_soft_cap, sinks))
     return out
 
 
@@ -332,12 +343,13 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
-                kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+                kv_scales: tuple[float, float] = NO_KV_SCALES,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         return paged_attention_batched(q, kv_cache, metadata, self.scale, self.sliding_window,
                                        kv_scales, self._groups(q, kv_cache, metadata),
                                        buffers=self._buffers,
-                                       logits_soft_cap=self.logits_soft_cap)
+                                       logits_soft_cap=self.logits_soft_cap, sinks=sinks)
 
     def _groups(self, q: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> list[AttentionGroup]:

@@ -36,36 +36,39 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
-                kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+                kv_scales: tuple[float, float] = NO_KV_SCALES,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         if metadata.capture is not None:  # piecewise capture: runs between the pieces
             return metadata.capture.defer(self.forward, q, k, v, kv_cache, metadata,
-                                          kv_scales)
+                                          kv_scales, sinks)
         scales = _cache_scales(kv_cache, kv_scales)
         if torch.compiler.is_compiling():
-            return self._compiled(q, k, v, kv_cache, metadata, None, scales)
+            return self._compiled(q, k, v, kv_cache, metadata, None, scales, sinks)
         write_kv(k, v, kv_cache[0], kv_cache[1], metadata.slot_mapping, *scales)
-        return self._attend(q, kv_cache, metadata, scales)
+        return self._attend(q, kv_cache, metadata, scales, sinks)
 
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: KVCache, metadata: AttentionMetadata, rotary,
-                          kv_scales: tuple[float, float] = NO_KV_SCALES) -> torch.Tensor:
+                          kv_scales: tuple[float, float] = NO_KV_SCALES,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
         """One kernel rotates q and k and writes k and v into the cache (a rotary that
         covers only part of each head, as GPT-NeoX's, rotates first and writes after)."""
         if metadata.capture is not None:  # piecewise capture: runs between the pieces
             return metadata.capture.defer(self.forward_with_rope, q, k, v, kv_cache, metadata,
-                                          rotary, kv_scales)
+                                          rotary, kv_scales, sinks)
         if getattr(rotary, "rotary_dim", self.head_dim) != self.head_dim:
-            return super().forward_with_rope(q, k, v, kv_cache, metadata, rotary, kv_scales)
+            return super().forward_with_rope(q, k, v, kv_cache, metadata, rotary, kv_scales,
+                                             sinks)
         scales = _cache_scales(kv_cache, kv_scales)
         if torch.compiler.is_compiling():
-            return self._compiled(q, k, v, kv_cache, metadata, rotary, scales)
+            return self._compiled(q, k, v, kv_cache, metadata, rotary, scales, sinks)
         q = rope_and_write_kv(metadata.positions, q, k, v, rotary.cos, rotary.sin,
                               kv_cache[0], kv_cache[1], metadata.slot_mapping,
                               k_scale=scales[0], v_scale=scales[1])
-        return self._attend(q, kv_cache, metadata, scales)
+        return self._attend(q, kv_cache, metadata, scales, sinks)
 
     def _compiled(self, q, k, v, kv_cache: KVCache, metadata: AttentionMetadata, rotary,
-                  scales: tuple[float, float]) -> torch.Tensor:
+                  scales: tuple[float, float], sinks: torch.Tensor | None) -> torch.Tensor:
         """Under torch.compile (decode graphs): the kernels as opaque custom ops, which
         Inductor keeps whole (tracing their Triton launchers fails on their specialization
         hints); a decode step has short queries only."""
@@ -82,10 +85,10 @@ class TritonAttentionBackend(AttentionBackend):
         return custom_ops.paged_decode_attention(
             q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
             metadata.seq_lens, metadata.max_seq_len, self.scale, metadata.max_query_len,
-            self.sliding_window, scales[0], scales[1], self.logits_soft_cap)
+            self.sliding_window, scales[0], scales[1], self.logits_soft_cap, sinks)
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
-                scales: tuple[float, float]) -> torch.Tensor:
+                scales: tuple[float, float], sinks: torch.Tensor | None) -> torch.Tensor:
         out = torch.empty_like(q)
         if metadata.num_tokens == 0:
             return out
@@ -93,35 +96,36 @@ class TritonAttentionBackend(AttentionBackend):
                                     metadata.seq_lens)
         if metadata.max_query_len <= MAX_DECODE_QUERIES:
             return self._decode(q, kv_cache, tables, starts, seq_lens, metadata.max_seq_len,
-                                metadata.max_query_len, out, scales)
+                                metadata.max_query_len, out, scales, sinks)
         split = metadata.decode_prefix()
         if split is None:
             return self._context(q, kv_cache, tables, starts, seq_lens,
-                                 metadata.max_query_len, out, scales)
+                                 metadata.max_query_len, out, scales, sinks)
         # A mixed step: the context kernel would give each decode a tile of BLOCK_M query
         # rows (one used), the decode kernel splits its context over the SMs instead.
         d = split.num_seqs
         self._decode(q[:d], kv_cache, tables[:d], starts[:d + 1], seq_lens[:d],
-                     split.max_seq_len, 1, out[:d], scales)
+                     split.max_seq_len, 1, out[:d], scales, sinks)
         self._context(q[d:], kv_cache, tables[d:], split.rest_query_start_loc, seq_lens[d:],
-                      split.rest_max_query_len, out[d:], scales)
+                      split.rest_max_query_len, out[d:], scales, sinks)
         return out
 
     def _decode(self, q, kv_cache, tables, starts, seq_lens, max_seq_len, max_query_len, out,
-                scales):
+                scales, sinks):
         return paged_decode_attention(q, *kv_cache, tables, starts, seq_lens,
                                       max_seq_len=max_seq_len, scale=self.scale,
                                       max_query_len=max_query_len,
                                       sliding_window=self.sliding_window, out=out,
                                       k_scale=scales[0], v_scale=scales[1],
-                                      logits_soft_cap=self.logits_soft_cap)
+                                      logits_soft_cap=self.logits_soft_cap, sinks=sinks)
 
-    def _context(self, q, kv_cache, tables, starts, seq_lens, max_query_len, out, scales):
+    def _context(self, q, kv_cache, tables, starts, seq_lens, max_query_len, out, scales,
+                 sinks):
         return paged_context_attention(q, *kv_cache, tables, starts, seq_lens,
                                        max_query_len=max_query_len, scale=self.scale,
                                        sliding_window=self.sliding_window, out=out,
                                        k_scale=scales[0], v_scale=scales[1],
-                                       logits_soft_cap=self.logits_soft_cap)
+                                       logits_soft_cap=self.logits_soft_cap, sinks=sinks)
 
 
 def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[float, float]:

@@ -96,11 +96,14 @@ def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
 
 def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           mask: torch.Tensor | None, scale: float,
-                          logits_soft_cap: float) -> torch.Tensor:
+                          logits_soft_cap: float | None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(soft_cap(q k^T * scale) + mask) v with the scores computed explicitly, in
-    float32 (SDPA cannot cap its scores). q [..., heads, Lq, D]; k, v [..., kv_heads, Lk, D]
-    (query heads grouped over kv heads); mask: bool (True: attend) or additive, broadcast to
-    [..., heads, Lq, Lk]; None: every key. Returns q's shape and dtype."""
+    float32 (SDPA can neither cap its scores nor take a sink). q [..., heads, Lq, D]; k, v
+    [..., kv_heads, Lk, D] (query heads grouped over kv heads); mask: bool (True: attend) or
+    additive, broadcast to [..., heads, Lq, Lk]; None: every key. `sinks`: a learned logit
+    per head (GPT-OSS) that joins the softmax's denominator and attends to nothing, shaped
+    to broadcast to [..., heads, Lq, 1]. Returns q's shape and dtype."""
     group = q.shape[-3] // k.shape[-3]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=-3), v.repeat_interleave(group, dim=-3)
@@ -108,4 +111,8 @@ def soft_capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if mask is not None:
         scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
                   else scores + mask)
-    return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+    if sinks is None:
+        return (scores.softmax(dim=-1) @ v.float()).to(q.dtype)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)

@@ -88,7 +88,8 @@ class FusedMoE(nn.Module):
     tp ranks."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 quant_config: QuantConfig | None = None, prefix: str = "experts") -> None:
+                 quant_config: QuantConfig | None = None, prefix: str = "experts",
+                 method=None) -> None:
         super().__init__()
         mapping = comm.mapping()
         self.tp_rank, self.tp_size = mapping.moe_tp_rank, mapping.moe_tp_size
@@ -105,7 +106,8 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size // self.tp_size  # per rank
         self.intermediate_dims: dict[str, int | None] = {}
-        self.quant = moe_method(quant_config, prefix)
+        # a model whose experts differ from the SiLU-gated kind passes its own method
+        self.quant = method if method is not None else moe_method(quant_config, prefix)
         self.quant.create_weights(self, self.num_local_experts, hidden_size,
                                   self.intermediate_size)
 
@@ -169,10 +171,14 @@ class FusedMoE(nn.Module):
 
     def expected_keys(self) -> set[str]:
         """What a complete checkpoint loads into this rank: every local expert's gate, up
-        and down."""
+        and down (and whatever else the method registers: a w13* parameter has the gate
+        and up shards, any other one is whole)."""
         experts = range(self.expert_start, self.expert_start + self.num_local_experts)
-        return ({f"{W13}#{e}.{s}" for e in experts for s in (0, 1)}
-                | {f"{W2}#{e}.None" for e in experts})
+        keys = set()
+        for name in self.intermediate_dims:
+            shards = (0, 1) if name.startswith("w13") else (None,)
+            keys |= {f"{name}#{e}.{s}" for e in experts for s in shards}
+        return keys
 
 
 class SparseMoeBlock(nn.Module):

@@ -74,6 +74,22 @@ PRESETS: dict[str, tuple[str, dict]] = {
         vocab_size=163840, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
         dtype="bfloat16")),
+    # GPT-OSS-20B as OpenAI ships it: 32 experts (4 a token) in MXFP4, attention sinks,
+    # sliding-window (128) layers alternating with full ones, YaRN
+    "gpt-oss-20b": ("gpt_oss", dict(
+        architectures=["GptOssForCausalLM"], hidden_size=2880, intermediate_size=2880,
+        num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+        swiglu_limit=7.0, attention_bias=True, vocab_size=201088,
+        max_position_embeddings=131072, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 4096},
+        quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": [
+            "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens",
+            "lm_head"]},
+        eos_token_id=200002, pad_token_id=199999, tie_word_embeddings=False,
+        dtype="bfloat16")),
     "gemma-2-9b": ("gemma2", dict(
         architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
         num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,
@@ -98,7 +114,13 @@ def dummy_config(preset: str):
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if not param.is_floating_point():
+            continue  # packed quantized weights: their method fills them, below
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:
             param.normal_(0.0, std, generator=generator)
+    for module in model.modules():  # a quantization method with packed weights of its own
+        method = getattr(module, "quant", None)
+        if hasattr(method, "init_dummy"):
+            method.init_dummy(module, generator)

@@ -10,7 +10,7 @@ from tllm.layers.quant import QuantConfig
 from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
 from tllm.layers.quant.gguf import GgufConfig
 from tllm.loader.hf import CheckpointError
-from tllm.loader.quant_formats import SUPPORTED, awq, compressed, gptq, hf_fp8, modelopt
+from tllm.loader.quant_formats import SUPPORTED, awq, compressed, gptq, hf_fp8, modelopt, mxfp4
 
 logger = logging.getLogger(__name__)
 
@@ -22,7 +22,8 @@ def resolve_quant_config(kind: str, path: Path | None, hf_config,
     GGUF file dequantized (as it ran before its blocks were kept) and anything unquantized."""
     if kind == "gguf":
         return gguf_quant_config(hf_config, requested)
-    found = checkpoint_quant_config(path, hf_config) if kind == "hf" else None
+    # a dummy preset may declare its model's format (GPT-OSS's MXFP4 experts)
+    found = checkpoint_quant_config(path, hf_config) if kind in ("hf", "dummy") else None
     if found is not None:
         if requested is not None and requested != found.name:
             raise ValueError(f"quantization={requested!r} asked for, but the checkpoint is "
@@ -73,6 +74,8 @@ def checkpoint_quant_config(path: Path | None, hf_config) -> QuantConfig | None:
         return awq.parse(raw)
     if method == "gptq":
         return gptq.parse(raw)
+    if method == "mxfp4":
+        return mxfp4.parse(raw)
     raise CheckpointError(f"quantization format {method or raw!r} is not supported; "
                           f"{SUPPORTED}")
 

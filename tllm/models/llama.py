@@ -76,8 +76,11 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        # a learned logit per head (GPT-OSS's attention sinks), where the model has them
+        sinks = getattr(self, "sinks", None)
+        sinks = {} if sinks is None else {"sinks": sinks}
         out = self.attn.forward_with_rope(q, k, v, kv_cache, metadata, self.rotary,
-                                          self.kv_scales)
+                                          self.kv_scales, **sinks)
         return self.o_proj(out.flatten(1))
 
 

@@ -23,6 +23,7 @@ _MODULES = {
     "Olmo2ForCausalLM": "tllm.models.olmo2",
     "DeepseekV2ForCausalLM": "tllm.models.deepseek.model",
     "DeepseekV3ForCausalLM": "tllm.models.deepseek.model",
+    "GptOssForCausalLM": "tllm.models.gpt_oss",
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

@@ -73,6 +73,15 @@ def soft_cap_args(scale: float, logits_soft_cap: float | None) -> tuple[float, f
 
 
 @triton.jit
+def fold_sink(acc, l_i, m_i, sink):
+    """Folds a sink (a logit in the log2 domain that attends to no value: GPT-OSS's learned
+    per-head sink) into the running softmax: it only adds exp2(sink) to the denominator."""
+    m_new = tl.maximum(m_i, sink)
+    alpha = tl.math.exp2(m_i - m_new)
+    return acc * alpha[:, None], l_i * alpha + tl.math.exp2(sink - m_new), m_new
+
+
+@triton.jit
 def init_softmax_state(BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -91,3 +100,9 @@ def check_paged_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if q.shape[1] % k_cache.shape[2]:
         raise ValueError(f"{q.shape[1]} query heads do not group over {k_cache.shape[2]} "
                          "kv heads")
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int) -> None:
+    if sinks is not None and (sinks.shape != (num_heads,) or not sinks.is_floating_point()):
+        raise ValueError(f"sinks must be a float tensor of [{num_heads}] (one logit per query "
+                         f"head), got {sinks.dtype} {tuple(sinks.shape)}")

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton.attention_common import (attend_tile, check_paged_layout,
-                                                  init_softmax_state, soft_cap_args)
+                                                  check_sinks, fold_sink, init_softmax_state,
+                                                  soft_cap_args)
 from tllm.kernels.triton.attention_ref import paged_attention_ref
 from tllm.kernels.triton.launch import dot_block_d, dot_precision, needs_fp32_dot, next_pow2
 
@@ -51,13 +52,13 @@ def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M: tl.constexpr):
                                             "seq_lens_ptr"])
 def _context_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-        seq_lens_ptr, qk_scale, soft_cap, window, num_seqs, k_scale, v_scale,
+        seq_lens_ptr, sinks_ptr, qk_scale, soft_cap, window, num_seqs, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_ct, stride_ch, stride_table,
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-        SOFT_CAP: tl.constexpr):
+        SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     head = tl.program_id(0)
     # Later causal tiles do more work: launch them first, so short ones fill the tail.
     slot = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -106,6 +107,9 @@ def _context_attention_kernel(
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
             BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION, SOFT_CAP)
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+        acc, l_i, m_i = fold_sink(acc, l_i, m_i, tl.full([BLOCK_M], 0.0, tl.float32) + sink)
     # Rows past the query end may see no key (under a window); they are not stored.
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale  # exact for v_scale 1
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -143,11 +147,13 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             out: torch.Tensor | None = None,
                             config: ContextConfig | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0,
-                            logits_soft_cap: float | None = None) -> torch.Tensor:
+                            logits_soft_cap: float | None = None,
+                            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, tokens_per_block, Hkv, D]; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
     overrides the tile sizes (for tuning); the scales are an fp8 cache's;
-    `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2)."""
+    `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2);
+    `sinks`: [Hq] logits added to each head's softmax denominator (GPT-OSS)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if out is None:
@@ -156,18 +162,20 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_paged_layout(q, k_cache, v_cache, out)
+    check_sinks(sinks, num_heads)
     cfg = config or context_config(max_query_len, head_dim, q.element_size())
     grid = (num_heads, num_tokens // cfg.block_m + num_seqs)
     qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _context_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        qk_scale, soft_cap, sliding_window or 0, num_seqs, float(k_scale),
-        float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        q if sinks is None else sinks, qk_scale, soft_cap, sliding_window or 0, num_seqs,
+        float(k_scale), float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, TOKENS_PER_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=dot_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(q.dtype),
         DOT_FP32=needs_fp32_dot(_context_attention_kernel, q.dtype),
-        SOFT_CAP=logits_soft_cap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton.attention_common import (attend_tile, check_paged_layout,
-                                                  init_softmax_state, soft_cap_args)
+                                                  check_sinks, fold_sink, init_softmax_state,
+                                                  soft_cap_args)
 from tllm.kernels.triton.attention_ref import paged_attention_ref
 from tllm.kernels.triton.launch import (cdiv, dot_block_d, dot_precision, needs_fp32_dot,
                                         next_pow2, num_sms)
@@ -44,14 +45,14 @@ _PARTIAL_STRIDES = ["stride_pt", "stride_ph", "stride_lt", "stride_lh"]
                                             "seq_lens_ptr"])
 def _decode_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        query_start_loc_ptr, seq_lens_ptr, qk_scale, soft_cap, window, partition,
+        query_start_loc_ptr, seq_lens_ptr, sinks_ptr, qk_scale, soft_cap, window, partition,
         k_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_cb, stride_ct, stride_ch,
         stride_table,
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-        DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr):
+        DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -113,6 +114,9 @@ def _decode_attention_kernel(
         tl.store(part_lse_ptr + rows * stride_lt + heads * stride_lh + split, lse,
                  mask=token < q_len)
     else:
+        if HAS_SINKS:  # a split launch adds the sinks where it merges the partitions
+            sink = tl.load(sinks_ptr + heads).to(tl.float32) * 1.4426950408889634  # log2(e)
+            acc, l_i, m_i = fold_sink(acc, l_i, m_i, sink)
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh
                  + offs_d[None, :],
                  (acc / l_i[:, None] * v_scale).to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -121,9 +125,10 @@ def _decode_attention_kernel(
 @triton.jit(do_not_specialize=_PARTIAL_STRIDES,
             do_not_specialize_on_alignment=["query_start_loc_ptr", "seq_lens_ptr"])
 def _merge_partitions_kernel(
-        out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr, partition,
-        stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+        out_ptr, part_out_ptr, part_lse_ptr, query_start_loc_ptr, seq_lens_ptr, sinks_ptr,
+        partition, stride_ot, stride_oh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -133,15 +138,20 @@ def _merge_partitions_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_parts
     d_mask = offs_d < HEAD_DIM
+    if HAS_SINKS:  # the sink joins as one more partition with no output
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
+    else:
+        sink = float("-inf")
     for t in range(0, q_len):
         row = (q_start + t).to(tl.int64)
         lse = tl.load(part_lse_ptr + row * stride_lt + head * stride_lh + offs_s,
                       mask=s_mask, other=float("-inf"))
-        weight = tl.math.exp2(lse - tl.max(lse, 0))
+        top = tl.maximum(tl.max(lse, 0), sink)
+        weight = tl.math.exp2(lse - top)
         part = tl.load(part_out_ptr + row * stride_pt + head * stride_ph
                        + offs_s[:, None] * stride_ps + offs_d[None, :],
                        mask=s_mask[:, None] & d_mask[None, :], other=0.0)
-        out = tl.sum(part * weight[:, None], 0) / tl.sum(weight, 0)
+        out = tl.sum(part * weight[:, None], 0) / (tl.sum(weight, 0) + tl.math.exp2(sink - top))
         tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d,
                  out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -185,11 +195,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor | None = None,
                            config: DecodeConfig | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0,
-                           logits_soft_cap: float | None = None) -> torch.Tensor:
+                           logits_soft_cap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D] holding 1..MAX_DECODE_QUERIES tokens per sequence; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
     overrides the tile size and pipelining (for tuning); the scales are an fp8 cache's;
-    `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2)."""
+    `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2);
+    `sinks`: [Hq] logits added to each head's softmax denominator (GPT-OSS)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if max_query_len > MAX_DECODE_QUERIES:
@@ -200,6 +212,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_tokens == 0 or num_seqs == 0:
         return out
     check_paged_layout(q, k_cache, v_cache, out)
+    check_sinks(sinks, num_heads)
+    sinks_arg = q if sinks is None else sinks  # an unread pointer without sinks
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, q.device)
     cfg = config or decode_config(head_dim, q.element_size())
@@ -211,7 +225,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _decode_attention_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        qk_scale, soft_cap, sliding_window or 0, partition, float(k_scale),
+        sinks_arg, qk_scale, soft_cap, sliding_window or 0, partition, float(k_scale),
         float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
@@ -221,14 +235,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
         PRECISION=dot_precision(q.dtype),
         DOT_FP32=needs_fp32_dot(_decode_attention_kernel, q.dtype),
-        SOFT_CAP=logits_soft_cap is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if is_split:
         _merge_partitions_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, query_start_loc, seq_lens, partition,
+            out, part_out, part_lse, query_start_loc, seq_lens, sinks_arg, partition,
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=dot_block_d(head_dim), BLOCK_S=_merge_block(num_splits),
-            num_warps=4)
+            HAS_SINKS=sinks is not None, num_warps=4)
     return out
 
 

@@ -1,0 +1,201 @@
+"""GPT-OSS's experts in Triton: the grouped GEMMs of fused_moe.py (the same sort of (token,
+expert) pairs by expert, the same top-k sum) with biases and the clamped SwiGLU as the GEMMs'
+epilogues, the weights in the model's dtype or MXFP4 blocks read as packed FP4 codes and
+E8M0 scales and dequantized in registers (a decode step reads 4.25 bits a weight):
+
+  1. gate_up: [P, I] = clamped_swiglu(x W_gate^T + b_gate, x W_up^T + b_up), W13's gate rows
+     then its up rows (as the model loads them);
+  2. down: [P, H] = (act W2^T + b2) * routing weight;
+  3. each token's top-k rows summed in fp32.
+
+A byte holds the codes of reduction columns 2j (low nibble) and 2j + 1 (high nibble), so a
+K tile is two dots: the even columns of x against the low nibbles, the odd ones against the
+high. FP4 codes times powers of two are exact in bf16, so the dequantized tile equals the
+reference decoder's (tllm.kernels.mxfp4) before the dot.
+
+Reference: tllm.kernels.swiglu_moe.swiglu_experts_ref (over dequantize_mxfp4)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tllm.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4
+from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, align_pairs, moe_config,
+                                           sum_top_k)
+from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
+
+
+@triton.jit
+def _fp4_values(codes, factor):
+    """e2m1 codes (uint8, 0..15) times `factor` (fp32): bit 3 the sign, bits 2-1 the
+    exponent (bias 1), bit 0 the mantissa; exponent 0 is subnormal (0 or 0.5)."""
+    exponent = ((codes >> 1) & 3).to(tl.float32)
+    mantissa = (codes & 1).to(tl.float32)
+    magnitude = tl.where(exponent == 0.0, 0.5 * mantissa,
+                         (1.0 + 0.5 * mantissa) * tl.math.exp2(exponent - 1.0))
+    return tl.where((codes & 8) != 0, -magnitude, magnitude) * factor
+
+
+@triton.jit
+def _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair,
+               BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] . W[n, k0:k0+BLOCK_K]^T for one tile of rows (a_base) and
+    weight rows (w_base: their bytes, s_base: their scales)."""
+    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)          # byte columns
+    j_ok = offs_j < K // 2
+    packed = tl.load(w_base + offs_j[:, None], mask=j_ok[:, None], other=0)
+    scale = tl.load(s_base + (offs_j // 16)[:, None], mask=j_ok[:, None], other=127)
+    factor = tl.math.exp2(scale.to(tl.float32) - 127.0)
+    w_even = _fp4_values(packed & 15, factor)
+    w_odd = _fp4_values(packed >> 4, factor)
+    a_mask = is_pair[:, None] & j_ok[None, :]
+    a_even = tl.load(a_base + 2 * offs_j[None, :], mask=a_mask, other=0.0)
+    a_odd = tl.load(a_base + 2 * offs_j[None, :] + 1, mask=a_mask, other=0.0)
+    if DOT_FP32:
+        a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
+    else:
+        # exact: an FP4 value times a power of two fits any float type
+        w_even, w_odd = w_even.to(a_even.dtype), w_odd.to(a_even.dtype)
+    acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
+    return tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K: tl.constexpr,
+               DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """acc += x[:, k0:k0+BLOCK_K] . W[n, k0:k0+BLOCK_K]^T, W in the model's dtype."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < K
+    a = tl.load(a_base + offs_k[None, :], mask=is_pair[:, None] & k_ok[None, :], other=0.0)
+    w = tl.load(w_base + offs_k[:, None], mask=k_ok[:, None], other=0.0)
+    if DOT_FP32:
+        a, w = a.to(tl.float32), w.to(tl.float32)
+    return tl.dot(a, w, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _swiglu_expert_gemm_kernel(
+        out_ptr, a_ptr, w_ptr, scales_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
+        num_padded_ptr, topk_weights_ptr, N, K, num_pairs, num_tiles_m, alpha, limit,
+        stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
+        ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """out[pair, n] for the pairs of one sorted tile (fused_moe's _expert_gemm_kernel, with
+    plain or MXFP4 weights (w_ptr: their bytes), a bias, and GPT-OSS's activation when
+    GATED)."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size) % rows_in_group
+    pid_n = (pid % group_size) // rows_in_group
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return  # past the last tile in use: the host only knows a bound
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    is_pair = pairs < num_pairs
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = (offs_n % N).to(tl.int64)                  # rows past N computed, not stored
+    a_base = a_ptr + (pairs // ROWS_PER_A).to(tl.int64)[:, None] * stride_am
+    w_base = w_ptr + expert * stride_we + rows_n[None, :] * stride_wn
+    s_base = scales_ptr + expert * stride_se + rows_n[None, :] * stride_sn
+    bias_base = bias_ptr + expert * stride_bias + rows_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if MXFP4:
+            acc = _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
+                             PRECISION)
+            if GATED:
+                acc_up = _dot_mxfp4(acc_up, a_base, w_base + N * stride_wn,
+                                    s_base + N * stride_sn, k0, K, is_pair, BLOCK_K,
+                                    DOT_FP32, PRECISION)
+        else:
+            acc = _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
+                             PRECISION)
+            if GATED:
+                acc_up = _dot_plain(acc_up, a_base, w_base + N * stride_wn, k0, K, is_pair,
+                                    BLOCK_K, DOT_FP32, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_base).to(tl.float32)[None, :]
+        if GATED:
+            acc_up += tl.load(bias_base + N).to(tl.float32)[None, :]
+    if GATED:
+        gate = tl.minimum(acc, limit)
+        up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+        acc = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=is_pair[:, None] & (offs_n < N)[None, :])
+
+
+def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None,
+                       bias: torch.Tensor | None, pairs, tile: GemmTile, group_m: int = 1,
+                       rows_per_a: int = 1, gated: bool = False, alpha: float = 1.0,
+                       limit: float = 0.0,
+                       topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """One grouped GEMM over the sorted `pairs` (fused_moe.PairBlocks): a [P / rows_per_a,
+    K]; w [E, rows, K] in a's dtype, or with `scales` MXFP4 blocks [E, rows, K / 32, 16]
+    and scales [E, rows, K / 32]; bias [E, rows] or None; rows = 2N (gate, then up) if
+    gated, else N -> [P, N] in a's dtype."""
+    n = w.shape[1] // 2 if gated else w.shape[1]
+    k = w.shape[2] * BLOCK_SIZE if scales is not None else w.shape[2]
+    out = torch.empty(pairs.num_pairs, n, dtype=a.dtype, device=a.device)
+    if pairs.num_pairs == 0 or n == 0:
+        return out
+    weights = topk_weights.reshape(-1) if topk_weights is not None else pairs.num_padded
+    scale_arg = w if scales is None else scales  # unread without MXFP4
+    bias_arg = w if bias is None else bias
+    grid = (pairs.max_blocks * cdiv(n, tile.block_n),)
+    _swiglu_expert_gemm_kernel[grid](
+        out, a, w, scale_arg, bias_arg, pairs.sorted_pairs, pairs.block_expert,
+        pairs.num_padded, weights, n, k, pairs.num_pairs, pairs.max_blocks, float(alpha),
+        float(limit), a.stride(0), w.stride(0), w.stride(1), scale_arg.stride(0),
+        scale_arg.stride(1), bias_arg.stride(0), out.stride(0), ROWS_PER_A=rows_per_a,
+        GATED=gated, MUL_WEIGHT=topk_weights is not None, MXFP4=scales is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, GROUP_M=group_m,
+        DOT_FP32=needs_fp32_dot(_swiglu_expert_gemm_kernel, a.dtype),
+        PRECISION=dot_precision(a.dtype), num_warps=tile.num_warps,
+        num_stages=tile.num_stages)
+    return out
+
+
+def swiglu_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: torch.Tensor,
+                          w2: torch.Tensor, w2_bias: torch.Tensor | None,
+                          topk_weights: torch.Tensor, topk_ids: torch.Tensor, alpha: float,
+                          limit: float, expert_start: int = 0,
+                          w13_scales: torch.Tensor | None = None,
+                          w2_scales: torch.Tensor | None = None,
+                          config: MoeConfig | None = None) -> torch.Tensor:
+    """hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] in hidden's
+    dtype, or with the scales MXFP4 blocks [E, 2I, H/32, 16] and [E, H, I/32, 16]; biases
+    [E, 2I] and [E, H] (w2_bias None: not added, as on all tensor-parallel ranks but one);
+    topk_* [T, k] (global ids; this rank holds experts expert_start .. + E - 1). Returns
+    [T, H] in hidden's dtype."""
+    k13 = w13.shape[2] * (BLOCK_SIZE if w13_scales is not None else 1)
+    if hidden.dim() != 2 or hidden.shape[1] != k13:
+        raise ValueError(f"hidden must be [tokens, {k13}], got {tuple(hidden.shape)}")
+    for blocks, scales in ((w13, w13_scales), (w2, w2_scales)):
+        if scales is not None:
+            check_mxfp4(blocks, scales)
+        elif blocks.dtype != hidden.dtype:
+            raise ValueError(f"expert weights are {blocks.dtype}; hidden is {hidden.dtype}")
+    num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
+    if num_tokens == 0:
+        return torch.empty_like(hidden)
+    cfg = config or moe_config(num_tokens, top_k, num_experts)
+    pairs = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
+    inter = swiglu_expert_gemm(hidden.contiguous(), w13, w13_scales, w13_bias, pairs,
+                               cfg.gate_up, cfg.group_m, rows_per_a=top_k, gated=True,
+                               alpha=alpha, limit=limit)
+    pair_out = swiglu_expert_gemm(inter, w2, w2_scales, w2_bias, pairs, cfg.down, cfg.group_m,
+                                  topk_weights=topk_weights.float().contiguous())
+    return sum_top_k(pair_out, topk_ids, num_experts, expert_start)

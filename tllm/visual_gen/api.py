@@ -10,6 +10,8 @@ from tllm.extras import require_extra
 from tllm.visual_gen import memory, registry
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
+from tllm.visual_gen.step_cache import (DEFAULT_THRESHOLDS, StepCache, check_supported,
+                                        skipped_per_output)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -67,6 +69,7 @@ class VisualGen:
         images = None if image is None else (
             list(image) if isinstance(image, (list, tuple)) else [image])
         self.pipeline.check_request(params, images, prompts)
+        check_supported(self.pipeline.transformer, params.cache)
 
     def frames_for_duration(self, seconds: float, frame_rate: float | None) -> int:
         """The number of frames this video model makes for about `seconds` of video."""
@@ -82,4 +85,13 @@ class VisualGen:
             raise ValueError("prompt must be a string or a non-empty list of strings")
         images = None if image is None else (
             list(image) if isinstance(image, (list, tuple)) else [image])
-        return self.pipeline.generate(prompts, params or VisualGenParams(), images, hooks)
+        params = params or VisualGenParams()
+        if params.cache is None:
+            return self.pipeline.generate(prompts, params, images, hooks)
+        check_supported(self.pipeline.transformer, params.cache)
+        threshold = params.cache_threshold
+        cache = StepCache(params.cache, DEFAULT_THRESHOLDS[params.cache] if threshold is None
+                          else threshold)
+        out = self.pipeline.generate(prompts, params, images, [*hooks, cache])
+        out.steps_skipped = skipped_per_output(cache, len(out.seeds))
+        return out

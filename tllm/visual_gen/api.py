@@ -8,6 +8,7 @@ import torch
 from tllm.device import pick_device
 from tllm.extras import require_extra
 from tllm.visual_gen import memory, registry
+from tllm.visual_gen.fp8 import check_quantization, quantize_transformer
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
 from tllm.visual_gen.step_cache import (DEFAULT_THRESHOLDS, StepCache, check_supported,
@@ -24,13 +25,16 @@ class VisualGen:
     transformer: "tllm" (ours), "diffusers" (the reference) or "auto" (ours when available).
     `seed` seeds the random weights of dummy models. Before allocating anything, the weights'
     size is checked against the device's free memory (memory.py): ModelTooLargeError (a
-    ValueError) when they do not fit, unless check_memory=False.
+    ValueError) when they do not fit, unless check_memory=False. quantization "fp8" stores
+    the linear layers of the transformer's blocks in FP8 (fp8.py).
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
                  transformer_impl: str = "auto", seed: int = 0,
-                 show_progress: bool = True, check_memory: bool = True) -> None:
+                 show_progress: bool = True, check_memory: bool = True,
+                 quantization: str | None = None) -> None:
         require_extra("visual", "visual generation")
+        check_quantization(quantization, transformer_impl)
         if dtype != "auto" and dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got "
                              f"{dtype!r}")
@@ -49,6 +53,8 @@ class VisualGen:
         else:
             self.pipeline = pipeline_cls.from_pretrained(spec.path, self.dtype, self.device,
                                                          transformer_impl)
+        if quantization == "fp8":
+            quantize_transformer(self.pipeline.transformer)
         self.pipeline.show_progress = show_progress
 
     @property

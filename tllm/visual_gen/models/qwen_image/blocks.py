@@ -204,6 +204,8 @@ def project_rows(pieces: list[torch.Tensor], tokens: slice, layer: nn.Linear) ->
     """`layer` on one stream's tokens of the attention output pieces -> [B, T, out]: one GEMM
     per batch row, each on a contiguous [T, H * D] slice, so the stream is never gathered."""
     rows = [row for piece in pieces for row in piece[:, tokens]]
+    if not isinstance(layer, nn.Linear):    # an FP8 layer (visual_gen/fp8.py): its own GEMM
+        return torch.stack([layer(row) for row in rows])
     out = rows[0].new_empty(len(rows), rows[0].shape[0], layer.weight.shape[0])
     for b, row in enumerate(rows):
         torch.addmm(layer.bias, row, layer.weight.t(), out=out[b])

@@ -36,7 +36,7 @@ class Fp8Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.quant.apply(self, x)
+        out = self.quant.apply(self, x.contiguous())    # the GPU's quantize kernel: dense rows
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:

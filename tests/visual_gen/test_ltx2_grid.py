@@ -2,8 +2,8 @@
 positions, patching, the rotary grid, frame-rate conditioning): square and non-square frames,
 frame counts of the VAE's 2k + 1 rule (the tiny VAE packs 2 frames; LTX-2.0's packs 8: 9 and
 17 are 8k + 1 too), frame rates 20/24/25, classifier-free guidance on and off; the video and
-audio latents after 2 steps, fp32, <= 1e-4 relative. 121 frames is left out: too slow on the
-CPU even at 32x32."""
+audio latents after 2 steps, fp32, <= 1e-4 relative; image-to-video on a non-square size. 121
+frames is left out: too slow on the CPU even at 32x32."""
 from __future__ import annotations
 
 import pytest
@@ -61,3 +61,31 @@ def test_latents_equal_diffusers_over_shapes(reference, gen, frames, height, wid
     vae = gen.pipeline.audio_vae        # diffusers returns denormalised, unpacked audio
     audio = (final["audio"] * vae.latents_std + vae.latents_mean).unflatten(2, (-1, 2))
     assert max_relative_error(audio.transpose(1, 2), ref_out.audio) <= 1e-4
+
+
+def test_image_to_video_non_square_equals_diffusers(ltx2_dir, gen):
+    """Image-to-video (the clean first latent frame) on 32x64, 9 frames at 20 fps, CFG."""
+    import numpy as np
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+    reference = LTX2ImageToVideoPipeline.from_pretrained(ltx2_dir)
+    reference.set_progress_bar_config(disable=True)
+    image = Image.fromarray((np.random.RandomState(1).rand(40, 56, 3) * 255).astype(np.uint8))
+    scales = dict(guidance_scale=3.0, audio_guidance_scale=1.0, modality_scale=1.0,
+                  guidance_rescale=0.0)
+    size = dict(num_frames=9, height=32, width=64, frame_rate=20.0, num_inference_steps=STEPS)
+    seen = {}
+
+    def keep_latents(_, step, timestep, tensors):
+        seen["latents"] = tensors["latents"]
+        return {}
+
+    reference(image=image, prompt=PROMPT, negative_prompt=NEGATIVE,
+              generator=torch.Generator().manual_seed(5), output_type="latent",
+              max_sequence_length=MAX_TEXT_TOKENS, callback_on_step_end=keep_latents,
+              stg_scale=0.0, audio_stg_scale=0.0, audio_modality_scale=1.0,
+              audio_guidance_rescale=0.0, **size, **scales)
+    out = gen.generate(PROMPT, VisualGenParams(negative_prompt=NEGATIVE, seed=5,
+                                               output_type="latent", **size, **scales),
+                       image=image)
+    assert max_relative_error(out.latents, seen["latents"]) <= 1e-4

@@ -20,6 +20,16 @@ def test_writes_a_png(qwen_image_dir, tmp_path, capsys):
         assert image.format == "PNG" and image.size == (48, 32)
 
 
+def test_cache_and_fp8_flags(qwen_image_dir, tmp_path, capsys):
+    out = tmp_path / "fox.png"
+    assert main(["visual", "-m", str(qwen_image_dir), "-p", "a fox", "--out", str(out),
+                 "--steps", "6", "--height", "32", "--width", "32", "--seed", "2",
+                 "--cache", "first_block", "--cache-threshold", "10", "--quantization", "fp8",
+                 "--device", "cpu"]) == 0
+    assert "steps skipped by the cache: [4]" in capsys.readouterr().err
+    assert out.exists()
+
+
 def test_several_images_are_numbered(qwen_image_dir, tmp_path):
     out = tmp_path / "img.png"
     assert main(["visual", "-m", str(qwen_image_dir), "-p", "a cat", "-p", "a fox", "--n", "2",

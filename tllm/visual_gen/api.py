@@ -8,8 +8,11 @@ import torch
 from tllm.device import pick_device
 from tllm.extras import require_extra
 from tllm.visual_gen import batching, memory, registry
+from tllm.visual_gen.fp8 import check_quantization, quantize_transformer
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
+from tllm.visual_gen.step_cache import (DEFAULT_THRESHOLDS, StepCache, check_supported,
+                                        skipped_per_output)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -22,13 +25,16 @@ class VisualGen:
     transformer: "tllm" (ours), "diffusers" (the reference) or "auto" (ours when available).
     `seed` seeds the random weights of dummy models. Before allocating anything, the weights'
     size is checked against the device's free memory (memory.py): ModelTooLargeError (a
-    ValueError) when they do not fit, unless check_memory=False.
+    ValueError) when they do not fit, unless check_memory=False. quantization "fp8" stores
+    the linear layers of the transformer's blocks in FP8 (fp8.py).
     """
 
     def __init__(self, model: str, dtype: str = "auto", device: str | None = None,
                  transformer_impl: str = "auto", seed: int = 0,
-                 show_progress: bool = True, check_memory: bool = True) -> None:
+                 show_progress: bool = True, check_memory: bool = True,
+                 quantization: str | None = None) -> None:
         require_extra("visual", "visual generation")
+        check_quantization(quantization, transformer_impl)
         if dtype != "auto" and dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got "
                              f"{dtype!r}")
@@ -47,6 +53,8 @@ class VisualGen:
         else:
             self.pipeline = pipeline_cls.from_pretrained(spec.path, self.dtype, self.device,
                                                          transformer_impl)
+        if quantization == "fp8":
+            quantize_transformer(self.pipeline.transformer)
         self.pipeline.show_progress = show_progress
 
     @property
@@ -67,6 +75,7 @@ class VisualGen:
         images = None if image is None else (
             list(image) if isinstance(image, (list, tuple)) else [image])
         self.pipeline.check_request(params, images, prompts)
+        check_supported(self.pipeline.transformer, params.cache)
 
     def frames_for_duration(self, seconds: float, frame_rate: float | None) -> int:
         """The number of frames this video model makes for about `seconds` of video."""
@@ -82,7 +91,16 @@ class VisualGen:
             raise ValueError("prompt must be a string or a non-empty list of strings")
         images = None if image is None else (
             list(image) if isinstance(image, (list, tuple)) else [image])
-        return self.pipeline.generate(prompts, params or VisualGenParams(), images, hooks)
+        params = params or VisualGenParams()
+        if params.cache is None:
+            return self.pipeline.generate(prompts, params, images, hooks)
+        check_supported(self.pipeline.transformer, params.cache)
+        threshold = params.cache_threshold
+        cache = StepCache(params.cache, DEFAULT_THRESHOLDS[params.cache] if threshold is None
+                          else threshold)
+        out = self.pipeline.generate(prompts, params, images, [*hooks, cache])
+        out.steps_skipped = skipped_per_output(cache, len(out.seeds))
+        return out
 
     @property
     def can_batch(self) -> bool:

@@ -54,12 +54,18 @@ def add_visual_parser(commands) -> argparse.ArgumentParser:
     group.add_argument("--layers", type=positive_int, help="layered model: layers (default 4)")
     group.add_argument("--resolution", type=int, choices=LAYERED_RESOLUTIONS,
                        help="layered model: size bucket (default 640)")
+    group.add_argument("--cache", choices=["teacache", "first_block"],
+                       help="step caching: skip transformer steps whose input barely changed")
+    group.add_argument("--cache-threshold", type=float,
+                       help="step caching's threshold (default 0.2 teacache, 0.1 first_block)")
     group = parser.add_argument_group("model")
     group.add_argument("--dtype", default="auto",
                        choices=["auto", "float32", "float16", "bfloat16"])
     group.add_argument("--device", help="e.g. cpu, cuda, cuda:1 (default: cuda if available)")
     group.add_argument("--transformer-impl", default="auto", choices=["auto", "tllm", "diffusers"],
                        help="tllm's transformer or diffusers' (default: tllm's)")
+    group.add_argument("--quantization", choices=["fp8"],
+                       help="fp8: the transformer blocks' linear layers in FP8")
     parser.set_defaults(run=run_visual)
     return parser
 
@@ -73,11 +79,11 @@ def run_visual(args: argparse.Namespace) -> int:
         guidance_scale=args.guidance_scale, true_cfg_scale=args.true_cfg_scale,
         negative_prompt=args.negative_prompt, seed=args.seed, num_images_per_prompt=args.n,
         layers=args.layers, resolution=args.resolution, num_frames=args.num_frames,
-        frame_rate=args.frame_rate)
+        frame_rate=args.frame_rate, cache=args.cache, cache_threshold=args.cache_threshold)
     images = [_open_image(path) for path in args.image] if args.image else None
     start = time.perf_counter()
     gen = VisualGen(args.model, dtype=args.dtype, device=args.device,
-                    transformer_impl=args.transformer_impl)
+                    transformer_impl=args.transformer_impl, quantization=args.quantization)
     print(f"loaded {args.model} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     start = time.perf_counter()
     output = gen.generate(args.prompt, params, image=images)
@@ -89,7 +95,8 @@ def run_visual(args: argparse.Namespace) -> int:
         image.save(path)
         print(path)
     print(f"{len(output.images)} image{'s' if len(output.images) != 1 else ''} in "
-          f"{elapsed:.2f} s (seeds {output.seeds[0]}..{output.seeds[-1]})", file=sys.stderr)
+          f"{elapsed:.2f} s (seeds {output.seeds[0]}..{output.seeds[-1]}){_skipped(output)}",
+          file=sys.stderr)
     return 0
 
 
@@ -104,8 +111,14 @@ def _write_videos(output, out: Path, elapsed: float) -> int:
         print(path)
     count = len(output.videos)
     print(f"{count} video{'s' if count != 1 else ''} in {elapsed:.2f} s (seeds "
-          f"{output.seeds[0]}..{output.seeds[-1]})", file=sys.stderr)
+          f"{output.seeds[0]}..{output.seeds[-1]}){_skipped(output)}", file=sys.stderr)
     return 0
+
+
+def _skipped(output) -> str:
+    if output.steps_skipped is None:
+        return ""
+    return f", steps skipped by the cache: {output.steps_skipped}"
 
 
 def output_paths(out: Path, images: list) -> list[Path]:

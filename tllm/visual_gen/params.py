@@ -30,6 +30,9 @@ class VisualGenParams:
     `modality_scale` (guidance away from a prediction without audio-video cross attention; 1
     disables it) and `guidance_rescale` (toward the unguided prediction's std; 0 disables
     it); None: the model's defaults, as in diffusers' LTX2Pipeline.
+    `cache` ("teacache" or "first_block", step_cache.py) skips transformer steps whose input
+    barely changed, reusing the last residual, while the accumulated relative change stays
+    under `cache_threshold` (None: 0.2 for teacache, 0.1 for first_block; 0 never skips).
     """
 
     height: int | None = None
@@ -51,6 +54,8 @@ class VisualGenParams:
     audio_guidance_scale: float | None = None
     modality_scale: float | None = None
     guidance_rescale: float | None = None
+    cache: str | None = None
+    cache_threshold: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("height", "width"):
@@ -102,6 +107,14 @@ class VisualGenParams:
         if self.guidance_rescale is not None:
             check(_is_finite(self.guidance_rescale) and 0 <= self.guidance_rescale <= 1,
                   "guidance_rescale", self.guidance_rescale, "must be a number in [0, 1]")
+
+        check(self.cache in (None, "teacache", "first_block"), "cache", self.cache,
+              "must be 'teacache', 'first_block' or None")
+        if self.cache_threshold is not None:
+            check(self.cache is not None, "cache_threshold", self.cache_threshold,
+                  "needs a cache ('teacache' or 'first_block')")
+            check(_is_finite(self.cache_threshold) and self.cache_threshold >= 0,
+                  "cache_threshold", self.cache_threshold, "must be a number >= 0")
 
     @property
     def is_cfg(self) -> bool:

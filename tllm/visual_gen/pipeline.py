@@ -189,7 +189,8 @@ class VisualGenOutput:
     a layered model one list of RGBA layers per image; `latents` when asked for (packed, as
     the transformer sees them); the seed each image used. Video models fill `videos` instead
     (one uint8 array (frames, H, W, 3) each, played at `frame_rate`) and, with sound,
-    `audio` (one float waveform (channels, samples) in [-1, 1] each, at `sample_rate`)."""
+    `audio` (one float waveform (channels, samples) in [-1, 1] each, at `sample_rate`).
+    With step caching, `steps_skipped` says how many transformer steps each one skipped."""
 
     images: list[Any]
     latents: torch.Tensor | None
@@ -198,6 +199,7 @@ class VisualGenOutput:
     frame_rate: float | None = None
     audio: list[torch.Tensor] | None = None
     sample_rate: int | None = None
+    steps_skipped: list[int] | None = None
 
 
 class VisualPipeline:

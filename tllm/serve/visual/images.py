@@ -85,6 +85,8 @@ class ImageGenerationRequest(BaseModel):
     layers: Optional[int] = None
     resolution: Optional[int] = None
     caption_language: Optional[str] = None     # layered model, prompt " ": caption it
+    cache: Optional[Literal["teacache", "first_block"]] = None   # step caching
+    cache_threshold: Optional[float] = Field(None, ge=0)
 
 
 @dataclass
@@ -264,11 +266,11 @@ async def _run_generation(ctx: ImagesContext, request: Request,
 
 def _batch_key(gen, params, image):
     """The request's batch key, or None where it runs alone (a model that does not batch, an
-    input image)."""
+    input image, step caching)."""
     from tllm.visual_gen.batching import batch_key
 
-    if image is not None or not getattr(gen, "can_batch", False):
-        return None
+    if image is not None or params.cache is not None or not getattr(gen, "can_batch", False):
+        return None     # step caching decides skips per batch: alone, its image is its own
     return batch_key(params)
 
 
@@ -284,7 +286,8 @@ def _params(body: ImageGenerationRequest):
         width, height = int(match.group(1)), int(match.group(2))
     optional = {"num_inference_steps": body.steps, "true_cfg_scale": body.true_cfg_scale,
                 "layers": body.layers, "resolution": body.resolution,
-                "caption_language": body.caption_language}
+                "caption_language": body.caption_language, "cache": body.cache,
+                "cache_threshold": body.cache_threshold}
     try:
         return VisualGenParams(
             height=height, width=width, seed=body.seed, negative_prompt=body.negative_prompt,

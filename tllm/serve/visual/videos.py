@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,6 +58,8 @@ class VideoGenerationRequest(BaseModel):
     negative_prompt: Optional[str] = None
     guidance_scale: Optional[float | int] = None
     input_reference: Optional[str] = None   # base64 PNG/JPEG: image-to-video
+    cache: Optional[Literal["teacache", "first_block"]] = None   # step caching
+    cache_threshold: Optional[float] = Field(None, ge=0)
     user: Optional[str] = None
 
 
@@ -210,7 +212,8 @@ def _params(ctx, body: VideoGenerationRequest):
         if num_frames is not None:
             raise bad_request("give seconds or num_frames, not both", param="seconds")
         num_frames = ctx.gen.frames_for_duration(seconds, fps)
-    optional = {"num_inference_steps": body.steps}
+    optional = {"num_inference_steps": body.steps, "cache": body.cache,
+                "cache_threshold": body.cache_threshold}
     try:
         return VisualGenParams(
             height=height, width=width, seed=body.seed, negative_prompt=body.negative_prompt,

@@ -86,7 +86,8 @@ class Cosmos3Pipeline(VideoPipeline):
 
         def predict(step: DenoiseStep) -> dict[str, list[torch.Tensor]]:
             gen = GenTokens(step.streams["video"][0].to(self.transformer.dtype), None, noisy)
-            vision, _ = self.transformer(gen, int(step.timestep), layouts)
+            vision, _ = self.transformer(gen, int(step.timestep), layouts,
+                                         **step.model_kwargs)
             return {"video": list(vision[:, None])}
 
         streams = denoise_streams({"video": latents}, {"video": scheduler}, predict, guidance,

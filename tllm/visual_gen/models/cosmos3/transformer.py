@@ -25,6 +25,7 @@ from tllm.loader.hf import CheckpointError
 from tllm.visual_gen.models.checkpoint import load_named, transformer_from_folder
 from tllm.visual_gen.models.cosmos3.layers import MoTLayer
 from tllm.visual_gen.models.cosmos3.rope import JointLayout
+from tllm.visual_gen.step_cache import BlockStack, StepCache, run_blocks
 
 TIMESTEP_CHANNELS = 256
 
@@ -92,6 +93,8 @@ class Cosmos3Transformer(nn.Module):
     """`forward(gen, timestep, layouts)` -> (video predictions (G, C, T, H, W), sound
     predictions (G, C_s, T_s) or None), one per branch layout; zero at conditioning frames."""
 
+    supports_step_cache = True
+
     def __init__(self, config: Cosmos3Config) -> None:
         super().__init__()
         self.config = config
@@ -118,7 +121,8 @@ class Cosmos3Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.proj_in.weight.device
 
-    def forward(self, gen: GenTokens, timestep: float, layouts: list[JointLayout]):
+    def forward(self, gen: GenTokens, timestep: float, layouts: list[JointLayout],
+                step_cache: StepCache | None = None):
         num_branches = len(layouts)
         vision_tokens, grid = self._patchify(gen.vision.to(self.dtype))
         tokens = self.proj_in(vision_tokens)
@@ -133,9 +137,8 @@ class Cosmos3Transformer(nn.Module):
         num_gen = tokens.shape[0]
         und = [self.embed_tokens(layout.input_ids) for layout in layouts]
         gen_h = tokens.repeat(num_branches, 1)
-        und_h, und_res, gen_res = torch.cat(und), None, None
-        for layer in self.layers:
-            und_h, und_res, gen_h, gen_res = layer(und_h, und_res, gen_h, gen_res, layouts)
+        state = (torch.cat(und), None, gen_h, None)
+        _, _, gen_h, gen_res = run_blocks(self._block_stack(layouts), state, step_cache)
         gen_out, _ = self.norm_moe_gen(gen_h, gen_res)
         gen_out = gen_out.view(num_branches, num_gen, -1)
         vision = self._unpatchify(self.proj_out(gen_out[:, noisy_rows]), gen, grid)
@@ -144,6 +147,26 @@ class Cosmos3Transformer(nn.Module):
             num_vision = vision_tokens.shape[0]
             sound = self.audio_proj_out(gen_out[:, num_vision:]).transpose(1, 2)
         return vision, sound
+
+    def _block_stack(self, layouts: list[JointLayout]) -> BlockStack:
+        """The layers over the state (und, und residual, gen, gen residual), for run_blocks;
+        only the generated tokens' stream is cached (the output reads only it)."""
+        def run(layers, state):
+            for layer in layers:
+                state = layer(*state, layouts)
+            return state
+
+        def hidden(state) -> list[torch.Tensor]:
+            gen, residual = state[2:]
+            return [gen if residual is None else gen + residual]
+
+        return BlockStack(
+            first=lambda state: run(self.layers[:1], state),
+            rest=lambda state: run(self.layers[1:], state),
+            modulated_input=lambda state: self.layers[0].input_layernorm_moe_gen(state[2]),
+            hidden=hidden,
+            with_residuals=lambda state, residuals: (*state[:2], residuals[0],
+                                                     hidden(state)[0]))
 
     def _timestep_embedding(self, timestep: float) -> torch.Tensor:
         """(1, d): sinusoids (cos first) of timestep * timestep_scale through the SiLU MLP,

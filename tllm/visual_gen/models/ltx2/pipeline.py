@@ -156,7 +156,8 @@ class LTX2Pipeline(VideoPipeline):
             video, audio = (step.streams[name].expand(num, -1, -1) for name in ("video", "audio"))
             inputs = LTX2Inputs(video, audio, step.timestep.expand(num), text, rope, clean,
                                 use_cross_timestep=self.use_cross_timestep,
-                                cross_rows=cross_rows)
+                                cross_rows=cross_rows,
+                                step_cache=step.model_kwargs.get("step_cache"))
             video_out, audio_out = self.transformer(inputs)
             return {"video": list(video_out.float().chunk(num)),
                     "audio": list(audio_out.float().chunk(num))}

@@ -19,6 +19,8 @@ from tllm.visual_gen.models.ltx2 import blocks
 from tllm.visual_gen.models.ltx2.blocks import LTX2Block, StreamState
 from tllm.visual_gen.models.ltx2.config import LTX2Config
 from tllm.visual_gen.models.ltx2.rope import LTX2Rope
+from tllm.visual_gen.models.ltx2.stack import block_stack
+from tllm.visual_gen.step_cache import StepCache, run_blocks
 
 TIMESTEP_CHANNELS = 256
 
@@ -38,7 +40,8 @@ class LTX2Inputs:
     `clean_tokens` leading video tokens that are conditioning (timestep 0, image-to-video),
     `use_cross_timestep` (the cross attention's modulation follows the other stream's
     timestep, diffusers' LTX-2.3 default) and `cross_rows` [B] (1: cross attention on, 0:
-    the streams isolated, for modality guidance; None: on for all)."""
+    the streams isolated, for modality guidance; None: on for all); `step_cache`: see
+    step_cache.py."""
     video: torch.Tensor             # [B, N_v, C]
     audio: torch.Tensor             # [B, N_a, C_a]
     timestep: torch.Tensor          # [B]
@@ -47,6 +50,7 @@ class LTX2Inputs:
     clean_tokens: int = 0
     use_cross_timestep: bool = True
     cross_rows: torch.Tensor | None = None
+    step_cache: StepCache | None = None
 
 
 class TimestepModulation(nn.Module):
@@ -80,6 +84,8 @@ class TextProjection(nn.Module):
 
 
 class LTX2Transformer(nn.Module):
+    supports_step_cache = True
+
     def __init__(self, config: LTX2Config) -> None:
         super().__init__()
         self.config = c = config
@@ -144,12 +150,11 @@ class LTX2Transformer(nn.Module):
         if inputs.cross_rows is not None:
             cross_rows = inputs.cross_rows.to(device=self.device, dtype=self.dtype)
             cross_rows = cross_rows.view(batch, 1, 1)
-        masks = (inputs.text.video_mask, inputs.text.audio_mask)
-        for block, text_kv in zip(self.transformer_blocks, inputs.text.layers):
-            vmod, amod = block.modulations(temb, temb_audio, temb_cross, temb_cross_audio,
-                                           gate_cross, gate_cross_audio)
-            video, audio = block(video, audio, vmod, amod, text_kv, masks, inputs.rope, split,
-                                 cross_rows)
+        embeddings = (temb, temb_audio, temb_cross, temb_cross_audio, gate_cross,
+                      gate_cross_audio)
+        stack = block_stack(self.transformer_blocks, embeddings, inputs.text, inputs.rope,
+                            split, cross_rows)
+        video, audio = run_blocks(stack, (video, audio), inputs.step_cache)
         return (self._output(video, video_emb, self.scale_shift_table, self.proj_out, split),
                 self._output(audio, audio_emb, self.audio_scale_shift_table,
                              self.audio_proj_out, None))
@@ -158,6 +163,8 @@ class LTX2Transformer(nn.Module):
                 proj: nn.Linear, split: int | None) -> torch.Tensor:
         """The last gated residual, LayerNorm modulated by the table + embedding, projection."""
         y, gate = stream.pending
+        if gate is None:    # a cached residual (stack.py), added as is
+            gate = torch.ones_like(embedded)
         # shift, scale and gate as views of one [B, G, 3, d] tensor (the kernel's layout)
         values = torch.cat([table + embedded[:, :, None], gate[:, :, None]], dim=2)
         shift, scale, gate = values.unbind(2)

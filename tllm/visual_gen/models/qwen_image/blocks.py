@@ -71,8 +71,7 @@ class QwenImageBlock(nn.Module):
         where image tokens from `split` on take the second (zero-timestep) group."""
         batch = img.shape[0]
         mod = self.mod(silu_temb)
-        img_mod = mod[:, :6 * self.dim].unflatten(0, (-1, batch)).transpose(0, 1)
-        img_mod = img_mod.unflatten(-1, (6, self.dim)).unbind(2)  # 6 x [B, G, d]
+        img_mod = self._image_mods(mod, batch)
         txt_mod = mod[:batch, None, 6 * self.dim:].unflatten(-1, (6, self.dim)).unbind(2)
 
         img_h = modulated_norm(img, img_mod[0], img_mod[1], split)
@@ -83,6 +82,17 @@ class QwenImageBlock(nn.Module):
         img = gated_residual(img, self._mlp(img_h, self.img_fc1, self.img_fc2), img_mod[5], split)
         txt = gated_residual(txt, self._mlp(txt_h, self.txt_fc1, self.txt_fc2), txt_mod[5], None)
         return img, txt
+
+    def modulated_input(self, img: torch.Tensor, silu_temb: torch.Tensor,
+                        split: int | None) -> torch.Tensor:
+        """The image stream's first modulated norm, as forward() takes it (TeaCache's
+        signal)."""
+        img_mod = self._image_mods(self.mod(silu_temb), img.shape[0])
+        return modulated_norm(img, img_mod[0], img_mod[1], split)
+
+    def _image_mods(self, mod: torch.Tensor, batch: int) -> tuple[torch.Tensor, ...]:
+        img_mod = mod[:, :6 * self.dim].unflatten(0, (-1, batch)).transpose(0, 1)
+        return img_mod.unflatten(-1, (6, self.dim)).unbind(2)     # 6 x [B, G, d]
 
     def _attention(self, img_h, txt_h, rope: RopeTables, padding: KeyPadding):
         batch, num_img = img_h.shape[:2]
@@ -194,6 +204,8 @@ def project_rows(pieces: list[torch.Tensor], tokens: slice, layer: nn.Linear) ->
     """`layer` on one stream's tokens of the attention output pieces -> [B, T, out]: one GEMM
     per batch row, each on a contiguous [T, H * D] slice, so the stream is never gathered."""
     rows = [row for piece in pieces for row in piece[:, tokens]]
+    if not isinstance(layer, nn.Linear):    # an FP8 layer (visual_gen/fp8.py): its own GEMM
+        return torch.stack([layer(row) for row in rows])
     out = rows[0].new_empty(len(rows), rows[0].shape[0], layer.weight.shape[0])
     for b, row in enumerate(rows):
         torch.addmm(layer.bias, row, layer.weight.t(), out=out[b])

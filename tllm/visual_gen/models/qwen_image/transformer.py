@@ -24,8 +24,11 @@ from tllm.loader.hf import CheckpointError
 from tllm.visual_gen.models.checkpoint import load_named, transformer_from_folder
 from tllm.visual_gen.models.qwen_image.blocks import KeyPadding, QwenImageBlock, modulated_norm
 from tllm.visual_gen.models.qwen_image.rope import ImageShapes, QwenRope
+from tllm.visual_gen.step_cache import BlockStack, StepCache, run_blocks
 
 TIMESTEP_CHANNELS = 256
+# TeaCache's rescale polynomial for Qwen-Image (ComfyUI-TeaCache's fit, highest power first)
+TEACACHE_COEFFICIENTS = (-450.0, 280.0, -45.0, 3.2, -0.02)
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ class TimestepEmbedding(nn.Module):
 class QwenImageTransformer(nn.Module):
     """Qwen-Image's transformer; `forward` gives diffusers' `forward(..., return_dict=False)[0]`."""
 
+    supports_step_cache = True
+
     def __init__(self, config: QwenImageTransformerConfig) -> None:
         super().__init__()
         self.config = config
@@ -148,11 +153,13 @@ class QwenImageTransformer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 encoder_hidden_states_mask: torch.Tensor | None, timestep: torch.Tensor,
                 img_shapes, guidance: torch.Tensor | None = None,
-                additional_t_cond: torch.Tensor | None = None) -> torch.Tensor:
+                additional_t_cond: torch.Tensor | None = None,
+                step_cache: StepCache | None = None) -> torch.Tensor:
         """hidden_states [B, N, in_channels] packed latents; encoder_hidden_states
         [B, L, joint_attention_dim] with encoder_hidden_states_mask [B, L] (1 = valid, or
         None); timestep [B] in [0, 1]; img_shapes as diffusers' pipelines pass them (per row, a
-        list of (frames, rows, columns) per image; rows must agree). Returns [B, N, out_dim]."""
+        list of (frames, rows, columns) per image; rows must agree); step_cache: see
+        step_cache.py. Returns [B, N, out_dim]."""
         if guidance is not None:  # no released Qwen-Image is guidance-distilled
             raise ValueError("guidance embeddings are not supported (guidance must be None)")
         batch, num_img = hidden_states.shape[:2]
@@ -165,10 +172,26 @@ class QwenImageTransformer(nn.Module):
         rope = self.rope.tables(shapes, txt.shape[1], img.device)
         padding = KeyPadding.from_text_mask(encoder_hidden_states_mask, num_img, img.device)
         split = math.prod(shapes[0]) if self.config.zero_cond_t else None
-        for block in self.blocks:
-            img, txt = block(img, txt, silu_temb, rope, padding, split)
+        stack = self._block_stack(silu_temb, rope, padding, split)
+        img, _ = run_blocks(stack, (img, txt), step_cache)
         scale, shift = self.norm_out(silu_temb[:batch, None]).chunk(2, dim=-1)
         return self.proj_out(modulated_norm(img, shift, scale, None))
+
+    def _block_stack(self, silu_temb, rope, padding, split) -> BlockStack:
+        """The blocks over the state (img, txt), for run_blocks."""
+        def run(blocks, state):
+            for block in blocks:
+                state = block(*state, silu_temb, rope, padding, split)
+            return state
+
+        return BlockStack(
+            first=lambda state: run(self.blocks[:1], state),
+            rest=lambda state: run(self.blocks[1:], state),
+            modulated_input=lambda state: self.blocks[0].modulated_input(state[0], silu_temb,
+                                                                         split),
+            hidden=lambda state: [state[0]],
+            with_residuals=lambda state, residuals: (state[0] + residuals[0], state[1]),
+            coefficients=TEACACHE_COEFFICIENTS)
 
     def _timestep_embedding(self, timestep, additional_t_cond, batch: int, dtype) -> torch.Tensor:
         """[B, d]; under zero_cond_t [2B, d], the second half for timestep 0 (the reference

@@ -164,3 +164,28 @@ def test_a_request_that_fails_in_a_batch_fails_alone(gen, tmp_path, monkeypatch)
     monkeypatch.undo()
     assert assert_openai_error(bad, 400)["param"] == "prompt"
     assert all(np.abs(a - b).max() <= 1 for a, b in zip(pixels(good), alone(gen, BODIES[0])))
+
+
+def test_step_cached_requests_run_alone_and_get_their_own_images(gen, tmp_path):
+    """Step caching decides its skips over the whole batch, so a request asking for it runs
+    alone: each gets the image of VisualGen.generate with the same cache settings."""
+    counting = CountingGen(gen)
+    cached = {"cache": "teacache", "cache_threshold": 0.2}
+    bodies = [{**BODIES[0], **cached}, {**BODIES[2], **cached}]
+    with serve(counting, tmp_path, max_batch_size=2, window_s=0.05) as server:
+        responses = asyncio.run(post_all(server.base_url, bodies))
+    assert counting.num_calls == 2
+    for body, response in zip(bodies, responses):
+        width, height = (int(side) for side in body["size"].split("x"))
+        params = VisualGenParams(height=height, width=width, num_inference_steps=body["steps"],
+                                 seed=body["seed"], negative_prompt=body["negative_prompt"],
+                                 true_cfg_scale=body["true_cfg_scale"], **cached)
+        expected = [np.asarray(image, np.int16)
+                    for image in gen.generate(body["prompt"], params).images]
+        assert all(np.abs(a - b).max() <= 1 for a, b in zip(pixels(response), expected))
+
+
+def test_a_bad_cache_name_is_a_400(gen, tmp_path):
+    with serve(gen, tmp_path) as server:
+        response = httpx.post(f"{server.base_url}{ROUTE}", json={**BODIES[0], "cache": "x"})
+    assert response.status_code == 400

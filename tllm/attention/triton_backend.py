@@ -22,9 +22,12 @@ _MAX_HEAD_DIM = 256
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, causal: bool = True) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
                          logits_soft_cap)
+        if not causal:  # its kernels mask causally; encoders run on the torch backend
+            raise ValueError("attn_backend: the triton backend attends causally only; "
+                             "an encoder-only (bidirectional) model needs attn_backend='torch'")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")

@@ -1,0 +1,40 @@
+"""The torch backend's non-causal mode (encoder-only models): every query of a sequence sees
+all its keys, checked against plain SDPA without a mask per sequence; the Triton backend
+refuses it by name."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tllm.attention.testing import make_paged_batch, relative_error
+from tllm.attention.torch_ref import TorchAttentionBackend
+from tllm.kernels.paged import gather_kv
+
+
+@pytest.mark.parametrize("query_lens", [[7], [5, 1, 12, 3], [16, 16], [1, 1]])
+@pytest.mark.parametrize("block", [1, 4, 16])
+def test_non_causal_sees_every_key_of_its_sequence(query_lens, block):
+    heads, kv_heads, head_dim = 4, 2, 16
+    batch = make_paged_batch(query_lens, [0] * len(query_lens), heads, kv_heads, head_dim,
+                             block, torch.float32)
+    backend = TorchAttentionBackend(heads, kv_heads, head_dim, head_dim ** -0.5, causal=False)
+    out = backend.forward(batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    start, meta = 0, batch.metadata
+    for i, n in enumerate(query_lens):
+        k, v = gather_kv(batch.kv_cache, meta.block_tables[i], n, block)
+        q = batch.q[start:start + n].transpose(0, 1)
+        ref = F.scaled_dot_product_attention(
+            q, k.transpose(0, 1), v.transpose(0, 1), scale=head_dim ** -0.5,
+            enable_gqa=True).transpose(0, 1)
+        assert relative_error(out[start:start + n], ref) < 1e-5
+        start += n
+    causal = TorchAttentionBackend(heads, kv_heads, head_dim, head_dim ** -0.5)
+    if max(query_lens) > 1:  # the mode changes something
+        assert not torch.allclose(causal.forward(batch.q, batch.k, batch.v, batch.kv_cache,
+                                                 batch.metadata), out)
+
+
+def test_triton_backend_refuses_non_causal():
+    pytest.importorskip("triton")
+    from tllm.attention.triton_backend import TritonAttentionBackend
+    with pytest.raises(ValueError, match="attn_backend"):
+        TritonAttentionBackend(4, 2, 16, 0.25, causal=False)

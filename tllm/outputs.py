@@ -75,3 +75,25 @@ class CompletionDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling request: an embedding, one probability per label, or a
+    score, as plain floats in `data`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data
+
+    @property
+    def score(self) -> float:
+        return self.data[0]

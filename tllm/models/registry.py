@@ -23,6 +23,14 @@ _MODULES = {
     "Olmo2ForCausalLM": "tllm.models.olmo2",
     "DeepseekV2ForCausalLM": "tllm.models.deepseek.model",
     "DeepseekV3ForCausalLM": "tllm.models.deepseek.model",
+    # pooling models (embeddings, rerankers, classifiers)
+    **dict.fromkeys(["LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
+                     "LlamaForSequenceClassification", "MistralForSequenceClassification",
+                     "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"],
+                    "tllm.models.llama_pooling"),
+    **dict.fromkeys(["BertModel", "XLMRobertaModel", "RobertaModel",
+                     "BertForSequenceClassification", "XLMRobertaForSequenceClassification",
+                     "RobertaForSequenceClassification"], "tllm.models.bert"),
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

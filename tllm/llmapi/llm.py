@@ -235,6 +235,11 @@ class LLM:
         self._check_open()
         return await self._pooling.score_async(query, documents)
 
+    def add_pooling_request(self, prompt, params, request_id: str, on_done):
+        """add_request's pooling twin: on_done gets the output or the error."""
+        self._check_open()
+        return self._pooling.add_request(prompt, params, request_id, on_done)
+
     def shutdown(self) -> None:
         """Stop the loop thread and release the model and KV cache."""
         if self._closed:

@@ -228,14 +228,53 @@ class PoolingClient:
 
     async def score_async(self, query: str, documents: Sequence[str]
                           ) -> list[PoolingRequestOutput]:
-        _check_score_inputs(query, documents)
-        if self.task == "score":
-            return list(await asyncio.gather(*[
-                self.encode_async((query, d), PoolingParams("score")) for d in documents]))
-        embed = PoolingParams("embed", normalize=True)
-        outputs = await asyncio.gather(*[self.encode_async(text, embed)
-                                         for text in [query, *documents]])
-        return _cosines(list(outputs))
+        return await score_with(self.encode_async, self.task, query, documents)
+
+    def add_request(self, prompt, params: PoolingParams, request_id: str,
+                    on_done: Callable[[PoolingRequestOutput | Exception], None]
+                    ) -> Callable[[], None]:
+        """Submit one prompt whose output (or error, a refusal included) goes to on_done
+        (for relays such as the engine process); returns its abort."""
+        try:
+            future = self.submit(prompt, params, request_id)
+        except Exception as exc:
+            on_done(exc)
+            return lambda: None
+        future.add_done_callback(lambda f: on_done(f.exception() or f.result()))
+        return lambda: self.abort(request_id)
+
+
+async def score_with(encode_async, task: str, query: str, documents: Sequence[str]
+                     ) -> list[PoolingRequestOutput]:
+    """Each document's score: a cross-encoder's for the (query, document) pair (task
+    "score"), else the cosine of the embeddings."""
+    _check_score_inputs(query, documents)
+    if task == "score":
+        return list(await asyncio.gather(*[
+            encode_async((query, d), PoolingParams("score")) for d in documents]))
+    embed = PoolingParams("embed", normalize=True)
+    outputs = await asyncio.gather(*[encode_async(text, embed)
+                                     for text in [query, *documents]])
+    return _cosines(list(outputs))
+
+
+class PooledResult:
+    """The caller's side of a pooling request run in another process: `deliver` gets its
+    output or error (event loop thread); await `future`."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.future: asyncio.Future = loop.create_future()
+
+    def deliver(self, item: PoolingRequestOutput | Exception) -> bool:
+        if not self.future.done():
+            if isinstance(item, Exception):
+                self.future.set_exception(item)
+            else:
+                self.future.set_result(item)
+        return True    # its only message
+
+    def fail(self, error: Exception) -> None:
+        self.deliver(error)
 
 
 def _deliver(request: Request, future: concurrent.futures.Future) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Callable, Sequence
 from tllm.llmapi.flag_aliases import llm_args
 from tllm.config import LlmArgs
 from tllm.gc_heap import frozen_heap
+from tllm.llmapi.pooling import PooledResult, score_with
 from tllm.llmapi.result import DeltaStream
 from tllm.log import LogSettings, active_settings, apply_settings
 from tllm.outputs import CompletionDelta
@@ -72,6 +73,8 @@ class ProcessLLM:
         self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], self.args)
         # generation_config.json's defaults (LLM.sampling_defaults): the server applies them
         self.sampling_defaults: dict[str, float | int] = ready["sampling_defaults"]
+        self.task: str = ready["task"]                  # "generate" or a pooling task
+        self.pooling_info: dict = ready["pooling_info"]
 
     # ---- what the server uses ----
 
@@ -142,6 +145,28 @@ class ProcessLLM:
                              abort=lambda: self._abort(engine, request_id))
         engine.streams[request_id] = stream
         return stream
+
+    async def encode_async(self, prompt, params, request_id: str | None = None):
+        """A pooling request (LLM.encode_async) run in the engine process; its refusal
+        comes back as the ValueError."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        engine, request_id = self._engine, request_id or f"p{next(self._ids)}"
+        result = PooledResult(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        engine.streams[request_id] = result
+        engine.send(("encode", request_id, prompt, params))
+        engine.num_sent += 1
+        try:
+            return await result.future
+        except asyncio.CancelledError:
+            self._abort(engine, request_id)
+            raise
+        finally:
+            engine.streams.pop(request_id, None)
+
+    async def score_async(self, query: str, documents: Sequence[str]):
+        return await score_with(self.encode_async, self.task, query, documents)
 
     def restart(self) -> None:
         """Replace the engine process with a new one (the old one has died, or is killed
@@ -356,6 +381,7 @@ def engine_main(args: LlmArgs, commands, events, log_settings: LogSettings | Non
                                "disagg_info": llm.disagg_info,
                                "lora_targets": llm.lora_targets,
                                "sampling_defaults": llm.sampling_defaults,
+                               "task": llm.task, "pooling_info": llm.pooling_info,
                                "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
         _EngineServer(llm, events).run(commands)
 
@@ -384,6 +410,8 @@ class _EngineServer:
                 self._forget_finished()
                 if message[0] == "submit":
                     self._submit(*message[1:])
+                elif message[0] == "encode":
+                    self._encode(*message[1:])
                 elif message[0] == "abort":     # applied at once: each reaches the loop's
                     for request_id in message[1]:   # inbox, drained between steps
                         abort = self.aborts.get(request_id)
@@ -411,6 +439,15 @@ class _EngineServer:
             self.aborts.update(aborts)
             self._post(("accepted", batch_id))
         self.num_received += _num_sequences(items)
+
+    def _encode(self, request_id: str, prompt, params) -> None:
+        def on_done(item) -> None:  # (output thread) its one message back
+            self.sink.put((request_id, _picklable(item) if isinstance(item, Exception)
+                           else item))
+            self.finished_ids.put(request_id)
+        self.aborts[request_id] = self.llm.add_pooling_request(prompt, params, request_id,
+                                                               on_done)
+        self.num_received += 1
 
     def _forget_finished(self) -> None:
         while True:

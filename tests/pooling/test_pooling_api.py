@@ -48,7 +48,11 @@ def test_pooling_beside_generation_leaves_its_tokens_and_no_blocks(qwen3):
     embeddings = llm.embed(TEXTS * 3)      # while those generate: in the same steps
     beside = [r.result(timeout=60).outputs[0].token_ids for r in results]
     assert beside == alone
-    assert len(embeddings) == len(TEXTS) * 3
+    # the later copies reuse the first's cached prefix blocks: the same embeddings
+    first = np.array([o.embedding for o in embeddings[:len(TEXTS)]])
+    for copy in (1, 2):
+        again = embeddings[copy * len(TEXTS):(copy + 1) * len(TEXTS)]
+        np.testing.assert_allclose([o.embedding for o in again], first, atol=1e-6)
     assert llm.get_stats()["kv_blocks_free"] == free_before
 
 
@@ -62,6 +66,13 @@ def test_encode_async_and_score_async_of_an_embedder(qwen3):
         return one, scores
     one, scores = asyncio.run(run())
     assert one.request_id == "e1" and len(one.embedding) == 4
+    cut = llm.embed({"prompt_token_ids": [9, 9, 5, 6, 7]}, dimensions=4)[0]
+    assert llm.embed([[1, 2, 3]])[0].prompt_token_ids == [1, 2, 3]
+    truncated = asyncio.run(llm.encode_async(
+        [9, 9, 5, 6, 7], PoolingParams("embed", dimensions=4, truncate_prompt_tokens=3)))
+    assert truncated.prompt_token_ids == [5, 6, 7]
+    np.testing.assert_allclose(truncated.embedding, one.embedding, atol=1e-6)
+    assert cut.prompt_token_ids == [9, 9, 5, 6, 7]
     assert abs(np.linalg.norm(one.embedding) - 1) < 1e-5
     query, *docs = llm.embed(TEXTS[:3])
     expected = [float(np.dot(query.embedding, d.embedding)) for d in docs]

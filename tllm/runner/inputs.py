@@ -69,15 +69,17 @@ def build_step_inputs(batch: ScheduledBatch, slots: SlotAssigner, tables: BatchT
     inputs = StepInputs(diff, arrays, input_ids,
                         first_rows[on_device] + (known - starts)[on_device],
                         diff.slots[on_device])
+    is_pooling = slots.is_pooling[diff.slots]
+    has_pooling = is_pooling.any()
+    if has_pooling:  # they pool their rows and sample none
+        inputs.pooling = pooling_segments(requests, is_pooling, starts, ends, first_rows,
+                                          diff.num_tokens)
     if may_have_drafts and any(r.draft_token_ids for r in requests):  # (nothing in flight)
         _add_drafts(inputs, requests, [len(r.draft_token_ids) for r in requests], starts,
                     num_tokens, first_rows)
     else:
         samples = np.flatnonzero(ends == num_tokens)
-        is_pooling = slots.is_pooling[diff.slots]
-        if is_pooling.any():  # they pool their rows and sample none
-            inputs.pooling = pooling_segments(requests, is_pooling, starts, ends, first_rows,
-                                              diff.num_tokens)
+        if has_pooling:
             samples = samples[~is_pooling[samples]]
         inputs.sample_rows = arrays.query_start_loc[samples + 1] - 1
         inputs.sample_requests = (list(requests) if len(samples) == len(requests)

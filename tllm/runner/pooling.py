@@ -92,8 +92,8 @@ class Pooler(ResourceManager):
         if kind == "last":
             return rows[-1]
         if kind == "cls":
-            if segment.first_position == 0:
-                self._partial[key] = rows[0]
+            if segment.first_position == 0:  # (a copy: graphs reuse the hidden buffer)
+                self._partial[key] = rows[0].clone()
             return self._partial.pop(key) if segment.is_last_chunk else rows[0]
         total = rows.float().sum(0)  # mean: summed chunk by chunk
         if segment.first_position == 0:  # (again, after a preemption)

@@ -1,6 +1,6 @@
-"""The torch backend's non-causal mode (encoder-only models): every query of a sequence sees
-all its keys, checked against plain SDPA without a mask per sequence; the Triton backend
-refuses it by name."""
+"""The attention backends' non-causal mode (encoder-only models): every query of a sequence
+sees all its keys; the torch backend checked against plain SDPA without a mask per
+sequence, the Triton backend against the torch backend."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,8 +33,18 @@ def test_non_causal_sees_every_key_of_its_sequence(query_lens, block):
                                                  batch.metadata), out)
 
 
-def test_triton_backend_refuses_non_causal():
+@pytest.mark.parametrize("query_lens", [[5, 1, 12], [3]])
+def test_triton_non_causal_equals_torch(device, query_lens):
+    """The context kernel's non-causal mode (every step of an encoder goes to it, short
+    queries too), under the Triton interpreter on a CPU."""
     pytest.importorskip("triton")
     from tllm.attention.triton_backend import TritonAttentionBackend
-    with pytest.raises(ValueError, match="attn_backend"):
-        TritonAttentionBackend(4, 2, 16, 0.25, causal=False)
+    heads, kv_heads, head_dim = 4, 2, 16
+    batch = make_paged_batch(query_lens, [0] * len(query_lens), heads, kv_heads, head_dim, 4,
+                             torch.float32, device=device)
+    args = (heads, kv_heads, head_dim, head_dim ** -0.5)
+    got = TritonAttentionBackend(*args, causal=False).forward(
+        batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    ref = TorchAttentionBackend(*args, causal=False).forward(
+        batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
+    assert relative_error(got, ref) < 1e-5

@@ -24,10 +24,10 @@ class TritonAttentionBackend(AttentionBackend):
                  sliding_window: int | None = None,
                  logits_soft_cap: float | None = None, causal: bool = True) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                         logits_soft_cap)
-        if not causal:  # its kernels mask causally; encoders run on the torch backend
-            raise ValueError("attn_backend: the triton backend attends causally only; "
-                             "an encoder-only (bidirectional) model needs attn_backend='torch'")
+                         logits_soft_cap, causal)
+        if not causal and sliding_window is not None:
+            raise ValueError("attn_backend: the triton backend's non-causal mode has no "
+                             "sliding window")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
@@ -94,6 +94,9 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         tables, starts, seq_lens = (metadata.block_tables, metadata.query_start_loc,
                                     metadata.seq_lens)
+        if not self.causal:  # (the decode kernel masks causally)
+            return self._context(q, kv_cache, tables, starts, seq_lens,
+                                 metadata.max_query_len, out, scales)
         if metadata.max_query_len <= MAX_DECODE_QUERIES:
             return self._decode(q, kv_cache, tables, starts, seq_lens, metadata.max_seq_len,
                                 metadata.max_query_len, out, scales)
@@ -124,7 +127,8 @@ class TritonAttentionBackend(AttentionBackend):
                                        max_query_len=max_query_len, scale=self.scale,
                                        sliding_window=self.sliding_window, out=out,
                                        k_scale=scales[0], v_scale=scales[1],
-                                       logits_soft_cap=self.logits_soft_cap)
+                                       logits_soft_cap=self.logits_soft_cap,
+                                       causal=self.causal)
 
 
 def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[float, float]:

@@ -100,3 +100,25 @@ def test_classifier_probs_equal_hf(tmp_path, arch):
         assert llm.pooling_info["labels"] == ["LABEL_0", "LABEL_1", "LABEL_2"]
         got = [o.probs for o in llm.classify(TEXTS)]
     np.testing.assert_allclose(got, torch.stack(expected), atol=TOL)
+
+
+def test_qwen3_reranker_scores_by_the_yes_no_rule(tmp_path):
+    """A causal LM with task "score": P(yes) of {yes, no} after the pair in Qwen3-Reranker's
+    template, as HF's logits give it."""
+    from transformers import AutoTokenizer
+    from tllm.llmapi.pooling import reranker_prompt
+    hf = save_qwen3(tmp_path, "Qwen3ForCausalLM", extra_tokens=("yes", "no"),
+                    max_position_embeddings=512)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    yes, no = tokenizer.convert_tokens_to_ids(["yes", "no"])
+    query, docs = TEXTS[3], TEXTS[4:]
+    expected = []
+    for doc in docs:
+        ids = tokenizer(reranker_prompt(query, doc), return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            logits = hf(ids).logits[0, -1]
+        expected.append(logits[[no, yes]].softmax(-1)[1])
+    with make_llm(tmp_path, task="score", max_num_tokens=64) as llm:
+        assert llm.task == "score"
+        got = [o.score for o in llm.score(query, docs)]
+    np.testing.assert_allclose(got, expected, atol=TOL)

@@ -27,7 +27,7 @@ def save_wordpiece_tokenizer(path: Path, token_types: bool = True):
     return tokenizer
 
 
-def save_bpe_tokenizer(path: Path):
+def save_bpe_tokenizer(path: Path, extra_tokens: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
     backend = Tokenizer(models.BPE())
@@ -40,6 +40,7 @@ def save_bpe_tokenizer(path: Path):
         single="$A <|endoftext|>", special_tokens=[("<|endoftext|>", 1)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>",
                                         eos_token="<|endoftext|>")
+    tokenizer.add_tokens(list(extra_tokens))
     tokenizer.save_pretrained(path)
     return tokenizer
 
@@ -67,14 +68,14 @@ def save_bert(path: Path, arch: str = "BertModel", **extra):
     return model
 
 
-def save_qwen3(path: Path, arch: str = "Qwen3Model", **extra):
+def save_qwen3(path: Path, arch: str = "Qwen3Model", extra_tokens=(), **extra):
     import transformers
-    tokenizer = save_bpe_tokenizer(path)
-    config = transformers.Qwen3Config(
+    tokenizer = save_bpe_tokenizer(path, extra_tokens)
+    config = transformers.Qwen3Config(**{**dict(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-        architectures=[arch], **extra)
+        architectures=[arch]), **extra})
     torch.manual_seed(0)
     model = getattr(transformers, arch)(config).eval()
     model.save_pretrained(path)

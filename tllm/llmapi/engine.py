@@ -83,7 +83,7 @@ def build_engine(args: LlmArgs) -> Engine:
                                      parts.source.path if parts.source.kind == "hf" else None)
         multimodal = multimodal_processor(args, parts, tokenizer)
         executor = build_executor(args, parts)
-        task, pooling = setup_pooling(args, parts, executor)
+        task, pooling = setup_pooling(args, parts, executor, tokenizer)
         if tokenizer is not None:  # xgrammar loads on the first guided request only
             executor.enable_guided_decoding(GuidedDecoding(
                 tokenizer, getattr(parts.config, "vocab_size", None)))

@@ -19,7 +19,7 @@ from tllm.loader.pooling_config import pooler_config
 from tllm.outputs import PoolingRequestOutput
 from tllm.pooling_params import PoolerConfig, PoolingParams
 from tllm.request import Request
-from tllm.runner.pooling import Pooler
+from tllm.runner.pooling import Pooler, YesNoHead
 from tllm.sampling_params import SamplingParams
 
 # what a request of each task needs of the model: its head (score, classify) or none
@@ -34,25 +34,54 @@ def resolve_task(requested: str, model) -> str:
         return own or "generate"
     if requested == "generate" and own is not None:
         raise ValueError(f"task: {name} is a pooling model ({own}); it cannot generate")
-    if requested in _HEAD_TASKS and not hasattr(model, "pooling_head"):
+    is_lm = own is None and hasattr(model, "lm_head")  # a reranker by Qwen3-Reranker's rule
+    if (requested == "classify" or (requested == "score" and not is_lm)) and not hasattr(
+            model, "pooling_head"):
         raise ValueError(f"task: {name} has no classification head for task {requested!r} "
                          "(only 'embed' or 'generate')")
     return requested
 
 
-def setup_pooling(args, parts, executor) -> tuple[str, dict]:
+def setup_pooling(args, parts, executor, tokenizer) -> tuple[str, dict]:
     """The engine's task and pooling info; its runner pools from now on (on one pipeline
     stage: rank 0 then holds the final hidden states). A pooling task's defaults come from
-    the model's sentence-transformers layout; a generating model embeds its last token."""
+    the model's sentence-transformers layout; a generating model embeds its last token, or
+    scores by the yes/no rule (task "score")."""
     task = resolve_task(args.task, parts.model)
     if args.pipeline_parallel_size == 1:
         folder = parts.source.path if parts.source.kind == "hf" else None
         config = (PoolerConfig("last") if task == "generate"
                   else pooler_config(parts.model, folder))
-        executor.runner.enable_pooling(Pooler(parts.model, config))
+        head = None
+        if task == "score" and not hasattr(parts.model, "pooling_head"):
+            head = yes_no_head(parts.model, tokenizer)
+        executor.runner.enable_pooling(Pooler(parts.model, config, head))
     elif task != "generate":
         raise ValueError(f"task: {task!r} runs without pipeline parallelism (pp_size 1)")
     return task, pooling_info(parts.model, task)
+
+
+def yes_no_head(model, tokenizer) -> YesNoHead:
+    """Qwen3-Reranker's rule on a causal LM: its tokenizer's "yes" and "no" tokens."""
+    ids = [] if tokenizer is None else [tokenizer.hf.convert_tokens_to_ids(t)
+                                        for t in ("yes", "no")]
+    if len(ids) != 2 or tokenizer.hf.unk_token_id in ids or None in ids:
+        raise ValueError(f"task: 'score' on {type(model).__name__} scores by the yes/no rule "
+                         "(Qwen3-Reranker), which needs a tokenizer with 'yes' and 'no' tokens")
+    return YesNoHead(model, *ids)
+
+
+# Qwen3-Reranker's prompt for a (query, document) pair, as its model card gives it
+RERANKER_INSTRUCTION = "Given a web search query, retrieve relevant passages that answer the query"
+_RERANKER_PREFIX = ("<|im_start|>system\nJudge whether the Document meets the requirements "
+                    "based on the Query and the Instruct provided. Note that the answer can "
+                    "only be \"yes\" or \"no\".<|im_end|>\n<|im_start|>user\n")
+_RERANKER_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def reranker_prompt(query: str, document: str) -> str:
+    return (f"{_RERANKER_PREFIX}<Instruct>: {RERANKER_INSTRUCTION}\n<Query>: {query}\n"
+            f"<Document>: {document}{_RERANKER_SUFFIX}")
 
 
 def pooling_info(model, task: str) -> dict:
@@ -77,6 +106,8 @@ class PoolingClient:
         self.info: dict = engine.pooling_info
         runner = engine.executor.runner
         self._pooler = runner.pooler.config if runner.pooler is not None else None
+        self._has_head = runner.pooler is not None and runner.pooler.head is not None
+        self._yes_no = runner.pooler is not None and isinstance(runner.pooler.head, YesNoHead)
         self._model = runner.model
         self._ids = itertools.count()
 
@@ -92,7 +123,7 @@ class PoolingClient:
             raise ValueError(f"params must be PoolingParams, got {type(params).__name__}")
         if self._pooler is None:
             raise ValueError("task: this engine cannot pool (it runs pipeline stages)")
-        allowed = ("embed", *(_HEAD_TASKS if self.info["labels"] is not None else ()))
+        allowed = ("embed", *(_HEAD_TASKS if self._has_head else ()))
         if params.task not in allowed:
             raise ValueError(f"task: this LLM (task {self.task!r}) cannot serve a "
                              f"{params.task!r} request; it serves {', '.join(allowed)}")
@@ -165,6 +196,8 @@ class PoolingClient:
                 raise ValueError("inputs: a pair prompt is (text, text), both non-empty")
             if params.task != "score":
                 raise ValueError("inputs: a (text, text) pair is scored (task 'score')")
+            if self._yes_no:  # a decoder reranker reads the pair in its template
+                return self._require_tokenizer().encode(reranker_prompt(*prompt)), None
             return self._require_tokenizer().encode_pair(*prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:

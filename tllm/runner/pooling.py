@@ -60,9 +60,11 @@ class Pooler(ResourceManager):
     """Pools the hidden states of a step's pooling requests; keeps what a request's earlier
     chunks contributed (its partial sum, its first token's state) until its last."""
 
-    def __init__(self, model: torch.nn.Module, config: PoolerConfig) -> None:
+    def __init__(self, model: torch.nn.Module, config: PoolerConfig, head=None) -> None:
         self.model = model
         self.config = config
+        # pooled states -> scores / label logits (None: embeddings only)
+        self.head = head if head is not None else getattr(model, "pooling_head", None)
         self._partial: dict[str, torch.Tensor] = {}
 
     def pool(self, hidden: torch.Tensor, step: StepPooling) -> list[tuple[Request, torch.Tensor]]:
@@ -77,10 +79,9 @@ class Pooler(ResourceManager):
         if not done:
             return []
         pooled = list(torch.stack(states).float())
-        head = getattr(self.model, "pooling_head", None)
         heads = [i for i, r in enumerate(done) if r.pooling_params.task != "embed"]
         if heads:  # a classifier's or reranker's head (embeddings are the states)
-            scored = head(torch.stack(states)[heads]).float()
+            scored = self.head(torch.stack(states)[heads]).float()
             for i, row in zip(heads, scored):
                 pooled[i] = row
         return [(r, self._finish(r, row)) for r, row in zip(done, pooled)]
@@ -118,3 +119,17 @@ class Pooler(ResourceManager):
 
     def free(self, request: Request) -> None:
         self._partial.pop(request.request_id, None)
+
+
+class YesNoHead:
+    """Qwen3-Reranker's rule for a causal LM: a (templated) pair's score is P("yes") of
+    {"yes", "no"} after its last token, sigmoid(logit_yes - logit_no): this head gives
+    that difference."""
+
+    def __init__(self, model: torch.nn.Module, yes_id: int, no_id: int) -> None:
+        self.model = model
+        self.ids = [yes_id, no_id]
+
+    def __call__(self, pooled: torch.Tensor) -> torch.Tensor:
+        logits = self.model.compute_logits(pooled)[:, self.ids]
+        return logits[:, :1] - logits[:, 1:]

@@ -116,3 +116,24 @@ def test_an_encoder_refuses_generation_and_frees_its_blocks(tmp_path):
             llm.embed("the cat sat on the mat the dog ran fast on the river")
         assert len(llm.embed(TEXTS * 4)) == 24
         assert llm.get_stats()["kv_blocks_free"] == free_before
+
+
+def test_pooling_beside_speculative_decoding(qwen3, tmp_path):
+    """Steps whose generation request carries n-gram drafts still end their pooling
+    requests (small waves of them, sent while it decodes), and its tokens stay as they
+    are without any."""
+    from tllm.config import NGramDecodingConfig
+    base, _ = qwen3
+    expected = [o.embedding for o in base.embed(TEXTS[:2])]
+    repetitive = "the cat sat on the mat the cat sat on the mat the cat"
+    long_greedy = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
+    alone = base.generate(repetitive, long_greedy, use_tqdm=False).outputs[0].token_ids
+    save_qwen3(tmp_path, "Qwen3ForCausalLM")   # the same seed: the fixture's weights
+    with LLM(str(tmp_path), max_num_tokens=16, max_batch_size=16,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024),
+             speculative_config=NGramDecodingConfig(max_draft_len=3)) as llm:
+        result = llm.generate_async(repetitive, long_greedy)
+        waves = [llm.embed(TEXTS[:2]) for _ in range(40)]
+        assert result.result(timeout=60).outputs[0].token_ids == alone
+    for wave in waves:
+        np.testing.assert_allclose([o.embedding for o in wave], expected, atol=1e-5)

@@ -33,16 +33,37 @@ def test_non_causal_sees_every_key_of_its_sequence(query_lens, block):
                                                  batch.metadata), out)
 
 
-@pytest.mark.parametrize("query_lens", [[5, 1, 12], [3]])
-def test_triton_non_causal_equals_torch(device, query_lens):
+@pytest.mark.parametrize("window", [1, 3])
+def test_non_causal_window_sees_both_sides(window):
+    """ModernBERT's local layers: keys less than `window` positions away, either side."""
+    heads, head_dim, query_lens = 2, 8, [9, 4]
+    batch = make_paged_batch(query_lens, [0, 0], heads, heads, head_dim, 4, torch.float32)
+    out = TorchAttentionBackend(heads, heads, head_dim, head_dim ** -0.5, window,
+                                causal=False).forward(batch.q, batch.k, batch.v,
+                                                      batch.kv_cache, batch.metadata)
+    start = 0
+    for i, n in enumerate(query_lens):
+        k, v = gather_kv(batch.kv_cache, batch.metadata.block_tables[i], n, 4)
+        pos = torch.arange(n)
+        mask = (pos[:, None] - pos[None, :]).abs() < window
+        ref = F.scaled_dot_product_attention(
+            batch.q[start:start + n].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+            attn_mask=mask, scale=head_dim ** -0.5).transpose(0, 1)
+        assert relative_error(out[start:start + n], ref) < 1e-5
+        start += n
+
+
+@pytest.mark.parametrize("query_lens,window", [([5, 1, 12], None), ([3], None),
+                                               ([6, 2], 2)])
+def test_triton_non_causal_equals_torch(device, query_lens, window):
     """The context kernel's non-causal mode (every step of an encoder goes to it, short
-    queries too), under the Triton interpreter on a CPU."""
+    queries too), under the Triton interpreter on a CPU; a windowed layer's torch path."""
     pytest.importorskip("triton")
     from tllm.attention.triton_backend import TritonAttentionBackend
     heads, kv_heads, head_dim = 4, 2, 16
     batch = make_paged_batch(query_lens, [0] * len(query_lens), heads, kv_heads, head_dim, 4,
                              torch.float32, device=device)
-    args = (heads, kv_heads, head_dim, head_dim ** -0.5)
+    args = (heads, kv_heads, head_dim, head_dim ** -0.5, window)
     got = TritonAttentionBackend(*args, causal=False).forward(
         batch.q, batch.k, batch.v, batch.kv_cache, batch.metadata)
     ref = TorchAttentionBackend(*args, causal=False).forward(

@@ -122,3 +122,28 @@ def test_qwen3_reranker_scores_by_the_yes_no_rule(tmp_path):
         assert llm.task == "score"
         got = [o.score for o in llm.score(query, docs)]
     np.testing.assert_allclose(got, expected, atol=TOL)
+
+
+def test_modernbert_embeddings_equal_sentence_transformers(tmp_path):
+    """Rotary positions, GeGLU, local layers attending two positions either side."""
+    save_bert(tmp_path, "ModernBertModel")
+    add_sentence_transformers_layout(tmp_path, "mean", True)
+    expected = st_encode(tmp_path, TEXTS)
+    with make_llm(tmp_path) as llm:
+        got = np.array([o.embedding for o in llm.embed(TEXTS)])
+    np.testing.assert_allclose(got, expected, atol=TOL)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_modernbert_classifier_probs_equal_hf(tmp_path, pooling):
+    from transformers import AutoTokenizer
+    hf = save_bert(tmp_path, "ModernBertForSequenceClassification", num_labels=3,
+                   classifier_pooling=pooling)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = [hf(**tokenizer(t, return_tensors="pt")).logits[0].softmax(-1)
+                    for t in TEXTS]
+    with make_llm(tmp_path) as llm:
+        assert llm.task == "classify"
+        got = [o.probs for o in llm.classify(TEXTS)]
+    np.testing.assert_allclose(got, torch.stack(expected), atol=TOL)

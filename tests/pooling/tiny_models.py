@@ -46,7 +46,14 @@ def save_bpe_tokenizer(path: Path, extra_tokens: tuple[str, ...] = ()):
 
 
 def bert_config(arch: str, vocab_size: int, **extra):
-    from transformers import BertConfig, XLMRobertaConfig
+    from transformers import BertConfig, ModernBertConfig, XLMRobertaConfig
+    if arch.startswith("ModernBert"):  # a window of 2 either side, every 2nd layer global
+        return ModernBertConfig(**{**dict(
+            vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+            num_attention_heads=4, max_position_embeddings=64, local_attention=4,
+            global_attn_every_n_layers=2, pad_token_id=0, cls_token_id=2, sep_token_id=3,
+            bos_token_id=2, eos_token_id=3, architectures=[arch], initializer_range=0.2),
+            **extra})
     cls = XLMRobertaConfig if arch.startswith("XLMRoberta") else BertConfig
     kwargs = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
                   num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,

@@ -139,7 +139,9 @@ class AttentionOptions:
     sliding_window: int | None = None    # keys within the last `sliding_window` positions
     scale: float | None = None           # softmax scale; None: head_dim ** -0.5
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
-    causal: bool = True                  # False: every query sees its whole sequence (BERT)
+    # False: every query sees its whole sequence (BERT), or with a sliding window the keys
+    # less than `sliding_window` positions away on either side (ModernBERT's local layers)
+    causal: bool = True
 
 
 class AttentionBackend(ABC):

@@ -193,9 +193,11 @@ def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: li
                 tensor([m.query_len for m in members]), seq_lens,
                 tensor([m.first_block * bs for m in members]), max_q, num_keys,
                 sliding_window)
-        else:  # every key of the sequence (the columns before seq_len)
-            allowed = (torch.arange(num_keys, device=device)[None, None, :]
-                       < seq_lens[:, None, None]).expand(n, max_q, num_keys)
+        else:  # every key of the sequence, or those within the window either side
+            allowed = _bidirectional_mask(
+                tensor([m.query_len for m in members]), seq_lens,
+                tensor([m.first_block * bs for m in members]), max_q, num_keys,
+                sliding_window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]
     whole = in_order and all_real and len(out_rows) == metadata.num_tokens
@@ -205,6 +207,21 @@ def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: li
         real_rows=None if all_real else tensor(real), mask=mask, is_causal=is_causal,
         pad_keys=_pad_keys([m.seq_len - m.first_block * bs for m in members], num_keys,
                            tensor))
+
+
+def _bidirectional_mask(query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                        first_keys: torch.Tensor, max_query_len: int, num_keys: int,
+                        sliding_window: int | None) -> torch.Tensor:
+    """[n, max_query_len, num_keys] bool for a non-causal layer: the keys before seq_len,
+    within `sliding_window` positions of the query either side (|q - k| < window)."""
+    device = seq_lens.device
+    k_pos = first_keys[:, None] + torch.arange(num_keys, device=device)
+    allowed = (k_pos < seq_lens[:, None])[:, None, :].expand(-1, max_query_len, -1)
+    if sliding_window is None:
+        return allowed
+    rows = torch.arange(max_query_len, device=device)
+    q_pos = torch.minimum((seq_lens - query_lens)[:, None] + rows, seq_lens[:, None] - 1)
+    return allowed & ((k_pos[:, None, :] - q_pos[:, :, None]).abs() < sliding_window)
 
 
 def _pad_keys(valid_keys: list[int], num_keys: int, tensor) -> torch.Tensor | None:

@@ -25,9 +25,14 @@ class TritonAttentionBackend(AttentionBackend):
                  logits_soft_cap: float | None = None, causal: bool = True) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
                          logits_soft_cap, causal)
+        # A non-causal window (ModernBERT's local layers, both sides) is not in the
+        # kernels: such a layer attends on the torch path, which has it.
+        self._windowed_encoder = None
         if not causal and sliding_window is not None:
-            raise ValueError("attn_backend: the triton backend's non-causal mode has no "
-                             "sliding window")
+            from tllm.attention.torch_ref import TorchAttentionBackend
+            self._windowed_encoder = TorchAttentionBackend(
+                num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap,
+                causal=False)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
@@ -43,6 +48,8 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.capture is not None:  # piecewise capture: runs between the pieces
             return metadata.capture.defer(self.forward, q, k, v, kv_cache, metadata,
                                           kv_scales)
+        if self._windowed_encoder is not None:
+            return self._windowed_encoder.forward(q, k, v, kv_cache, metadata, kv_scales)
         scales = _cache_scales(kv_cache, kv_scales)
         if torch.compiler.is_compiling():
             return self._compiled(q, k, v, kv_cache, metadata, None, scales)

@@ -138,10 +138,7 @@ class BertModel(nn.Module):
     def __init__(self, config, backend_cls: type[AttentionBackend], max_position: int,
                  quant_config=None) -> None:
         super().__init__()
-        if quant_config is not None:
-            raise ValueError(f"quantization: {type(self).__name__} runs unquantized")
-        if comm.mapping().world_size > 1:
-            raise ValueError(f"{type(self).__name__} runs on one rank (tp_size and pp_size 1)")
+        self.check_one_rank(quant_config)
         self.config = config
         self.activation_dtype = torch.get_default_dtype()
         self.is_first_stage = self.is_last_stage = True
@@ -154,13 +151,15 @@ class BertModel(nn.Module):
         for layer in self.encoder.layer:
             layer.attention.attn = backend
 
+    def check_one_rank(self, quant_config) -> None:
+        if quant_config is not None:
+            raise ValueError(f"quantization: {type(self).__name__} runs unquantized")
+        if comm.mapping().world_size > 1:
+            raise ValueError(f"{type(self).__name__} runs on one rank (tp_size and pp_size 1)")
+
     @staticmethod
     def position_offset(config) -> int:
         return 0
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.encoder.layer
 
     @property
     def kv_cache_spec(self) -> KVCacheSpec:

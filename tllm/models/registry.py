@@ -31,6 +31,8 @@ _MODULES = {
     **dict.fromkeys(["BertModel", "XLMRobertaModel", "RobertaModel",
                      "BertForSequenceClassification", "XLMRobertaForSequenceClassification",
                      "RobertaForSequenceClassification"], "tllm.models.bert"),
+    **dict.fromkeys(["ModernBertModel", "ModernBertForSequenceClassification"],
+                    "tllm.models.modernbert"),
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

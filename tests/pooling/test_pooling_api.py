@@ -104,7 +104,7 @@ def test_bad_arguments_raise_value_error_naming_them(qwen3, call, match):
 
 
 def test_an_encoder_refuses_generation_and_frees_its_blocks(tmp_path):
-    save_bert(tmp_path, "BertModel")
+    save_bert(tmp_path, "XLMRobertaModel")  # positions from pad + 1 = 1: at most 63
     with pytest.raises(ValueError, match="task"):
         LLM(str(tmp_path), task="generate")
     with LLM(str(tmp_path), max_num_tokens=12,
@@ -114,6 +114,8 @@ def test_an_encoder_refuses_generation_and_frees_its_blocks(tmp_path):
             llm.generate("the cat", GREEDY)
         with pytest.raises(ValueError, match="max_num_tokens"):  # no chunks: one step
             llm.embed("the cat sat on the mat the dog ran fast on the river")
+        with pytest.raises(ValueError, match="63"):
+            llm.embed([[5] * 64])
         assert len(llm.embed(TEXTS * 4)) == 24
         assert llm.get_stats()["kv_blocks_free"] == free_before
 

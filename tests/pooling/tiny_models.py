@@ -18,11 +18,12 @@ TEXTS = ["the cat sat on the mat", "a dog", "why is the river blue",
 def save_wordpiece_tokenizer(path: Path, token_types: bool = True):
     from transformers import BertTokenizerFast
     path.mkdir(parents=True, exist_ok=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(WORDS)]
     names = ["input_ids", "token_type_ids", "attention_mask"]
-    tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), model_input_names=(
-        names if token_types else [n for n in names if n != "token_type_ids"]))
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)},
+                                  model_input_names=(names if token_types else
+                                                     [n for n in names if n != "token_type_ids"]))
+    assert len(tokenizer) == len(vocab)
     tokenizer.save_pretrained(path)
     return tokenizer
 

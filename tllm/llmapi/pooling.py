@@ -177,9 +177,10 @@ class PoolingClient:
 
     def _check_prompt(self, token_ids: list[int]) -> None:
         engine, args = self._engine, self._args
-        if len(token_ids) > engine.max_seq_len:
+        limit = min(engine.max_seq_len, getattr(self._model, "max_prompt_len", 1 << 62))
+        if len(token_ids) > limit:
             raise ValueError(f"inputs: the prompt has {len(token_ids)} tokens, more than "
-                             f"max_seq_len ({engine.max_seq_len})")
+                             f"the model takes ({limit}: max_seq_len, or its positions)")
         vocab = engine.config.vocab_size
         if max(token_ids) >= vocab:
             raise ValueError(f"inputs: token id {max(token_ids)} is outside the vocabulary "

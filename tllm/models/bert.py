@@ -162,6 +162,11 @@ class BertModel(nn.Module):
         return 0
 
     @property
+    def max_prompt_len(self) -> int:
+        """The longest prompt its learned positions cover."""
+        return self.config.max_position_embeddings - self.position_offset(self.config)
+
+    @property
     def kv_cache_spec(self) -> KVCacheSpec:
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         return KVCacheSpec(self.config.num_hidden_layers, self.config.num_attention_heads,

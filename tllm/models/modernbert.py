@@ -118,6 +118,10 @@ class ModernBertModel(BertModel):
         self.final_norm = _layer_norm(config)
 
     @property
+    def max_prompt_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
     def kv_cache_spec(self) -> KVCacheSpec:
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         return KVCacheSpec(self.config.num_hidden_layers, self.config.num_attention_heads,

@@ -35,5 +35,9 @@ def test_process_llm_encodes_as_llm_does(tmp_path):
         assert remote.task == "embed"
         assert remote.pooling_info == {"embedding_size": 32, "labels": None}
         outputs, scores = asyncio.run(run(remote))
+        np.testing.assert_allclose([o.embedding for o in remote.embed(TEXTS[:2])],
+                                   expected[:2], atol=1e-6)
+        np.testing.assert_allclose([s.score for s in remote.score(TEXTS[0], TEXTS[1:])],
+                                   expected_scores, atol=1e-6)
     np.testing.assert_allclose([o.embedding for o in outputs], expected, atol=1e-6)
     np.testing.assert_allclose([s.score for s in scores], expected_scores, atol=1e-6)

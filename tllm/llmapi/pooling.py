@@ -292,6 +292,16 @@ async def score_with(encode_async, task: str, query: str, documents: Sequence[st
     return _cosines(list(outputs))
 
 
+def pool_sync(encode_async, prompts, params: PoolingParams) -> list[PoolingRequestOutput]:
+    """The sync embed/classify of a handle that only has encode_async (ProcessLLM), on
+    an event loop of its own."""
+    items = _prompt_list(prompts)
+
+    async def run() -> list[PoolingRequestOutput]:
+        return list(await asyncio.gather(*[encode_async(p, params) for p in items]))
+    return asyncio.run(run())
+
+
 class PooledResult:
     """The caller's side of a pooling request run in another process: `deliver` gets its
     output or error (event loop thread); await `future`."""

@@ -38,7 +38,8 @@ from typing import Any, Callable, Sequence
 from tllm.llmapi.flag_aliases import llm_args
 from tllm.config import LlmArgs
 from tllm.gc_heap import frozen_heap
-from tllm.llmapi.pooling import PooledResult, score_with
+from tllm.llmapi.pooling import PooledResult, pool_sync, score_with
+from tllm.pooling_params import PoolingParams
 from tllm.llmapi.result import DeltaStream
 from tllm.log import LogSettings, active_settings, apply_settings
 from tllm.outputs import CompletionDelta
@@ -167,6 +168,17 @@ class ProcessLLM:
 
     async def score_async(self, query: str, documents: Sequence[str]):
         return await score_with(self.encode_async, self.task, query, documents)
+
+    def embed(self, prompts, *, dimensions: int | None = None, normalize: bool | None = None):
+        """LLM.embed's (and classify's, score's) sync forms, outside any event loop."""
+        return pool_sync(self.encode_async, prompts,
+                         PoolingParams("embed", dimensions=dimensions, normalize=normalize))
+
+    def classify(self, prompts):
+        return pool_sync(self.encode_async, prompts, PoolingParams("classify"))
+
+    def score(self, query: str, documents: Sequence[str]):
+        return asyncio.run(self.score_async(query, documents))
 
     def restart(self) -> None:
         """Replace the engine process with a new one (the old one has died, or is killed

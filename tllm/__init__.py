@@ -14,7 +14,8 @@ if TYPE_CHECKING:
                                       KvCacheConfig, LlmArgs, MTPDecodingConfig,
                                       NGramDecodingConfig, SchedulerConfig)
     from tllm.lora.request import LoRARequest
-    from tllm.outputs import CompletionOutput, Logprob, RequestOutput
+    from tllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
+    from tllm.pooling_params import PoolingParams
     from tllm.sampling_params import GuidedDecodingParams, SamplingParams
     from tllm.visual_gen import VisualGen, VisualGenParams
 
@@ -33,6 +34,7 @@ _EXPORTS = {
     "RequestOutput": "tllm.outputs", "CompletionOutput": "tllm.outputs", "Logprob": "tllm.outputs",
     "VisualGen": "tllm.visual_gen", "VisualGenParams": "tllm.visual_gen",
     "LoRARequest": "tllm.lora.request",
+    "PoolingParams": "tllm.pooling_params", "PoolingRequestOutput": "tllm.outputs",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

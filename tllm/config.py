@@ -255,6 +255,11 @@ class LlmArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
 
     model: str
+    # What the model serves: "generate" (text), or a pooling task: "embed" (embeddings),
+    # "score" (a cross-encoder's pair scores), "classify" (label probabilities); "auto":
+    # the model's own (its architecture: a *ForSequenceClassification scores or classifies,
+    # BertModel / Qwen3Model embed, a *ForCausalLM generates).
+    task: Literal["auto", "generate", "embed", "score", "classify"] = "auto"
     # For a hub id ("org/name"): the branch, tag or commit of its repository (default:
     # main), and the HF cache folder it is looked for and downloaded into (default:
     # HF_HUB_CACHE, else $HF_HOME/hub). Local paths and built-in names ignore both.

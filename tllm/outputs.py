@@ -79,11 +79,12 @@ class CompletionDelta:
 
 @dataclass
 class PoolingRequestOutput:
-    """The answer of a pooling request (embed, score, classify): one vector per prompt."""
+    """The result of one pooling request: an embedding, one probability per label, or a
+    score, as plain floats in `data`."""
 
     request_id: str
     prompt_token_ids: list[int]
-    data: list[float]     # embed: the vector; classify: one probability per label; score: [score]
+    data: list[float]
 
     @property
     def embedding(self) -> list[float]:

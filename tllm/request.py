@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from tllm.pooling_params import PoolingParams
 from tllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +73,12 @@ class Request:
     kv_import: ImportedKV | None = None
     # Images of a vision-language model's prompt (their placeholders are in the prompt)
     multimodal: MultimodalInputs | None = None
+    # A pooling request (embedding, score, classification): it computes its prompt, its
+    # final hidden states pooled into `pooled` (on the device), and ends with its last
+    # prompt chunk; it samples nothing. `token_type_ids`: a BERT-style pair's segments.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
+    pooled: torch.Tensor | None = None
 
     token_ids: list[int] = field(init=False)
     num_in_flight: int = 0

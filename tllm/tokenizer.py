@@ -43,6 +43,13 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_pair(self, text: str, text_pair: str) -> tuple[list[int], list[int] | None]:
+        """A (query, document) pair as one prompt, as a cross-encoder reads it: its token
+        ids and, where the tokenizer makes them, its segment (token type) ids."""
+        encoded = self.hf(text, text_pair)
+        types = encoded.get("token_type_ids")
+        return list(encoded["input_ids"]), list(types) if types is not None else None
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
 

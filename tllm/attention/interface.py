@@ -139,20 +139,26 @@ class AttentionOptions:
     sliding_window: int | None = None    # keys within the last `sliding_window` positions
     scale: float | None = None           # softmax scale; None: head_dim ** -0.5
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    # False: every query sees its whole sequence (BERT), or with a sliding window the keys
+    # less than `sliding_window` positions away on either side (ModernBERT's local layers)
+    causal: bool = True
 
 
 class AttentionBackend(ABC):
-    """Writes this step's keys and values into the paged cache, then attends."""
+    """Writes this step's keys and values into the paged cache, then attends. `causal`
+    False (encoder-only models): each query attends every key of its sequence up to
+    `seq_lens` (the whole prompt must then be computed in one step)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, causal: bool = True) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.causal = causal
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,

@@ -113,11 +113,11 @@ class _Member:
 
 def plan_attention(metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype,
                    kv_bytes_per_token: int, num_heads: int, head_dim: int,
-                   call_us: float = _CALL_US) -> list[AttentionGroup]:
+                   call_us: float = _CALL_US, causal: bool = True) -> list[AttentionGroup]:
     """Groups of this step's sequences and each group's gather indices and mask: the same
     for every layer of the step. kv_bytes_per_token: K and V of one token, all kv heads;
     call_us: what a call costs against padding (inf: one padded call for the whole step,
-    0: a call per distinct shape)."""
+    0: a call per distinct shape); causal False: each query sees its sequence's every key."""
     bs = metadata.tokens_per_block
     members = []
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu,
@@ -134,7 +134,7 @@ def plan_attention(metadata: AttentionMetadata, sliding_window: int | None, dtyp
         starts.append(starts[-1] + query_len)
     # in batch order within a group, so a group of the whole batch needs no row indexing
     return [_build_group(sorted(g, key=lambda m: m.index), metadata, starts, sliding_window,
-                         dtype) for g in _partition(members, key_us, pair_us, call_us)]
+                         dtype, causal) for g in _partition(members, key_us, pair_us, call_us)]
 
 
 def _partition(members: list[_Member], key_us: float, pair_us: float,
@@ -161,7 +161,8 @@ def _partition(members: list[_Member], key_us: float, pair_us: float,
 
 
 def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: list[int],
-                 sliding_window: int | None, dtype: torch.dtype) -> AttentionGroup:
+                 sliding_window: int | None, dtype: torch.dtype,
+                 causal: bool = True) -> AttentionGroup:
     bs, device = metadata.tokens_per_block, metadata.block_tables.device
     n = len(members)
     max_q = max(m.query_len for m in members)
@@ -187,13 +188,21 @@ def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: li
     fresh = all(m.query_len == m.seq_len for m in members)
     window_cuts = sliding_window is not None and any(
         m.seq_len > sliding_window for m in members)
-    is_causal = max_q > 1 and fresh and not window_cuts
+    is_causal = causal and max_q > 1 and fresh and not window_cuts
     mask = None
     needs_mask = window_cuts or any(m.seq_len != num_keys for m in members)
-    if not is_causal and (needs_mask or max_q > 1):
-        allowed = batched_causal_mask(
-            tensor([m.query_len for m in members]), tensor([m.seq_len for m in members]),
-            tensor([m.first_block * bs for m in members]), max_q, num_keys, sliding_window)
+    if not is_causal and (needs_mask or (causal and max_q > 1)):
+        seq_lens = tensor([m.seq_len for m in members])
+        if causal:
+            allowed = batched_causal_mask(
+                tensor([m.query_len for m in members]), seq_lens,
+                tensor([m.first_block * bs for m in members]), max_q, num_keys,
+                sliding_window)
+        else:  # every key of the sequence, or those within the window either side
+            allowed = _bidirectional_mask(
+                tensor([m.query_len for m in members]), seq_lens,
+                tensor([m.first_block * bs for m in members]), max_q, num_keys,
+                sliding_window)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
         mask = mask.masked_fill_(~allowed, float("-inf"))[:, None]
     whole = in_order and all_real and len(out_rows) == metadata.num_tokens
@@ -203,6 +212,21 @@ def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: li
         real_rows=None if all_real else tensor(real), mask=mask, is_causal=is_causal,
         pad_keys=_pad_keys([m.seq_len - m.first_block * bs for m in members], num_keys,
                            tensor))
+
+
+def _bidirectional_mask(query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                        first_keys: torch.Tensor, max_query_len: int, num_keys: int,
+                        sliding_window: int | None) -> torch.Tensor:
+    """[n, max_query_len, num_keys] bool for a non-causal layer: the keys before seq_len,
+    within `sliding_window` positions of the query either side (|q - k| < window)."""
+    device = seq_lens.device
+    k_pos = first_keys[:, None] + torch.arange(num_keys, device=device)
+    allowed = (k_pos < seq_lens[:, None])[:, None, :].expand(-1, max_query_len, -1)
+    if sliding_window is None:
+        return allowed
+    rows = torch.arange(max_query_len, device=device)
+    q_pos = torch.minimum((seq_lens - query_lens)[:, None] + rows, seq_lens[:, None] - 1)
+    return allowed & ((k_pos[:, None, :] - q_pos[:, :, None]).abs() < sliding_window)
 
 
 def _pad_keys(valid_keys: list[int], num_keys: int, tensor) -> torch.Tensor | None:
@@ -357,7 +381,7 @@ class TorchAttentionBackend(AttentionBackend):
             if plan_metadata is metadata and dtype == q.dtype:
                 return groups
         groups = plan_attention(metadata, self.sliding_window, q.dtype, _kv_bytes(kv_cache),
-                                q.shape[1], q.shape[2])
+                                q.shape[1], q.shape[2], causal=self.causal)
         if len(self._plans) == _MAX_PLANS:  # the oldest: an earlier step's
             self._plans.pop(0)
         self._plans.append((metadata, q.dtype, groups))

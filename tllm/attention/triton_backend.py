@@ -22,9 +22,17 @@ _MAX_HEAD_DIM = 256
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, causal: bool = True) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                         logits_soft_cap)
+                         logits_soft_cap, causal)
+        # A non-causal window (ModernBERT's local layers, both sides) is not in the
+        # kernels: such a layer attends on the torch path, which has it.
+        self._windowed_encoder = None
+        if not causal and sliding_window is not None:
+            from tllm.attention.torch_ref import TorchAttentionBackend
+            self._windowed_encoder = TorchAttentionBackend(
+                num_heads, num_kv_heads, head_dim, scale, sliding_window, logits_soft_cap,
+                causal=False)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")
@@ -41,6 +49,8 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.capture is not None:  # piecewise capture: runs between the pieces
             return metadata.capture.defer(self.forward, q, k, v, kv_cache, metadata,
                                           kv_scales, sinks)
+        if self._windowed_encoder is not None:
+            return self._windowed_encoder.forward(q, k, v, kv_cache, metadata, kv_scales)
         scales = _cache_scales(kv_cache, kv_scales)
         if torch.compiler.is_compiling():
             return self._compiled(q, k, v, kv_cache, metadata, None, scales, sinks)
@@ -94,6 +104,9 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         tables, starts, seq_lens = (metadata.block_tables, metadata.query_start_loc,
                                     metadata.seq_lens)
+        if not self.causal:  # (the decode kernel masks causally)
+            return self._context(q, kv_cache, tables, starts, seq_lens,
+                                 metadata.max_query_len, out, scales)
         if metadata.max_query_len <= MAX_DECODE_QUERIES:
             return self._decode(q, kv_cache, tables, starts, seq_lens, metadata.max_seq_len,
                                 metadata.max_query_len, out, scales, sinks)
@@ -125,7 +138,8 @@ class TritonAttentionBackend(AttentionBackend):
                                        max_query_len=max_query_len, scale=self.scale,
                                        sliding_window=self.sliding_window, out=out,
                                        k_scale=scales[0], v_scale=scales[1],
-                                       logits_soft_cap=self.logits_soft_cap, sinks=sinks)
+                                       logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+                                       causal=self.causal)
 
 
 def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[float, float]:

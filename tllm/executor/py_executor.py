@@ -290,6 +290,8 @@ class PyExecutor:
         """The step's tokens, kept on the device (in flight: the next step reads them from
         the runner's token table) until `_complete_oldest` brings them to the host."""
         output = step.output.wait()
+        if output.pooled:
+            self._finish_pooled(output.pooled)
         self.postprocess.record_prompt_logprobs(output)
         step.beams = self.beam_search.candidates(output)
         if output.sample_counts is not None:  # drafts to verify: SYNC, tokens on the host
@@ -304,6 +306,14 @@ class PyExecutor:
         for request in step.sampled.requests:
             if request.state is not finished:
                 request.num_in_flight += 1  # (mark_sampled, inline: every row, every step)
+
+    def _finish_pooled(self, pooled: list) -> None:
+        """Pooling requests end with their prompt's last step: the output stays on the
+        device (the output thread reads it), their KV blocks go back now."""
+        for request, values in pooled:
+            if request.state is not RequestState.FINISHED:
+                request.pooled = values
+                self._finish(request, FinishReason.STOP)
 
     def _complete_oldest(self) -> None:
         """Bring the oldest step's tokens to the host: append them, stream, stop."""

@@ -21,6 +21,7 @@ from tllm.kv_cache.manager import KVCacheManager
 from tllm.loader.generation_config import sampling_defaults
 from tllm.config import LlmArgs
 from tllm.lora.manager import LoraManager
+from tllm.llmapi.pooling import setup_pooling
 from tllm.multimodal.processing import MultimodalProcessor
 from tllm.runner.build import RankParts, build_rank
 from tllm.runner.model_runner import ModelRunner
@@ -48,6 +49,9 @@ class Engine:
     sampling_defaults: dict = field(default_factory=dict)
     # a vision-language model's processor (prompts with images); None for others
     multimodal: MultimodalProcessor | None = None
+    # what it serves ("generate" or a pooling task) and its pooling outputs' shape
+    task: str = "generate"
+    pooling_info: dict = field(default_factory=dict)
 
     @property
     def lora(self) -> LoraManager | None:
@@ -79,6 +83,7 @@ def build_engine(args: LlmArgs) -> Engine:
                                      parts.source.path if parts.source.kind == "hf" else None)
         multimodal = multimodal_processor(args, parts, tokenizer)
         executor = build_executor(args, parts)
+        task, pooling = setup_pooling(args, parts, executor, tokenizer)
         if tokenizer is not None:  # xgrammar loads on the first guided request only
             executor.enable_guided_decoding(GuidedDecoding(
                 tokenizer, getattr(parts.config, "vocab_size", None)))
@@ -107,7 +112,7 @@ def build_engine(args: LlmArgs) -> Engine:
     line, fields = engine_summary(args, parts)
     logger.info("%s", line, extra={"fields": fields})
     return Engine(parts.config, tokenizer, executor, parts.kv_cache, parts.device, parts.dtype,
-                  parts.max_seq_len, workers, disagg, defaults, multimodal)
+                  parts.max_seq_len, workers, disagg, defaults, multimodal, task, pooling)
 
 
 def multimodal_processor(args: LlmArgs, parts: RankParts,
@@ -170,7 +175,9 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
     pp_size = args.pipeline_parallel_size
     scheduler = Scheduler(parts.kv_cache, max_batch_size=args.max_batch_size,
                           max_num_tokens=args.max_num_tokens,
-                          enable_chunked_prefill=args.enable_chunked_prefill,
+                          # a bidirectional encoder computes a prompt in one step
+                          enable_chunked_prefill=(args.enable_chunked_prefill
+                                                  and getattr(parts.model, "is_causal", True)),
                           preemption_mode=args.scheduler_config.preemption_mode,
                           num_micro_batches=pp_size, policy=scheduling_policy(args))
     lora = LoraManager(parts.lora) if parts.lora is not None else None

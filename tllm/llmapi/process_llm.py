@@ -39,6 +39,8 @@ from tllm.llmapi.flag_aliases import llm_args
 from tllm.config import LlmArgs
 from tllm.gc_heap import frozen_heap
 from tllm.llmapi.process_rollout import RolloutCalls, run_rollout_call
+from tllm.llmapi.pooling import PooledResult, pool_sync, score_with
+from tllm.pooling_params import PoolingParams
 from tllm.llmapi.result import DeltaStream
 from tllm.llmapi.rollout import RolloutMethods
 from tllm.log import LogSettings, active_settings, apply_settings
@@ -74,6 +76,8 @@ class ProcessLLM(RolloutMethods):
         self.tokenizer = _unpickled_tokenizer(ready["tokenizer"], self.args)
         # generation_config.json's defaults (LLM.sampling_defaults): the server applies them
         self.sampling_defaults: dict[str, float | int] = ready["sampling_defaults"]
+        self.task: str = ready["task"]                  # "generate" or a pooling task
+        self.pooling_info: dict = ready["pooling_info"]
 
     # ---- what the server uses ----
 
@@ -148,6 +152,39 @@ class ProcessLLM(RolloutMethods):
     def _rollout_call(self, name: str, *args):
         """Sleep, wake, weight updates: run in the engine process (llmapi/process_rollout)."""
         return self._engine.rollout.call(self._engine.send, name, args)
+
+    async def encode_async(self, prompt, params, request_id: str | None = None):
+        """A pooling request (LLM.encode_async) run in the engine process; its refusal
+        comes back as the ValueError."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        engine, request_id = self._engine, request_id or f"p{next(self._ids)}"
+        result = PooledResult(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        engine.streams[request_id] = result
+        engine.send(("encode", request_id, prompt, params))
+        engine.num_sent += 1
+        try:
+            return await result.future
+        except asyncio.CancelledError:
+            self._abort(engine, request_id)
+            raise
+        finally:
+            engine.streams.pop(request_id, None)
+
+    async def score_async(self, query: str, documents: Sequence[str]):
+        return await score_with(self.encode_async, self.task, query, documents)
+
+    def embed(self, prompts, *, dimensions: int | None = None, normalize: bool | None = None):
+        """LLM.embed's (and classify's, score's) sync forms, outside any event loop."""
+        return pool_sync(self.encode_async, prompts,
+                         PoolingParams("embed", dimensions=dimensions, normalize=normalize))
+
+    def classify(self, prompts):
+        return pool_sync(self.encode_async, prompts, PoolingParams("classify"))
+
+    def score(self, query: str, documents: Sequence[str]):
+        return asyncio.run(self.score_async(query, documents))
 
     def restart(self) -> None:
         """Replace the engine process with a new one (the old one has died, or is killed
@@ -366,6 +403,7 @@ def engine_main(args: LlmArgs, commands, events, log_settings: LogSettings | Non
                                "disagg_info": llm.disagg_info,
                                "lora_targets": llm.lora_targets,
                                "sampling_defaults": llm.sampling_defaults,
+                               "task": llm.task, "pooling_info": llm.pooling_info,
                                "tokenizer": _pickled_tokenizer(llm.tokenizer)}))
         _EngineServer(llm, events).run(commands)
 
@@ -394,6 +432,8 @@ class _EngineServer:
                 self._forget_finished()
                 if message[0] == "submit":
                     self._submit(*message[1:])
+                elif message[0] == "encode":
+                    self._encode(*message[1:])
                 elif message[0] == "abort":     # applied at once: each reaches the loop's
                     for request_id in message[1]:   # inbox, drained between steps
                         abort = self.aborts.get(request_id)
@@ -424,6 +464,15 @@ class _EngineServer:
             self.aborts.update(aborts)
             self._post(("accepted", batch_id))
         self.num_received += _num_sequences(items)
+
+    def _encode(self, request_id: str, prompt, params) -> None:
+        def on_done(item) -> None:  # (output thread) its one message back
+            self.sink.put((request_id, _picklable(item) if isinstance(item, Exception)
+                           else item))
+            self.finished_ids.put(request_id)
+        self.aborts[request_id] = self.llm.add_pooling_request(prompt, params, request_id,
+                                                               on_done)
+        self.num_received += 1
 
     def _forget_finished(self) -> None:
         while True:

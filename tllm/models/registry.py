@@ -24,6 +24,16 @@ _MODULES = {
     "DeepseekV2ForCausalLM": "tllm.models.deepseek.model",
     "DeepseekV3ForCausalLM": "tllm.models.deepseek.model",
     "GptOssForCausalLM": "tllm.models.gpt_oss",
+    # pooling models (embeddings, rerankers, classifiers)
+    **dict.fromkeys(["LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model",
+                     "LlamaForSequenceClassification", "MistralForSequenceClassification",
+                     "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"],
+                    "tllm.models.llama_pooling"),
+    **dict.fromkeys(["BertModel", "XLMRobertaModel", "RobertaModel",
+                     "BertForSequenceClassification", "XLMRobertaForSequenceClassification",
+                     "RobertaForSequenceClassification"], "tllm.models.bert"),
+    **dict.fromkeys(["ModernBertModel", "ModernBertForSequenceClassification"],
+                    "tllm.models.modernbert"),
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

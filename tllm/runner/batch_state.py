@@ -123,6 +123,8 @@ class SlotAssigner(ResourceManager):
         # per slot: whether its request asked for prompt logprobs (rare: a step looks here
         # rather than at every request)
         self.wants_prompt_logprobs = np.zeros(num_slots, dtype=bool)
+        # per slot: whether its request pools instead of sampling (as rare here)
+        self.is_pooling = np.zeros(num_slots, dtype=bool)
         # told when a request takes a slot and when it gives it back (the sampler keeps
         # each slot's parameters): assign_slot(slot, request), release_slot(slot)
         self.listeners: list = []
@@ -159,6 +161,7 @@ class SlotAssigner(ResourceManager):
     def _assign(self, request: Request) -> int:
         slot = self._slot_of[request.request_id] = self._take_slot()
         self.wants_prompt_logprobs[slot] = request.wants_prompt_logprobs
+        self.is_pooling[slot] = request.pooling_params is not None
         for listener in self.listeners:
             listener.assign_slot(slot, request)
         return slot

@@ -88,7 +88,10 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     if lora is not None:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
-    if mapping.pp_size == 1 and not getattr(model, "is_multimodal", False):
+    # a pooling-only model's steps all pool (never a decode graph); piecewise graphs of
+    # encoders are untried: both run eagerly
+    if (mapping.pp_size == 1 and not getattr(model, "is_multimodal", False)
+            and getattr(model, "pooling_task", None) is None):
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
         piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
                                            graphs.pool if graphs is not None else None)

@@ -14,6 +14,7 @@ import numpy as np
 
 from tllm.request import Request
 from tllm.runner.batch_state import BatchTables, SlotAssigner, StepArrays, StepDiff
+from tllm.runner.pooling import StepPooling, pooling_segments
 from tllm.scheduler.interface import ScheduledBatch
 
 
@@ -34,6 +35,8 @@ class StepInputs:
     # (1 + its drafts: the target's logits after its last token and after each draft);
     # None when no request of the step has drafts (one row each)
     sample_counts: list[int] | None = None
+    # the step's pooling requests and their rows (None: it has none)
+    pooling: StepPooling | None = None
 
     @property
     def logit_rows(self) -> np.ndarray:
@@ -66,11 +69,18 @@ def build_step_inputs(batch: ScheduledBatch, slots: SlotAssigner, tables: BatchT
     inputs = StepInputs(diff, arrays, input_ids,
                         first_rows[on_device] + (known - starts)[on_device],
                         diff.slots[on_device])
+    is_pooling = slots.is_pooling[diff.slots]
+    has_pooling = is_pooling.any()
+    if has_pooling:  # they pool their rows and sample none
+        inputs.pooling = pooling_segments(requests, is_pooling, starts, ends, first_rows,
+                                          diff.num_tokens)
     if may_have_drafts and any(r.draft_token_ids for r in requests):  # (nothing in flight)
         _add_drafts(inputs, requests, [len(r.draft_token_ids) for r in requests], starts,
                     num_tokens, first_rows)
     else:
         samples = np.flatnonzero(ends == num_tokens)
+        if has_pooling:
+            samples = samples[~is_pooling[samples]]
         inputs.sample_rows = arrays.query_start_loc[samples + 1] - 1
         inputs.sample_requests = (list(requests) if len(samples) == len(requests)
                                   else [requests[i] for i in samples])
@@ -108,7 +118,7 @@ def _add_drafts(inputs: StepInputs, requests: list[Request], num_drafts: list[in
         known_end = int(first_rows[i] + num_tokens[i] - starts[i])  # the row after the last
         if k:
             inputs.input_ids[known_end:known_end + k] = request.draft_token_ids
-        elif ends[i] != num_tokens[i]:
+        elif ends[i] != num_tokens[i] or request.pooling_params is not None:
             continue
         rows.extend(range(known_end - 1, known_end + k))
         sample_requests.append(request)

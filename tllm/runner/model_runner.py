@@ -23,6 +23,7 @@ from tllm.runner.cuda_graph import CudaGraphRunner
 from tllm.runner.multimodal import MultimodalInputsBuilder, StepMultimodal
 from tllm.runner.inputs import StepInputs, build_step_inputs
 from tllm.runner.piecewise import PiecewiseGraphRunner
+from tllm.runner.pooling import Pooler
 from tllm.runner.step import RankModel, StepPlan
 from tllm.sampling.last_stage import LastStageShadows, receive_from_last_stage
 from tllm.sampling.sampler import SampledBatch
@@ -44,6 +45,8 @@ class StepOutput:
     sample_counts: list[int] | None = None
     # the hidden states of the layers a drafter asked for, [num_tokens, layers * hidden]
     hidden_states: torch.Tensor | None = None
+    # pooling requests whose prompt ended in this step: (request, output on the device)
+    pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
     _receive: Callable[[], tuple[SampledBatch, torch.Tensor | None]] | None = None
 
     def wait(self) -> StepOutput:
@@ -81,6 +84,7 @@ class ModelRunner:
         # a vision-language model: image embeddings (encoder cache) and M-RoPE positions
         self.multimodal = (MultimodalInputsBuilder(model, device)
                            if getattr(model, "is_multimodal", False) else None)
+        self.pooler: Pooler | None = None  # set by enable_pooling
 
     def capture_hidden_states(self, layers: tuple[int, ...]) -> None:
         """From now on every step also returns these layers' hidden states (each layer's
@@ -94,6 +98,11 @@ class ModelRunner:
             self.model.layers[index].register_forward_hook(keep(index))
         self.capture_layers = tuple(layers)
 
+    def enable_pooling(self, pooler: Pooler) -> None:
+        """Serve pooling requests (one rank, or tensor parallelism: rank 0 has every
+        token's final hidden state)."""
+        self.pooler = pooler
+
     @property
     def samples_on_last_stage(self) -> bool:
         return self.shadows is not None
@@ -101,7 +110,8 @@ class ModelRunner:
     @property
     def resource_managers(self) -> list[ResourceManager]:
         """What the runner keeps per request, for the loop to free with the request."""
-        return [m for m in (self.slots, self.shadows, self.lora) if m is not None]
+        return [m for m in (self.slots, self.shadows, self.lora, self.pooler)
+                if m is not None]
 
     @torch.inference_mode()
     def record_sampled(self, sampled: SampledBatch) -> None:
@@ -136,9 +146,15 @@ class ModelRunner:
             def patch(input_ids: torch.Tensor) -> None:
                 input_ids[rows.to(self.device, non_blocking=True)] = self.token_table[
                     slots.to(self.device, non_blocking=True)]
-        logits = self.rank.run(plan, inputs.arrays, inputs.input_ids, patch, multimodal)
         out = StepOutput(None, inputs.sample_requests, None, inputs.prompt_targets,
                          inputs.sample_slots, sample_counts=inputs.sample_counts)
+        pooling = None
+        if inputs.pooling is not None:
+            step_pooling = inputs.pooling
+            pooling = (step_pooling.token_type_ids,
+                       lambda hidden: out.pooled.extend(self.pooler.pool(hidden, step_pooling)))
+        logits = self.rank.run(plan, inputs.arrays, inputs.input_ids, patch, multimodal,
+                               pooling)
         if logits is None:  # a later pipeline stage computes (and samples) them
             out._receive = receive_from_last_stage(
                 inputs.sample_requests, len(inputs.prompt_rows), self.model.config.vocab_size,
@@ -166,6 +182,7 @@ class ModelRunner:
         graphs = self.cuda_graphs if multimodal is None else None
         num_seqs = len(inputs.diff.slots)
         plan.use_graph = (graphs is not None and not self.capture_layers
+                          and inputs.pooling is None
                           and graphs.can_run(plan.num_tokens, num_seqs,
                                              inputs.arrays.max_query_len))
         plan.use_piecewise = (not plan.use_graph and self.piecewise is not None

@@ -57,6 +57,8 @@ class StepTensors:
     logit_rows: torch.Tensor
     # a vision-language model's (rows, image embeddings) replacing those rows' embeddings
     mm_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # a BERT-style model's segment ids of a pair (rank 0, pooling steps only)
+    token_type_ids: torch.Tensor | None = None
 
 
 def step_tensors(arrays: StepArrays, input_ids: np.ndarray, logit_rows: np.ndarray,
@@ -83,25 +85,32 @@ def step_tensors(arrays: StepArrays, input_ids: np.ndarray, logit_rows: np.ndarr
 
 
 def run_plan(model: nn.Module, kv_caches, graphs, piecewise, plan: StepPlan,
-             tensors: StepTensors) -> torch.Tensor | None:
+             tensors: StepTensors, on_hidden=None) -> torch.Tensor | None:
     """This rank's part of the step: the logits of `plan.logit_rows` on the last pipeline
     stage (all rows when replaying a decode graph), None on the others, which hand their
-    hidden states to the next stage instead."""
+    hidden states to the next stage instead. `on_hidden`: given the final hidden states
+    (every row) first, where the step has pooling requests."""
     if plan.use_graph:
         return graphs.run(tensors.input_ids, tensors.metadata)
     if plan.use_piecewise:
         hidden = piecewise.run(tensors.input_ids, tensors.metadata)
+        if on_hidden is not None:
+            on_hidden(hidden)
         return model.compute_logits(hidden[tensors.logit_rows])
     intermediate = None
     if not model.is_first_stage:
         shape = (plan.num_tokens, model.config.hidden_size)
         intermediate = tuple(comm.recv_from_prev_stage([shape, shape], model.activation_dtype))
     extra = {} if tensors.mm_embeds is None else {"mm_embeds": tensors.mm_embeds}
+    if tensors.token_type_ids is not None:
+        extra["token_type_ids"] = tensors.token_type_ids
     out = model(tensors.input_ids, kv_caches, tensors.metadata, intermediate, **extra)
     if not model.is_last_stage:
         for work in comm.send_to_next_stage(list(out)):
             work.wait()  # on CUDA this orders the streams; the host does not block
         return None
+    if on_hidden is not None:
+        on_hidden(out)
     return model.compute_logits(out[tensors.logit_rows])
 
 
@@ -123,12 +132,13 @@ class RankModel:
 
     def run(self, plan: StepPlan, arrays: StepArrays | None = None,
             input_ids: np.ndarray | None = None,
-            patch_ids=None, multimodal=None) -> torch.Tensor | None:
+            patch_ids=None, multimodal=None, pooling=None) -> torch.Tensor | None:
         """This rank's part of a step whose plan every rank has. Rank 0 passes the arrays
         it built already and the host's input ids, and `patch_ids` writes the ids only its
         device has; other ranks apply the plan's diff themselves and, when asked, receive
         the ids from rank 0. `multimodal`: rank 0's StepMultimodal (a vision-language
-        model runs on one rank). Then the forward (pipeline sends/receives inside)."""
+        model runs on one rank). `pooling`: rank 0's (segment ids or None, on_hidden) of a
+        step with pooling requests. Then the forward (pipeline sends/receives inside)."""
         if arrays is None:
             self.tables.apply(plan.diff.table_writes)
             arrays = self.tables.build(plan.diff)
@@ -144,8 +154,13 @@ class RankModel:
             self._add_multimodal(tensors, multimodal)
         if plan.ids_from_driver and comm.mapping().is_first_stage:
             comm.tp_broadcast_from_driver(tensors.input_ids)
+        on_hidden = None
+        if pooling is not None:
+            token_types, on_hidden = pooling
+            if token_types is not None:
+                tensors.token_type_ids = torch.from_numpy(token_types).to(self.device)
         return run_plan(self.model, self.kv_caches, self.graphs, self.piecewise, plan,
-                        tensors)
+                        tensors, on_hidden)
 
     def _add_multimodal(self, tensors: StepTensors, multimodal) -> None:
         if multimodal.mrope_positions is not None:

@@ -111,6 +111,9 @@ class Sampler:
                slots: np.ndarray | None = None) -> SampledBatch:
         """Each row's next token (and logprobs where asked). `slots`: the rows' batch slots
         (their parameters and token counts are kept there); None reads the requests."""
+        if not requests:  # (a pooling model's logits have no vocabulary columns)
+            return SampledBatch([], torch.empty(0, dtype=torch.long, device=logits.device),
+                                None)
         guided = self.guided is not None and self.guided.has_guided(requests)
         if slots is not None and not guided and self.slot_params.is_plain_greedy(slots):
             return SampledBatch(requests, logits.argmax(dim=-1), None)  # (no float copy)

@@ -58,7 +58,7 @@ def _context_attention_kernel(
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-        SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+        SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CAUSAL: tl.constexpr = True):
     head = tl.program_id(0)
     # Later causal tiles do more work: launch them first, so short ones fill the tail.
     slot = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -78,8 +78,12 @@ def _context_attention_kernel(
                 mask=io_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)  # attend_tile casts k, p and v to q's dtype
-    q_pos = seq_len - q_len + offs_m
-    first_pos = seq_len - q_len + tile * BLOCK_M
+    if CAUSAL:
+        q_pos = seq_len - q_len + offs_m
+        first_pos = seq_len - q_len + tile * BLOCK_M
+    else:  # every row sees the whole sequence: as a query at its last position would
+        q_pos = seq_len - 1 + offs_m * 0
+        first_pos = seq_len - 1
     qk_scale = qk_scale * k_scale  # q . (k * k_scale) = k_scale * (q . k)
 
     kv_head = head // GROUP
@@ -148,12 +152,14 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             config: ContextConfig | None = None, k_scale: float = 1.0,
                             v_scale: float = 1.0,
                             logits_soft_cap: float | None = None,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None,
+                            causal: bool = True) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, tokens_per_block, Hkv, D]; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
     overrides the tile sizes (for tuning); the scales are an fp8 cache's;
     `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2);
-    `sinks`: [Hq] logits added to each head's softmax denominator (GPT-OSS)."""
+    `sinks`: [Hq] logits added to each head's softmax denominator (GPT-OSS);
+    `causal` False: every query attends all its sequence's keys (encoders)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if out is None:
@@ -175,7 +181,7 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         BLOCK_D=dot_block_d(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(q.dtype),
         DOT_FP32=needs_fp32_dot(_context_attention_kernel, q.dtype),
-        SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,
+        SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None, CAUSAL=causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

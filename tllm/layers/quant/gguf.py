@@ -14,8 +14,15 @@ What each GGML type becomes on the CPU (GgufConfig decides per layer):
   w = (q - 8) * scale + zero): Q4_0 is d * (q - 8), zero 0; Q4_1 is d * q + m, zero m + 8d;
   Q4_K's 32-value sub-blocks are (d * sc) * q - dmin * m, zero 8 * d * sc - dmin * m; Q8_0 is
   two int4 planes (its low and high nibbles, two products summed). With float32 scales these
-  reproduce gguf's dequantize bit for bit. The weights then take the file's size, but that
-  kernel's cost grows with every row (a 1000-token prefill is ~10x a dense bf16 one).
+  reproduce gguf's dequantize bit for bit (Q4_1's zero m + 8d is rounded to float32: within
+  2^-23 (16|d| + |m|) a weight; tests/layers/test_gguf_int4_exact.py). The weights then take
+  the file's size, but that kernel's cost grows with every row (a 1000-token prefill is ~10x a
+  dense bf16 one). Not the default: at one row it matches the int8 GEMV, at 32 rows it is
+  1.0-3.5x slower than the int8 path, and decoding the 4-bit weight a slice at a time into a
+  float32 or bf16 GEMM (eager or inductor) was slower still (benchmarks/cpu_int4mm.py,
+  RESULTS.md 2026-12-06). Q5_0/Q5_1/Q5_K would map exactly as two planes (low nibble, and
+  the fifth bit at scale 16d), at twice the int4 cost; Q6_K, Q3_K, Q2_K use 16-value
+  sub-blocks, below the kernel's smallest group (32), so they do not map.
 - any other type (Q2_K, Q3_K, IQ*, ...): dequantized at load, with one logged note.
 
 The int4 and int8 W8A16 kernels are vectorised on x86 for bf16 only (fp32 runs a scalar loop,

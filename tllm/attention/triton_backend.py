@@ -106,7 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
                                     metadata.seq_lens)
         if not self.causal:  # (the decode kernel masks causally)
             return self._context(q, kv_cache, tables, starts, seq_lens,
-                                 metadata.max_query_len, out, scales)
+                                 metadata.max_query_len, out, scales, sinks)
         if metadata.max_query_len <= MAX_DECODE_QUERIES:
             return self._decode(q, kv_cache, tables, starts, seq_lens, metadata.max_seq_len,
                                 metadata.max_query_len, out, scales, sinks)

@@ -139,6 +139,8 @@ class AttentionOptions:
     sliding_window: int | None = None    # keys within the last `sliding_window` positions
     scale: float | None = None           # softmax scale; None: head_dim ** -0.5
     logits_soft_cap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    # chunked local attention (Llama 4): a query sees only keys of its own chunk of positions
+    attention_chunk_size: int | None = None
 
 
 class AttentionBackend(ABC):
@@ -146,13 +148,18 @@ class AttentionBackend(ABC):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None,
+                 attention_chunk_size: int | None = None) -> None:
+        if attention_chunk_size is not None and attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be positive, got "
+                             f"{attention_chunk_size}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.attention_chunk_size = attention_chunk_size
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,

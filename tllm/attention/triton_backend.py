@@ -22,9 +22,14 @@ _MAX_HEAD_DIM = 256
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None,
+                 attention_chunk_size: int | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
                          logits_soft_cap)
+        if attention_chunk_size is not None:  # the kernels mask by window, not by chunk
+            raise ValueError("the triton attention backend does not support chunked local "
+                             "attention (attention_chunk_size, Llama 4); use "
+                             "attn_backend='torch'")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads "
                              f"({num_kv_heads})")

@@ -115,3 +115,17 @@ def test_chunked_layers_and_their_kv_window():
     assert model.kv_cache_spec.layer_windows == (CHUNK, None, CHUNK, CHUNK)
     assert [type(layer.mlp).__name__ for layer in model.layers] == [
         "LlamaMLP", "Llama4MoE", "LlamaMLP", "Llama4MoE"]
+
+
+def test_dummy_preset_has_scout_width():
+    """Built on the meta device: Scout's layer shapes, half its layers (~55B parameters)."""
+    from tllm import loader
+    from tllm.attention import get_attention_backend
+    from tllm.loader.dummy import dummy_config
+    model = loader.build_model(dummy_config("llama-4-scout-24l"),
+                               get_attention_backend("torch"), torch.bfloat16,
+                               torch.device("meta"), 4096)
+    assert sum(p.numel() for p in model.parameters()) / 1e9 == pytest.approx(54.92, abs=0.01)
+    assert tuple(model.layers[0].mlp.experts.w13_weight.shape) == (16, 2 * 8192, 5120)
+    chunks = [layer.self_attn.attn.attention_chunk_size for layer in model.layers]
+    assert chunks[:4] == [8192, 8192, 8192, None] and chunks.count(None) == 6

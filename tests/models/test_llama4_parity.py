@@ -129,3 +129,32 @@ def test_dummy_preset_has_scout_width():
     assert tuple(model.layers[0].mlp.experts.w13_weight.shape) == (16, 2 * 8192, 5120)
     chunks = [layer.self_attn.attn.attention_chunk_size for layer in model.layers]
     assert chunks[:4] == [8192, 8192, 8192, None] and chunks.count(None) == 6
+
+
+def test_triton_backend_is_refused_and_auto_picks_torch():
+    from tllm.attention.triton_backend import TritonAttentionBackend
+    from tllm.models.llama4 import Llama4ForCausalLM
+    from tllm.runner.build import pick_backend
+    with pytest.raises(ValueError, match="attn_backend='torch'"):
+        Llama4ForCausalLM(tiny_llama4_config(), TritonAttentionBackend, 64)
+    cuda = torch.device("cuda")
+    assert pick_backend("auto", cuda, tiny_llama4_config()) == "torch"
+    unchunked = tiny_llama4_config(attention_chunk_size=None)
+    assert "chunked_attention" not in unchunked.layer_types
+    assert pick_backend("auto", torch.device("cpu"), unchunked) == "torch"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_greedy_matches_hf(tiny_llama4):
+    """The CUDA path (the fused MoE kernel; the torch attention backend, which "auto" picks
+    for chunked layers) against HF on the CPU, fp32."""
+    path, hf_model = tiny_llama4
+    prompts = make_prompts(hf_model.config.vocab_size)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    with LLM(str(path), device="cuda", dtype="float32", max_num_tokens=24, max_batch_size=4,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048)) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ref, _ = hf_greedy(hf_model, prompt, 12)
+        assert list(output.outputs[0].token_ids)[:len(ref)] == ref

@@ -142,6 +142,8 @@ class AttentionOptions:
     # False: every query sees its whole sequence (BERT), or with a sliding window the keys
     # less than `sliding_window` positions away on either side (ModernBERT's local layers)
     causal: bool = True
+    # chunked local attention (Llama 4): a query sees only keys of its own chunk of positions
+    attention_chunk_size: int | None = None
 
 
 class AttentionBackend(ABC):
@@ -151,7 +153,11 @@ class AttentionBackend(ABC):
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None, causal: bool = True) -> None:
+                 logits_soft_cap: float | None = None, causal: bool = True,
+                 attention_chunk_size: int | None = None) -> None:
+        if attention_chunk_size is not None and attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be positive, got "
+                             f"{attention_chunk_size}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -159,6 +165,7 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
         self.causal = causal
+        self.attention_chunk_size = attention_chunk_size
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,

@@ -44,17 +44,19 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionM
                         scale: float, sliding_window: int | None = None,
                         kv_scales: tuple[float, float] = NO_KV_SCALES,
                         logits_soft_cap: float | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None,
+                        chunk_size: int | None = None) -> torch.Tensor:
     """Attention of every query token over its sequence's cached context, one sequence at a
     time (the reference for the batched path). `sinks`: [num_heads] logits in each head's
-    softmax denominator."""
+    softmax denominator; `chunk_size`: chunked local attention."""
     out = torch.empty_like(q)
     start = 0
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
         k, v = gather_kv(kv_cache, metadata.block_tables[i], seq_len, metadata.tokens_per_block)
         qi = q[start:start + query_len].transpose(0, 1)          # [heads, q, d]
         k, v = from_cache(k, kv_scales[0], q.dtype), from_cache(v, kv_scales[1], q.dtype)
-        o = _attend_sequence(qi, k, v, scale, sliding_window, logits_soft_cap, sinks)
+        o = _attend_sequence(qi, k, v, scale, sliding_window, logits_soft_cap, sinks,
+                             chunk_size)
         out[start:start + query_len] = o.transpose(0, 1)
         start += query_len
     return out
@@ -63,23 +65,25 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: KVCache, metadata: AttentionM
 def _attend_sequence(qi: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      sliding_window: int | None,
                      logits_soft_cap: float | None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None,
+                     chunk_size: int | None = None) -> torch.Tensor:
     """One sequence's queries [heads, q, d] (the last q of its positions) over its keys and
     values [seq, kv_heads, d]."""
     query_len, seq_len = qi.shape[1], k.shape[0]
     if logits_soft_cap is not None or sinks is not None:
-        mask = causal_mask(query_len, seq_len, sliding_window, qi.device)
+        mask = causal_mask(query_len, seq_len, sliding_window, qi.device, chunk_size)
         return soft_capped_attention(qi, k.transpose(0, 1), v.transpose(0, 1), mask, scale,
                                      logits_soft_cap,
                                      None if sinks is None else sinks.view(-1, 1, 1))
     group = qi.shape[0] // k.shape[1]
     ki, vi = _expand_kv(k, group), _expand_kv(v, group)
     gqa = {"enable_gqa": True} if _SDPA_GQA and group > 1 else {}
-    window_matters = sliding_window is not None and sliding_window < seq_len
+    window_matters = (sliding_window is not None and sliding_window < seq_len
+                      or chunk_size is not None and chunk_size < seq_len)
     if not window_matters and query_len in (1, seq_len):  # no mask, or a plain causal one
         return F.scaled_dot_product_attention(qi, ki, vi, is_causal=query_len > 1,
                                               scale=scale, **gqa)
-    mask = causal_mask(query_len, seq_len, sliding_window, qi.device)
+    mask = causal_mask(query_len, seq_len, sliding_window, qi.device, chunk_size)
     return F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, **gqa)
 
 
@@ -113,17 +117,21 @@ class _Member:
 
 def plan_attention(metadata: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype,
                    kv_bytes_per_token: int, num_heads: int, head_dim: int,
-                   call_us: float = _CALL_US, causal: bool = True) -> list[AttentionGroup]:
+                   call_us: float = _CALL_US, causal: bool = True,
+                   chunk_size: int | None = None) -> list[AttentionGroup]:
     """Groups of this step's sequences and each group's gather indices and mask: the same
     for every layer of the step. kv_bytes_per_token: K and V of one token, all kv heads;
     call_us: what a call costs against padding (inf: one padded call for the whole step,
-    0: a call per distinct shape); causal False: each query sees its sequence's every key."""
+    0: a call per distinct shape); causal False: each query sees its sequence's every key;
+    chunk_size: chunked local attention (Llama 4)."""
     bs = metadata.tokens_per_block
     members = []
     for i, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu,
                                                  metadata.seq_lens_cpu)):
         first_key = 0 if sliding_window is None else max(
             0, seq_len - query_len - sliding_window + 1)
+        if chunk_size is not None:  # the first query's chunk starts here
+            first_key = max(first_key, (seq_len - query_len) // chunk_size * chunk_size)
         first_block = first_key // bs
         members.append(_Member(i, query_len, seq_len, first_block,
                                -(-seq_len // bs) - first_block))
@@ -134,7 +142,8 @@ def plan_attention(metadata: AttentionMetadata, sliding_window: int | None, dtyp
         starts.append(starts[-1] + query_len)
     # in batch order within a group, so a group of the whole batch needs no row indexing
     return [_build_group(sorted(g, key=lambda m: m.index), metadata, starts, sliding_window,
-                         dtype, causal) for g in _partition(members, key_us, pair_us, call_us)]
+                         dtype, causal, chunk_size)
+            for g in _partition(members, key_us, pair_us, call_us)]
 
 
 def _partition(members: list[_Member], key_us: float, pair_us: float,
@@ -162,7 +171,7 @@ def _partition(members: list[_Member], key_us: float, pair_us: float,
 
 def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: list[int],
                  sliding_window: int | None, dtype: torch.dtype,
-                 causal: bool = True) -> AttentionGroup:
+                 causal: bool = True, chunk_size: int | None = None) -> AttentionGroup:
     bs, device = metadata.tokens_per_block, metadata.block_tables.device
     n = len(members)
     max_q = max(m.query_len for m in members)
@@ -186,8 +195,8 @@ def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: li
     out_rows = [starts[m.index] + i for m in members for i in range(m.query_len)]
     all_real = len(real) == n * max_q
     fresh = all(m.query_len == m.seq_len for m in members)
-    window_cuts = sliding_window is not None and any(
-        m.seq_len > sliding_window for m in members)
+    window_cuts = any(limit is not None and m.seq_len > limit
+                      for limit in (sliding_window, chunk_size) for m in members)
     is_causal = causal and max_q > 1 and fresh and not window_cuts
     mask = None
     needs_mask = window_cuts or any(m.seq_len != num_keys for m in members)
@@ -197,7 +206,7 @@ def _build_group(members: list[_Member], metadata: AttentionMetadata, starts: li
             allowed = batched_causal_mask(
                 tensor([m.query_len for m in members]), seq_lens,
                 tensor([m.first_block * bs for m in members]), max_q, num_keys,
-                sliding_window)
+                sliding_window, chunk_size)
         else:  # every key of the sequence, or those within the window either side
             allowed = _bidirectional_mask(
                 tensor([m.query_len for m in members]), seq_lens,
@@ -327,14 +336,16 @@ def paged_attention_batched(q: torch.Tensor, kv_cache: KVCache, metadata: Attent
                             out: torch.Tensor | None = None,
                             buffers: GatherBuffers | None = None,
                             logits_soft_cap: float | None = None,
-                            sinks: torch.Tensor | None = None) -> torch.Tensor:
+                            sinks: torch.Tensor | None = None,
+                            chunk_size: int | None = None) -> torch.Tensor:
     """What `paged_attention_ref` computes, for the whole batch in a few calls. `groups`:
     this step's plan (`plan_attention`), reused across layers; `out`: written in place;
     `buffers`: reused for the gathered keys and values; `logits_soft_cap`: scores -> cap *
-    tanh(scores / cap) before the mask; `sinks`: [num_heads] softmax-denominator logits."""
+    tanh(scores / cap) before the mask; `sinks`: [num_heads] softmax-denominator logits;
+    `chunk_size`: chunked local attention."""
     if groups is None:
         groups = plan_attention(metadata, sliding_window, q.dtype, _kv_bytes(kv_cache),
-                                q.shape[1], q.shape[2])
+                                q.shape[1], q.shape[2], chunk_size=chunk_size)
     if len(groups) == 1 and groups[0].out_rows is None:
         o = attend_group(q, kv_cache, groups[0], scale, kv_scales, buffers, logits_soft_cap,
                          sinks)
@@ -381,7 +392,8 @@ class TorchAttentionBackend(AttentionBackend):
             if plan_metadata is metadata and dtype == q.dtype:
                 return groups
         groups = plan_attention(metadata, self.sliding_window, q.dtype, _kv_bytes(kv_cache),
-                                q.shape[1], q.shape[2], causal=self.causal)
+                                q.shape[1], q.shape[2], causal=self.causal,
+                                chunk_size=self.attention_chunk_size)
         if len(self._plans) == _MAX_PLANS:  # the oldest: an earlier step's
             self._plans.pop(0)
         self._plans.append((metadata, q.dtype, groups))

@@ -22,9 +22,14 @@ _MAX_HEAD_DIM = 256
 class TritonAttentionBackend(AttentionBackend):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None, causal: bool = True) -> None:
+                 logits_soft_cap: float | None = None, causal: bool = True,
+                 attention_chunk_size: int | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
                          logits_soft_cap, causal)
+        if attention_chunk_size is not None:  # the kernels mask by window, not by chunk
+            raise ValueError("the triton attention backend does not support chunked local "
+                             "attention (attention_chunk_size, Llama 4); use "
+                             "attn_backend='torch'")
         # A non-causal window (ModernBERT's local layers, both sides) is not in the
         # kernels: such a layer attends on the torch path, which has it.
         self._windowed_encoder = None

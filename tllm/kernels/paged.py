@@ -50,13 +50,16 @@ def gather_kv(kv_cache: tuple[torch.Tensor, torch.Tensor], block_table: torch.Te
 
 
 def causal_mask(query_len: int, seq_len: int, sliding_window: int | None,
-                device: torch.device) -> torch.Tensor:
-    """True where query i (at position seq_len - query_len + i) may attend key j."""
+                device: torch.device, chunk_size: int | None = None) -> torch.Tensor:
+    """True where query i (at position seq_len - query_len + i) may attend key j.
+    `chunk_size`: chunked local attention (Llama 4), keys of the query's own chunk only."""
     q_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     mask = k_pos <= q_pos
     if sliding_window is not None:
         mask &= k_pos > q_pos - sliding_window
+    if chunk_size is not None:
+        mask &= k_pos >= q_pos // chunk_size * chunk_size
     return mask
 
 
@@ -74,17 +77,21 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor,
 
 def batched_causal_mask(query_lens: torch.Tensor, seq_lens: torch.Tensor,
                         first_keys: torch.Tensor, max_query_len: int, num_keys: int,
-                        sliding_window: int | None) -> torch.Tensor:
+                        sliding_window: int | None,
+                        chunk_size: int | None = None) -> torch.Tensor:
     """[n, max_query_len, num_keys] bool: True where query i of sequence b may attend key
     column j, which holds position first_keys[b] + j. Queries sit at the last query_lens[b]
     of seq_lens[b] positions; padding rows (i >= query_lens[b]) repeat the last query, so
-    every row attends at least one key; columns at or past seq_lens[b] are never attended."""
+    every row attends at least one key; columns at or past seq_lens[b] are never attended.
+    `chunk_size`: only keys of the query's own chunk (chunked local attention)."""
     rows = torch.arange(max_query_len, device=seq_lens.device)
     q_pos = torch.minimum((seq_lens - query_lens)[:, None] + rows, seq_lens[:, None] - 1)
     k_pos = first_keys[:, None] + torch.arange(num_keys, device=seq_lens.device)
     mask = k_pos[:, None, :] <= q_pos[:, :, None]
     if sliding_window is not None:
         mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
+    if chunk_size is not None:
+        mask &= k_pos[:, None, :] >= (q_pos // chunk_size * chunk_size)[:, :, None]
     return mask
 
 

@@ -90,6 +90,19 @@ PRESETS: dict[str, tuple[str, dict]] = {
             "lm_head"]},
         eos_token_id=200002, pad_token_id=199999, tie_word_embeddings=False,
         dtype="bfloat16")),
+    # Llama-4-Scout-17B-16E's width with 24 of its 48 layers (~55B parameters, ~111 GB in
+    # bf16: the whole model does not fit one H200): every layer MoE (16 experts, top-1, a
+    # shared expert), chunked RoPE layers (8192) with a NoPE layer every 4th
+    "llama-4-scout-24l": ("llama4_text", dict(
+        architectures=["Llama4ForCausalLM"], hidden_size=5120, intermediate_size=8192,
+        intermediate_size_mlp=16384, num_hidden_layers=24, num_attention_heads=40,
+        num_key_value_heads=8, head_dim=128, num_local_experts=16, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, attention_chunk_size=8192, use_qk_norm=True,
+        attn_temperature_tuning=True, floor_scale=8192, attn_scale=0.1, vocab_size=202048,
+        max_position_embeddings=262144, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192}, dtype="bfloat16")),
     "gemma-2-9b": ("gemma2", dict(
         architectures=["Gemma2ForCausalLM"], hidden_size=3584, intermediate_size=14336,
         num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8, head_dim=256,

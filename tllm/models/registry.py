@@ -14,6 +14,7 @@ _MODULES = {
     "LlavaForConditionalGeneration": "tllm.models.llava",
     "Qwen3ForCausalLM": "tllm.models.qwen3",
     "MixtralForCausalLM": "tllm.models.mixtral",
+    "Llama4ForCausalLM": "tllm.models.llama4",
     "Qwen2MoeForCausalLM": "tllm.models.qwen2_moe",
     "Qwen3MoeForCausalLM": "tllm.models.qwen3_moe",
     "Gemma2ForCausalLM": "tllm.models.gemma2",

@@ -47,10 +47,13 @@ def pick_dtype(name: str, config, device: torch.device, is_gguf: bool) -> torch.
     return torch.bfloat16 if is_gguf else loader.checkpoint_dtype(config)
 
 
-def pick_backend(name: str, device: torch.device) -> str:
+def pick_backend(name: str, device: torch.device, config=None) -> str:
+    """"auto": Triton on a GPU, unless the model (`config`) attends in chunks (Llama 4),
+    which only the torch backend does."""
     if name == "auto":
+        chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ())
         return ("triton" if device.type == "cuda" and has_attention_backend("triton")
-                else "torch")
+                and not chunked else "torch")
     return name
 
 
@@ -71,7 +74,7 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     # a config without max_position_embeddings (T5's) reaches build_model, which says why
     # it cannot be served
     max_seq_len = args.max_seq_len or getattr(config, "max_position_embeddings", None)
-    backend = pick_backend(args.attn_backend, device)
+    backend = pick_backend(args.attn_backend, device, config)
     quant = loader.quant_config(source, config, args.quantization)
     model = loader.build_model(model_config, get_attention_backend(backend), dtype, device,
                                max_seq_len, quant, args.model_impl)

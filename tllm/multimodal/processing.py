@@ -50,6 +50,9 @@ class MultimodalProcessor:
                              "prompt (limit_mm_per_prompt)", f"{param}.image")
         pil = [load_image(image, f"{param}.image[{i}]", self.max_pixels)
                for i, image in enumerate(images)]
+        rewrite = getattr(self.model_cls, "prompt_text", None)
+        if rewrite is not None and pil:  # Gemma 3 writes each image out around its token
+            text = rewrite(text, self.hf_config, self.tokenizer)
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         offsets = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(offsets) != len(pil):

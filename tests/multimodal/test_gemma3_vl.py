@@ -110,3 +110,43 @@ def test_greedy_matches_hf_in_continuous_batch(tiny_gemma3_vl, enable_block_reus
         outputs = llm.generate(as_inputs(cases), params(), use_tqdm=False)
     for (text, images), output in zip(cases, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, processor, text, images)
+
+
+# (prompt, blocks a repeat reuses): the second prompt's 32 tokens end in its image (soft
+# tokens at 25..28) and two more; its repeat reuses 7 blocks, which stop inside the image:
+# the rest of it, computed in the next step, still attends to the cached part both ways
+REUSE_CASES = [(f"{BOI}describe the picture in a few words", None),
+               (f"a red square and a blue circle, {BOI}", 7)]
+
+
+@pytest.mark.parametrize("text,blocks", REUSE_CASES)
+def test_same_image_reuses_blocks_a_different_one_never(tiny_gemma3_vl, text, blocks):
+    path, hf_model, processor = tiny_gemma3_vl
+    first, other = make_image(28, 28, 7), make_image(28, 28, 8)
+    with make_llm(path) as llm:
+        def run(image):
+            before = llm.get_kv_cache_stats()["blocks_reused"]
+            out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}},
+                               params(), use_tqdm=False)
+            return out.outputs[0].token_ids, llm.get_kv_cache_stats()["blocks_reused"] - before
+
+        tokens, reused = run(first)
+        assert reused == 0 and tokens == hf_greedy(hf_model, processor, text, [first])
+        again, reused = run(first.copy())          # the same pixels, another object
+        assert again == tokens and reused > 0 and blocks in (None, reused)
+        different, reused = run(other)
+        assert different == hf_greedy(hf_model, processor, text, [other])
+        if text.startswith(BOI):
+            assert reused == 0   # every block holds or follows the image
+
+
+def test_prompt_tokens_equal_gemma3_processor(tiny_gemma3_vl):
+    from tllm.multimodal.processing import MultimodalProcessor
+    from tllm.tokenizer import Tokenizer
+    path, hf_model, processor = tiny_gemma3_vl
+    ours = MultimodalProcessor(processor.image_processor, Tokenizer(processor.tokenizer),
+                               hf_model.config, max_images=4)
+    text, images = prompts_with_images()[2]
+    token_ids, mm = ours.process(text, images)
+    assert token_ids == processor(text=[text], images=images, return_tensors="pt")["input_ids"][0].tolist()
+    assert [item.length for item in mm.items] == [TOKENS_PER_IMAGE] * 2

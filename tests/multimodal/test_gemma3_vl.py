@@ -83,11 +83,12 @@ def params() -> SamplingParams:
     return SamplingParams(max_tokens=NUM_NEW, temperature=0, ignore_eos=True)
 
 
-def make_llm(path, enable_block_reuse: bool = True) -> LLM:
-    """4-token blocks; prefill chunks long enough never to cut through an image."""
+def make_llm(path, enable_block_reuse: bool = True, max_num_tokens: int = 128) -> LLM:
+    """4-token blocks."""
     kv = KvCacheConfig(tokens_per_block=4, max_tokens=1024,
                        enable_block_reuse=enable_block_reuse)
-    return LLM(str(path), max_num_tokens=128, max_batch_size=4, kv_cache_config=kv)
+    return LLM(str(path), max_num_tokens=max_num_tokens, max_batch_size=4,
+               kv_cache_config=kv)
 
 
 def prompts_with_images():
@@ -102,11 +103,15 @@ def as_inputs(cases):
             for text, images in cases]
 
 
-@pytest.mark.parametrize("enable_block_reuse", [True, False])
-def test_greedy_matches_hf_in_continuous_batch(tiny_gemma3_vl, enable_block_reuse):
+@pytest.mark.parametrize("enable_block_reuse,max_num_tokens", [(True, 128), (False, 128),
+                                                               (True, 12)])
+def test_greedy_matches_hf_in_continuous_batch(tiny_gemma3_vl, enable_block_reuse,
+                                               max_num_tokens):
+    """max_num_tokens=12: prefill chunks end before an image they would cut (its tokens must
+    all be in one step to see each other)."""
     path, hf_model, processor = tiny_gemma3_vl
     cases = prompts_with_images()
-    with make_llm(path, enable_block_reuse) as llm:
+    with make_llm(path, enable_block_reuse, max_num_tokens) as llm:
         outputs = llm.generate(as_inputs(cases), params(), use_tqdm=False)
     for (text, images), output in zip(cases, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, processor, text, images)

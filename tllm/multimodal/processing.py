@@ -66,7 +66,8 @@ class MultimodalProcessor:
             raise MediaError(f"the image processor refused the images: {exc}", param) from None
         parts = self.model_cls.split_items(processed, self.hf_config)
         token_ids, items = _expand(token_ids, offsets, parts, self.image_token_id)
-        mm = MultimodalInputs(items)
+        mm = MultimodalInputs(items,
+                              whole_items=getattr(self.model_cls, "bidirectional_images", False))
         if getattr(self.model_cls, "uses_mrope", False):
             mm.mrope_positions, mm.mrope_delta = self.model_cls.prompt_positions(
                 len(token_ids), items, self.hf_config)

@@ -153,5 +153,14 @@ def test_prompt_tokens_equal_gemma3_processor(tiny_gemma3_vl):
                                hf_model.config, max_images=4)
     text, images = prompts_with_images()[2]
     token_ids, mm = ours.process(text, images)
-    assert token_ids == processor(text=[text], images=images, return_tensors="pt")["input_ids"][0].tolist()
+    expected = processor(text=[text], images=images, return_tensors="pt")["input_ids"]
+    assert token_ids == expected[0].tolist()
     assert [item.length for item in mm.items] == [TOKENS_PER_IMAGE] * 2
+
+
+def test_pan_and_scan_crops_are_refused(tiny_gemma3_vl):
+    from tllm.models.gemma3_vl import Gemma3ForConditionalGeneration
+    config = tiny_gemma3_vl[1].config
+    processed = {"pixel_values": torch.zeros(3, 3, 28, 28), "num_crops": torch.tensor([2])}
+    with pytest.raises(ValueError, match="pan-and-scan"):
+        Gemma3ForConditionalGeneration.split_items(processed, config)

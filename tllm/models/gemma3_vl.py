@@ -48,8 +48,9 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         """One (pixel_values [1, 3, H, W], mm_tokens_per_image) per image."""
         crops = processed.get("num_crops")
         if crops is not None and any(int(n) for n in torch.as_tensor(crops).flatten()):
-            raise ValueError("Gemma 3 pan-and-scan crops are not supported: turn "
-                             "do_pan_and_scan off in the image processor")
+            from tllm.multimodal.media import MediaError
+            raise MediaError("Gemma 3 pan-and-scan crops are not supported: turn "
+                             "do_pan_and_scan off in the image processor", "image")
         count = int(hf_config.mm_tokens_per_image)
         return [({"pixel_values": p[None]}, count) for p in processed["pixel_values"]]
 

@@ -15,6 +15,12 @@ NUM_NEW = 8
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 SPECIAL = ["<pad>", "<bos>", "<eos>", BOI, EOI, SOFT]
 TOKENS_PER_IMAGE = 4   # 4 x 4 patches pooled 2 x 2
+CHAT_TEMPLATE = (  # Gemma's turns, with an image part written as <start_of_image>
+    "{% for m in messages %}<bos>{{ m['role'] }}\n"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}" + BOI +
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<eos>\n{% endfor %}{% if add_generation_prompt %}<bos>model\n{% endif %}")
 
 
 def tiny_gemma3_tokenizer():
@@ -26,9 +32,11 @@ def tiny_gemma3_tokenizer():
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(CORPUS + ["\n\n", "a\n\nb"], trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>",
         extra_special_tokens={"boi_token": BOI, "eoi_token": EOI, "image_token": SOFT})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def tiny_gemma3_config(tokenizer):
@@ -164,3 +172,19 @@ def test_pan_and_scan_crops_are_refused(tiny_gemma3_vl):
     processed = {"pixel_values": torch.zeros(3, 3, 28, 28), "num_crops": torch.tensor([2])}
     with pytest.raises(ValueError, match="pan-and-scan"):
         Gemma3ForConditionalGeneration.split_items(processed, config)
+
+
+def test_chat_with_image_url_equals_hf(tiny_gemma3_vl):
+    import base64
+    import io
+    path, hf_model, processor = tiny_gemma3_vl
+    image = make_image(42, 56, 4)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "what is in this image?"}]}]
+    with make_llm(path) as llm:
+        chat = llm.chat(messages, params(), use_tqdm=False)
+    text = f"<bos>user\n{BOI}what is in this image?<eos>\n<bos>model\n"
+    assert chat.outputs[0].token_ids == hf_greedy(hf_model, processor, text, [image])

@@ -41,6 +41,9 @@ class AttentionMetadata:
     capture: object | None = field(default=None, repr=False, compare=False)
     # M-RoPE models (Qwen2.5-VL): each token's (temporal, height, width) positions [3, T]
     mrope_positions: torch.Tensor | None = None
+    # Gemma 3 steps with images: the last key position each token sees [T] int64 (an image
+    # token sees its whole image), for tllm.attention.causal_limits; None: its own position
+    causal_limits: torch.Tensor | None = None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` (model-wide index) attends with."""

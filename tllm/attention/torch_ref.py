@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tllm.attention.causal_limits import attend_with_limits
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
 from tllm.kernels.paged import (batched_causal_mask, causal_mask, from_cache, gather_blocks,
                                 gather_kv, soft_capped_attention, write_kv_cache)
@@ -381,6 +382,9 @@ class TorchAttentionBackend(AttentionBackend):
                 kv_scales: tuple[float, float] = NO_KV_SCALES,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        if metadata.causal_limits is not None:
+            return attend_with_limits(q, kv_cache, metadata, self.scale, self.sliding_window,
+                                      kv_scales, self.logits_soft_cap, sinks)
         return paged_attention_batched(q, kv_cache, metadata, self.scale, self.sliding_window,
                                        kv_scales, self._groups(q, kv_cache, metadata),
                                        buffers=self._buffers,

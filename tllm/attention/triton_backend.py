@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tllm.attention.causal_limits import attend_with_limits
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
 from tllm.kernels.triton.context_attention import paged_context_attention
 from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES, paged_decode_attention
@@ -107,6 +108,9 @@ class TritonAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if metadata.num_tokens == 0:
             return out
+        if metadata.causal_limits is not None:  # images attending within themselves
+            return attend_with_limits(q, kv_cache, metadata, self.scale, self.sliding_window,
+                                      scales, self.logits_soft_cap, sinks)
         tables, starts, seq_lens = (metadata.block_tables, metadata.query_start_loc,
                                     metadata.seq_lens)
         if not self.causal:  # (the decode kernel masks causally)

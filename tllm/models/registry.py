@@ -19,6 +19,7 @@ _MODULES = {
     "Qwen3MoeForCausalLM": "tllm.models.qwen3_moe",
     "Gemma2ForCausalLM": "tllm.models.gemma2",
     "Gemma3ForCausalLM": "tllm.models.gemma3",
+    "Gemma3ForConditionalGeneration": "tllm.models.gemma3_vl",
     "Phi3ForCausalLM": "tllm.models.phi3",
     "GPTNeoXForCausalLM": "tllm.models.gpt_neox",
     "Olmo2ForCausalLM": "tllm.models.olmo2",

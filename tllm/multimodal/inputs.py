@@ -29,10 +29,22 @@ class MultimodalItem:
 @dataclass(eq=False)
 class MultimodalInputs:
     """A prompt's images, in prompt order; with M-RoPE (Qwen2.5-VL), the prompt's
-    positions [3, num_prompt_tokens] and the shift of every later token's position."""
+    positions [3, num_prompt_tokens] and the shift of every later token's position.
+    `whole_items`: the model's image tokens attend to each other both ways (Gemma 3), so a
+    prefill chunk should not cut through an image."""
     items: list[MultimodalItem] = field(default_factory=list)
     mrope_positions: np.ndarray | None = None
     mrope_delta: int = 0
+    whole_items: bool = False
+
+    def chunk_end(self, start: int, end: int) -> int:
+        """A prefill chunk start:end's end, moved back to the start of an image it would cut
+        when `whole_items` (an image that starts the chunk and is longer is cut)."""
+        if self.whole_items:
+            for item in self.items:
+                if start < item.offset < end < item.end:
+                    return item.offset
+        return end
 
     def hashes_in(self, start: int, end: int) -> tuple[str, ...]:
         """The hashes of the items whose placeholders overlap prompt positions start:end."""

@@ -50,6 +50,9 @@ class MultimodalProcessor:
                              "prompt (limit_mm_per_prompt)", f"{param}.image")
         pil = [load_image(image, f"{param}.image[{i}]", self.max_pixels)
                for i, image in enumerate(images)]
+        rewrite = getattr(self.model_cls, "prompt_text", None)
+        if rewrite is not None and pil:  # Gemma 3 writes each image out around its token
+            text = rewrite(text, self.hf_config, self.tokenizer)
         token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         offsets = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(offsets) != len(pil):
@@ -63,7 +66,8 @@ class MultimodalProcessor:
             raise MediaError(f"the image processor refused the images: {exc}", param) from None
         parts = self.model_cls.split_items(processed, self.hf_config)
         token_ids, items = _expand(token_ids, offsets, parts, self.image_token_id)
-        mm = MultimodalInputs(items)
+        mm = MultimodalInputs(items,
+                              whole_items=getattr(self.model_cls, "bidirectional_images", False))
         if getattr(self.model_cls, "uses_mrope", False):
             mm.mrope_positions, mm.mrope_delta = self.model_cls.prompt_positions(
                 len(token_ids), items, self.hf_config)

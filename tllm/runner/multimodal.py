@@ -23,6 +23,9 @@ class StepMultimodal:
     embed_rows: np.ndarray                # [N] rows of the flat token dimension
     embeds: torch.Tensor | None           # [N, hidden] (None: no image token this step)
     mrope_positions: np.ndarray | None    # [3, T] (None: the model has no M-RoPE)
+    # [T] the last position each token attends (AttentionMetadata.causal_limits), for a
+    # model whose image tokens attend within their image (Gemma 3); None: causal
+    causal_limits: np.ndarray | None = None
 
 
 class EncoderCache:
@@ -76,6 +79,7 @@ class MultimodalInputsBuilder:
                  cache_tokens: int = DEFAULT_ENCODER_CACHE_TOKENS) -> None:
         self.cache = EncoderCache(model.encode, cache_tokens)
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.bidirectional_images = bool(getattr(model, "bidirectional_images", False))
         self.device = device
 
     def build(self, requests: list[Request], diff: StepDiff,
@@ -102,7 +106,12 @@ class MultimodalInputsBuilder:
             return StepMultimodal(np.zeros(0, np.int64), None, mrope)
         embeds = self.cache.get([item for item, _, _ in spans])
         pieces = [e[lo:hi] for e, (_, lo, hi) in zip(embeds, spans)]
-        return StepMultimodal(np.concatenate(rows), torch.cat(pieces), mrope)
+        limits = None
+        if self.bidirectional_images:  # up to the image's last token in this step
+            limits = arrays.positions.astype(np.int64, copy=True)
+            for (item, _, hi), span_rows in zip(spans, rows):
+                limits[span_rows] = item.offset + hi - 1
+        return StepMultimodal(np.concatenate(rows), torch.cat(pieces), mrope, limits)
 
 
 def _place_mrope(mrope: np.ndarray, mm, start: int, end: int, first_row: int) -> None:

@@ -168,6 +168,11 @@ class RankModel:
                                                                         non_blocking=True)
             for view in [tensors.metadata, *tensors.metadata.group_views]:
                 view.mrope_positions = positions
+        if multimodal.causal_limits is not None:
+            limits = torch.from_numpy(multimodal.causal_limits).to(self.device,
+                                                                   non_blocking=True)
+            for view in [tensors.metadata, *tensors.metadata.group_views]:
+                view.causal_limits = limits
         if multimodal.embeds is not None:
             rows = torch.from_numpy(multimodal.embed_rows).to(self.device, non_blocking=True)
             tensors.mm_embeds = (rows, multimodal.embeds)

@@ -261,7 +261,7 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
                 del request.draft_token_ids[max(0, budget - 1):]
                 num_new += len(request.draft_token_ids)
         if num_new > budget:
-            return budget if self.enable_chunked_prefill else 0
+            return _chunk_len(request, budget) if self.enable_chunked_prefill else 0
         return num_new
 
     def _acquire_gates(self, request: Request) -> bool:
@@ -281,6 +281,15 @@ class Scheduler(BeamGroupScheduling, DecodeFirstScheduling):
     def _leader_ready(request: Request) -> bool:
         leader = request.prefix_leader
         return leader is None or leader.is_prompt_done or leader.is_finished
+
+
+def _chunk_len(request: Request, budget: int) -> int:
+    """A prefill chunk's length: the budget, shortened not to cut an image whose tokens
+    attend both ways (MultimodalInputs.chunk_end)."""
+    if request.multimodal is None:
+        return budget
+    start = request.num_computed_tokens
+    return request.multimodal.chunk_end(start, start + budget) - start
 
 
 def _is_in(request: Request, ids: set[int]) -> bool:

@@ -1,0 +1,92 @@
+"""Gemma 3 with images (`Gemma3ForConditionalGeneration`): transformers' SigLIP vision tower
+and Gemma 3 projector (patch features average-pooled to `mm_tokens_per_image` tokens, normed
+and projected; transformers' modules: they run once per image) in place of the prompt's
+image soft tokens; the decoder is our Gemma 3. Each `<start_of_image>` of the prompt text
+becomes "\\n\\n<start_of_image>" + soft tokens + "<end_of_image>\\n\\n", as Gemma3Processor
+writes it. The tokens of one image attend to each other both ways in prefill
+(`bidirectional_images`: the runner gives each image token its image's last position as its
+attention limit); decode is causal. Pan-and-scan crops are not supported."""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from tllm.layers.linear import _copy_checked
+from tllm.models.gemma3 import Gemma3ForCausalLM
+from tllm.models.registry import register_model
+
+
+@register_model("Gemma3ForConditionalGeneration")
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Built from the composite HF config; `self.config` is its text config."""
+    is_multimodal = True
+    bidirectional_images = True
+
+    def __init__(self, config, backend_cls, max_position: int, quant_config=None) -> None:
+        from transformers import AutoModel
+        from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
+        text = config.get_text_config()
+        text.tie_word_embeddings = config.tie_word_embeddings
+        super().__init__(text, backend_cls, max_position, quant_config)
+        self.hf_config = config
+        config.vision_config._attn_implementation = "sdpa"
+        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.multi_modal_projector = Gemma3MultiModalProjector(config)
+
+    # ---- images ----
+
+    def encode(self, items) -> list[torch.Tensor]:
+        """Each image's pooled, projected features [mm_tokens_per_image, hidden]."""
+        pixels = torch.cat([item.data["pixel_values"] for item in items]).to(
+            self.embed_tokens.weight.device, self.vision_tower.dtype)
+        features = self.vision_tower(pixel_values=pixels, return_dict=True).last_hidden_state
+        return list(self.multi_modal_projector(features))
+
+    @staticmethod
+    def split_items(processed: dict, hf_config) -> list[tuple[dict, int]]:
+        """One (pixel_values [1, 3, H, W], mm_tokens_per_image) per image."""
+        crops = processed.get("num_crops")
+        if crops is not None and any(int(n) for n in torch.as_tensor(crops).flatten()):
+            from tllm.multimodal.media import MediaError
+            raise MediaError("Gemma 3 pan-and-scan crops are not supported: turn "
+                             "do_pan_and_scan off in the image processor", "image")
+        count = int(hf_config.mm_tokens_per_image)
+        return [({"pixel_values": p[None]}, count) for p in processed["pixel_values"]]
+
+    @staticmethod
+    def prompt_text(text: str, hf_config, tokenizer) -> str:
+        """The prompt with each <start_of_image> written out as Gemma3Processor does,
+        with one soft token (the processor repeats it per image)."""
+        hf = tokenizer.hf
+        boi, eoi, soft = hf.convert_ids_to_tokens(
+            [hf_config.boi_token_id, hf_config.eoi_token_id, hf_config.image_token_id])
+        marker = "\0tllm-image\0"  # so the boi token written back is not replaced again
+        text = text.replace(boi, marker)
+        return text.replace(marker, f"\n\n{boi}{soft}{eoi}\n\n")
+
+    # ---- weights ----
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """transformers 5's names (model.vision_tower.*, model.multi_modal_projector.*,
+        model.language_model.*, lm_head.*) or the older ones (vision_tower.*,
+        multi_modal_projector.*, language_model.model.*)."""
+        tower = {f"vision_tower.{n}": p for n, p in self.vision_tower.named_parameters()}
+        tower.update({f"multi_modal_projector.{n}": p
+                      for n, p in self.multi_modal_projector.named_parameters()})
+        loaded: set[str] = set()
+
+        def text_weights():
+            for name, tensor in weights:
+                name = name.removeprefix("model.")
+                if name.startswith(("vision_tower.", "multi_modal_projector.")):
+                    if name not in tower:
+                        raise ValueError(f"checkpoint tensor {name!r} has no place in "
+                                         f"{type(self).__name__}")
+                    _copy_checked(tower[name], tensor, name)
+                    loaded.add(f"{name}#None")
+                    continue
+                yield name.removeprefix("language_model.").removeprefix("model."), tensor
+
+        loaded |= super().load_weights(text_weights())
+        return loaded

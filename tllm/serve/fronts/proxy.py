@@ -32,8 +32,8 @@ T = TypeVar("T")
 TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")   # what a front forwards
 # Routes a front forwards whole to one server (the pooling and token routes: one step
 # each, nothing kept on the server afterwards).
-WHOLE_ROUTES = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/v1/classify",
-                "/tokenize", "/detokenize")
+WHOLE_ROUTES = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/classify",
+                "/v1/classify", "/tokenize", "/detokenize")
 
 
 def normalize_url(url: str) -> str:

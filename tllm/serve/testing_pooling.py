@@ -17,19 +17,22 @@ class FakePoolingLLM(FakeLLM):
     """A pooling model over FakeLLM's byte tokenizer. embed: a unit vector of
     `embedding_size` cosines of the token ids (truncated to `dimensions`, then normalised
     again); score (a cross-encoder): the share of the query's distinct bytes the document
-    holds, so a document that repeats the query scores 1; classify: two probabilities.
+    holds, so a document that repeats the query scores 1; classify: two probabilities
+    (`labels` their names; None: a model that names none).
     `max_in_flight` counts the most encode calls that were running at once; with `delay_s`,
     each takes that long, and `num_cancelled` counts those cancelled meanwhile."""
 
     def __init__(self, task: str = "embed", embedding_size: int = 8, max_seq_len: int = 512,
-                 vocab_size: int = 256, delay_s: float = 0.0) -> None:
+                 vocab_size: int = 256, delay_s: float = 0.0,
+                 labels: tuple[str, ...] | None = ("no", "yes")) -> None:
         if task not in POOLING_TASKS:
             raise ValueError(f"task: one of {POOLING_TASKS}, got {task!r}")
         super().__init__(max_seq_len=max_seq_len)
         self.task = task
         self.vocab_size = vocab_size
         self.pooling_info = {"embedding_size": embedding_size if task == "embed" else None,
-                             "labels": ["no", "yes"] if task == "classify" else None}
+                             "labels": (list(labels) if task == "classify" and labels
+                                        else None)}
         self.delay_s = delay_s
         self.num_in_flight = 0
         self.max_in_flight = 0

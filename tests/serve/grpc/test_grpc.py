@@ -153,7 +153,8 @@ def test_with_the_api_key_every_call_but_health_needs_it():
             assert stub.Health(pb.HealthRequest()).healthy
             calls = [lambda **kw: stub.ModelInfo(pb.ModelInfoRequest(), **kw),
                      lambda **kw: list(stub.Generate(pb.GenerateRequest(text="hi"), **kw)),
-                     lambda **kw: stub.Abort(pb.AbortRequest(request_id="x"), **kw)]
+                     lambda **kw: stub.Abort(pb.AbortRequest(request_id="x"), **kw),
+                     lambda **kw: stub.Embed(pb.EmbedRequest(), **kw)]
             for call in calls:
                 for metadata in (None, [("authorization", "Bearer nope")]):
                     with pytest.raises(grpc.RpcError) as error:
@@ -164,3 +165,43 @@ def test_with_the_api_key_every_call_but_health_needs_it():
             with pytest.raises(grpc.RpcError) as error:
                 calls[2](metadata=good)
             assert error.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(grpc.RpcError) as error:     # past the key: the task's refusal
+                calls[3](metadata=good)
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_embed_equals_the_http_embeddings_and_names_bad_input():
+    from tllm.serve.testing_pooling import FakePoolingLLM, fake_embedding
+    with HttpAndGrpc(FakePoolingLLM(task="embed"), ServerConfig(model="embedder")) as both:
+        with grpc.insecure_channel(f"127.0.0.1:{both.grpc_port}") as channel:
+            stub = pb_grpc.GenerationStub(channel)
+            answer = stub.Embed(pb.EmbedRequest(inputs=[
+                pb.EmbedInput(text="hi"), pb.EmbedInput(text="there")], dimensions=4))
+            http = httpx.post(both.http_url + "/v1/embeddings",
+                              json={"input": ["hi", "there"], "dimensions": 4}).json()
+            by_ids = stub.Embed(pb.EmbedRequest(inputs=[pb.EmbedInput(
+                token_ids=pb.TokenIds(ids=[104, 105]))]))
+            bad = [pb.EmbedRequest(), pb.EmbedRequest(inputs=[pb.EmbedInput()]),
+                   pb.EmbedRequest(inputs=[pb.EmbedInput(text="a")], dimensions=99),
+                   pb.EmbedRequest(inputs=[pb.EmbedInput(token_ids=pb.TokenIds(ids=[999]))])]
+            codes = []
+            for request_ in bad:
+                with pytest.raises(grpc.RpcError) as error:
+                    stub.Embed(request_)
+                codes.append(error.value.code())
+    assert len(answer.embeddings) == 2
+    for embedding, data in zip(answer.embeddings, http["data"]):    # float32 on the wire
+        assert list(embedding.values) == pytest.approx(data["embedding"], abs=1e-6)
+    assert answer.prompt_tokens == http["usage"]["prompt_tokens"] == 7
+    assert list(by_ids.embeddings[0].values) == pytest.approx(fake_embedding([104, 105], 8))
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * len(bad)
+
+
+def test_embed_of_a_generation_model_names_the_task():
+    with HttpAndGrpc(FakeLLM(), ServerConfig(model="fake")) as both:
+        with grpc.insecure_channel(f"127.0.0.1:{both.grpc_port}") as channel:
+            with pytest.raises(grpc.RpcError) as error:
+                pb_grpc.GenerationStub(channel).Embed(pb.EmbedRequest(
+                    inputs=[pb.EmbedInput(text="a")]))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "embed" in error.value.details()

@@ -66,12 +66,12 @@ def test_the_table_covers_each_kind_s_routes():
     templates = {kind: {t for _, t, _ in _routes(build(kind, api_key=KEY))} for kind in KINDS}
     assert {"/metrics", "/dashboard", "/dashboard/stats.json", "/v1/models",
             "/docs/assets/{name}", "/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank",
-            "/tokenize", "/detokenize"} <= templates["text"]
+            "/tokenize", "/detokenize", "/classify", "/v1/classify"} <= templates["text"]
     assert {"/disagg/info", "/disagg/stats"} <= templates["generation_role"]
     assert {"/files", "/v1/images/generations", "/v1/videos/{video_id}/content", "/docs",
             "/openapi.json"} <= templates["visual"]
-    assert {"/router/stats", "/metrics"} <= templates["router"]
-    assert {"/disagg/stats", "/v1/completions"} <= templates["disaggregated_front"]
+    assert {"/router/stats", "/metrics", "/v1/embeddings", "/classify"} <= templates["router"]
+    assert {"/disagg/stats", "/v1/completions", "/tokenize"} <= templates["disaggregated_front"]
 
 
 # ---- the dashboard: a session cookie, never the key ----

@@ -47,7 +47,7 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
         "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
         "GET /version", "GET /metrics", "GET /dashboard/stats.json", "POST /v1/embeddings",
         "POST /v1/score", "POST /v1/rerank", "POST /v2/rerank", "POST /tokenize",
-        "POST /detokenize"}
+        "POST /detokenize", "POST /classify", "POST /v1/classify"}
     start, num_cases = time.monotonic(), 0
     with httpx.Client(base_url=server.base_url, timeout=10) as client:
         for operation in operations:
@@ -76,6 +76,18 @@ def test_schemathesis_over_an_embedding_model():
 
 
 POOLING_PATHS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank")
+
+
+def test_schemathesis_over_a_classifier():
+    llm = FakePoolingLLM(task="classify", max_seq_len=48)
+    with ServerThread(build_app(llm, ServerConfig(model="fake"))) as server, \
+            httpx.Client(base_url=server.base_url, timeout=10) as client:
+        schema = schemathesis.openapi.from_url(f"{server.base_url}/openapi.json")
+        [classify] = [result.ok() for result in schema.get_all_operations()
+                      if result.ok().path == "/classify"]
+        num_cases = sum(_fuzz(classify, mode, client, server.base_url)
+                        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE))
+    assert num_cases >= 20
 
 
 def _fuzz(operation, mode, client: httpx.Client, base_url: str) -> int:

@@ -11,7 +11,8 @@ configured context server (its --kv-sources) that has this id, decodes, and its 
 (streamed or not: usage, logprobs, stop strings as any server's) is relayed to the client.
 Neither the front nor a request ever tells a generation server an address. Requests that
 need the prompt computed where they are answered (echo with logprobs: prompt logprobs), or
-that hold several prompts, run whole on a generation server."""
+that hold several prompts, run whole on a generation server. The pooling and token routes
+(/v1/embeddings, /v1/score, /v1/rerank, /tokenize, ...) run whole on a context server."""
 from __future__ import annotations
 
 import itertools
@@ -29,7 +30,8 @@ from tllm.serve.disagg_worker import KV_SOURCE_HEADER
 from tllm.serve.http.errors import APIError, server_stopping
 from tllm.serve.http.limits import HttpLimits, add_http_limit_args, http_limits_from_args
 from tllm.serve.fronts.proxy import (RelayDrain, Upstream, front_app, pick_least_loaded,
-                                     read_json_body, relay, until_disconnect, upstream_error)
+                                     read_json_body, relay, relay_whole, until_disconnect,
+                                     upstream_error)
 
 logger = logging.getLogger(__name__)
 # Fields of the client's request the context server's prefill does without.
@@ -73,6 +75,12 @@ class DisaggFront:
         return await relay(request, generation, path, {**body, "disaggregated_params": {
             "request_type": "generation_only", "ctx_request_id": ctx_request_id,
             "opaque_state": source_id}}, self.drain)
+
+    async def handle_whole(self, request: Request, path: str) -> Response:
+        """The pooling and token routes, whole on a context server: pooling is a prefill
+        with nothing kept (a context server's kind of work), so the generation servers'
+        decode steps are not slowed by it."""
+        return await relay_whole(request, self.context, next(self._turns), path, self.drain)
 
     async def health(self) -> Response:
         """200 once some context and some generation server answer their /health."""
@@ -126,8 +134,8 @@ async def _is_healthy(server: Upstream) -> bool:
 def build_front_app(front: DisaggFront, limits: HttpLimits = HttpLimits(),
                     protect_metrics: bool = False) -> FastAPI:
     """The front's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
-    app, routes = front_app("tllm disaggregated front", front.handle, front.drain,
-                            front.config.api_key, limits, protect_metrics)
+    app, routes = front_app("tllm disaggregated front", front.handle, front.handle_whole,
+                            front.drain, front.config.api_key, limits, protect_metrics)
     app.state.front = front
 
     @routes.get("/v1/models")

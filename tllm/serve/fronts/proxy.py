@@ -30,6 +30,10 @@ CONNECT_TIMEOUT_S = 2.0
 DOWN_FOR_S = 2.0        # a server that failed is passed over this long while others are up
 T = TypeVar("T")
 TEXT_ROUTES = ("/v1/completions", "/v1/chat/completions")   # what a front forwards
+# Routes a front forwards whole to one server (the pooling and token routes: one step
+# each, nothing kept on the server afterwards).
+WHOLE_ROUTES = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/classify",
+                "/v1/classify", "/tokenize", "/detokenize")
 
 
 def normalize_url(url: str) -> str:
@@ -102,6 +106,14 @@ class Upstream:
         await self.client.aclose()
 
 
+async def relay_whole(request: Request, servers: list[Upstream], turn: int, path: str,
+                      drain: RelayDrain) -> Response:
+    """A request of WHOLE_ROUTES, relayed as it is to the least loaded of the servers."""
+    with drain.admit():
+        body = await read_json_body(request)
+        return await relay(request, pick_least_loaded(servers, turn), path, body, drain)
+
+
 def pick_least_loaded(servers: list[Upstream], turn: int) -> Upstream:
     """The live server with the fewest requests in flight (ties: in turn)."""
     live = [s for s in servers if s.is_up] or servers
@@ -119,11 +131,12 @@ async def read_json_body(request: Request) -> dict:
     return body
 
 
-def front_app(title: str, handle, drain: RelayDrain, api_key: str | None, limits: HttpLimits,
-              protect_metrics: bool) -> tuple[FastAPI, APIRouter]:
+def front_app(title: str, handle, handle_whole, drain: RelayDrain, api_key: str | None,
+              limits: HttpLimits, protect_metrics: bool) -> tuple[FastAPI, APIRouter]:
     """A front's app and its routes (TEXT_ROUTES forwarded through `handle(request, path)`,
-    more to add, then app.include_router): error bodies, request limits, the key check, the
-    drain its server's shutdown waits for, and request ids passed on upstream."""
+    WHOLE_ROUTES through `handle_whole(request, path)`, more to add, then
+    app.include_router): error bodies, request limits, the key check, the drain its server's
+    shutdown waits for, and request ids passed on upstream."""
     app = FastAPI(title=title, version=__version__)
     app.state.drain = drain
     install_error_handlers(app)
@@ -133,6 +146,8 @@ def front_app(title: str, handle, drain: RelayDrain, api_key: str | None, limits
     routes = APIRouter()
     for path in TEXT_ROUTES:
         routes.add_api_route(path, _forwarder(handle, path), methods=["POST"])
+    for path in WHOLE_ROUTES:
+        routes.add_api_route(path, _forwarder(handle_whole, path), methods=["POST"])
     return app, routes
 
 

@@ -31,7 +31,7 @@ from tllm.serve.http.errors import server_stopping
 from tllm.serve.http.limits import HttpLimits, add_http_limit_args, http_limits_from_args
 from tllm.serve.http.metrics import CONTENT_TYPE_LATEST
 from tllm.serve.fronts.proxy import (RelayDrain, Upstream, front_app, pick_least_loaded,
-                                     read_json_body, relay)
+                                     read_json_body, relay, relay_whole)
 
 POLICIES = ("cache_aware", "round_robin", "least_loaded")
 BYTES_PER_TOKEN = 4     # without a tokenizer, a block of text is this many bytes per token
@@ -117,6 +117,11 @@ class Router:
                 self._tokenize_pool, self._prompt_tokens, body)
             index = self.choose(block_hashes(tokens, block_size))
             return await relay(request, self.replicas[index], path, body, self.drain)
+
+    async def handle_whole(self, request: Request, path: str) -> Response:
+        """The pooling and token routes: any replica answers them (least loaded; they
+        leave nothing in its cache to route by)."""
+        return await relay_whole(request, self.replicas, next(self._turns), path, self.drain)
 
     def choose(self, hashes: list[int]) -> int:
         """The replica for a prompt with these block hashes (and count it)."""
@@ -211,7 +216,8 @@ class _RouterCollector:
 def build_router_app(router: Router, limits: HttpLimits = HttpLimits(),
                      protect_metrics: bool = False) -> FastAPI:
     """The router's app; with an api_key, clients must send it too (auth.ApiKeyGuard)."""
-    app, routes = front_app("tllm router", router.handle, router.drain, router.config.api_key,
+    app, routes = front_app("tllm router", router.handle, router.handle_whole,
+                            router.drain, router.config.api_key,
                             limits, protect_metrics)
     app.state.router = router
     registry = CollectorRegistry()

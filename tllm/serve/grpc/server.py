@@ -1,6 +1,6 @@
 """The gRPC endpoint (`tllm serve MODEL --grpc-port PORT`, grpcio's asyncio server):
-tllm.v1.Generation (tllm/serve/grpc/tllm.proto) on the same engine, event loop and admission
-control as the HTTP routes. A request is validated as a completion body is (the same
+tllm.v1.Generation (tllm/serve/grpc/tllm.proto; Embed for embedding models) on the same
+engine, event loop and admission control as the HTTP routes. A request is validated as a completion body is (the same
 messages), and HTTP statuses become gRPC codes: 400 INVALID_ARGUMENT, 404 NOT_FOUND, 429
 RESOURCE_EXHAUSTED, 503 UNAVAILABLE. With --api-key, every call but Health needs metadata
 `authorization: Bearer KEY` (UNAUTHENTICATED otherwise), as the HTTP routes do."""
@@ -21,6 +21,7 @@ from tllm.serve.http.errors import APIError, from_validation_error
 from tllm.serve.openai.chat import check_takes_images
 from tllm.serve.openai.generation import PromptInput
 from tllm.serve.grpc import tllm_pb2 as pb
+from tllm.serve.grpc.embed import embed
 from tllm.serve.grpc import tllm_pb2_grpc as pb_grpc
 from tllm.serve.openai.params import ModelLimits, max_new_tokens, sampling_params
 from tllm.serve.openai.protocol import CompletionRequest
@@ -88,6 +89,12 @@ class GenerationService(pb_grpc.GenerationServicer):
             model=self.ctx.config.model_name, max_model_len=self.ctx.llm.max_seq_len,
             vocab_size=self.limits.vocab_size or 0, has_tokenizer=tokenizer is not None,
             eos_token_ids=sorted(getattr(tokenizer, "eos_token_ids", ()) or ()))
+
+    async def Embed(self, request: pb.EmbedRequest, context) -> pb.EmbedResponse:
+        try:
+            return await embed(self.ctx, self.limits, request)
+        except APIError as exc:
+            await context.abort(_CODES.get(exc.status, grpc.StatusCode.INTERNAL), exc.message)
 
     async def _prompt_and_body(self, request: pb.GenerateRequest):
         """The prompt, and the request as a completion body (validated as HTTP's are)."""

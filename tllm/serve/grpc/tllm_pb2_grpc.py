@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.ModelInfoRequest.SerializeToString,
                 response_deserializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.ModelInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tllm.v1.Generation/Embed',
+                request_serializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -86,6 +91,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """The embeddings of some inputs (embed-task models; `tllm serve --task`), as
+        /v1/embeddings answers them; another task is INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -108,6 +121,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ModelInfo,
                     request_deserializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.ModelInfoRequest.FromString,
                     response_serializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.ModelInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.EmbedRequest.FromString,
+                    response_serializer=tllm_dot_serve_dot_grpc_dot_tllm__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -218,6 +236,33 @@ class Generation:
             '/tllm.v1.Generation/ModelInfo',
             tllm_dot_serve_dot_grpc_dot_tllm__pb2.ModelInfoRequest.SerializeToString,
             tllm_dot_serve_dot_grpc_dot_tllm__pb2.ModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tllm.v1.Generation/Embed',
+            tllm_dot_serve_dot_grpc_dot_tllm__pb2.EmbedRequest.SerializeToString,
+            tllm_dot_serve_dot_grpc_dot_tllm__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

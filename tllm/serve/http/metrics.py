@@ -196,6 +196,23 @@ class ServerMetrics:
         tracker.times.submitted = submitted
         return tracker
 
+    def count_pooled(self, prompt_lengths: list[int], arrival: float) -> None:
+        """A pooling request whose inputs all finished: each a success ("stop") with its
+        prompt tokens, and the request's latency (nothing is generated: no TTFT, no ITL)."""
+        for length in prompt_lengths:
+            self.prompt_tokens.inc(length)
+            self.request_prompt_tokens.observe(length)
+        self.request_success["stop"].inc(len(prompt_lengths))
+        self.recent.prompt_tokens.add(sum(prompt_lengths))
+        self.recent.finished.add(len(prompt_lengths))
+        latency = time.monotonic() - arrival
+        self.e2e.observe(latency)
+        self.recent.e2e.observe(latency)
+
+    def count_pooling_aborted(self, num_inputs: int) -> None:
+        """A pooling request ended by its client or a dead engine."""
+        self.request_success["abort"].inc(num_inputs)
+
 
 class RequestTracker:
     """Timings and counts of one API request's sequences. A sequence that never reports its

@@ -346,10 +346,14 @@ class EngineClient:
         status = self.supervisor.status() if self.supervisor is not None else None
         return status or "the engine loop is not running"
 
-    def check_alive(self) -> None:
-        """503 unless the server admits requests and the engine runs (for requests that
-        do not go through `start`: the pooling routes)."""
+    def check_room(self) -> None:
+        """503 unless the server admits requests and the engine runs, 429 when the queue is
+        full, as for a one-prompt generation request (for the pooling routes, which do not
+        go through `start`: their
+        inputs leave the engine after one step, and --max-pooling-inputs caps their number,
+        so a request counts as one, not as its share of the queue)."""
         self._check_alive()
+        self._check_queue(1)
 
     def _check_alive(self) -> None:
         if self.is_stopping:

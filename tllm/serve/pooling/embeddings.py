@@ -20,8 +20,10 @@ from tllm.serve.pooling.protocol import (EmbeddingData, EmbeddingRequest, Embedd
                                          PoolingUsage)
 
 
-async def create_embeddings(ctx: ServingContext, limits: ModelLimits, request: Request,
+async def create_embeddings(ctx: ServingContext, limits: ModelLimits, request: Request | None,
                             body: EmbeddingRequest) -> EmbeddingResponse:
+    """The embeddings (`request`: the HTTP request whose disconnect cancels them; None for
+    a gRPC call)."""
     check_base_model(ctx, body.model)
     _check_dimensions(ctx, body.dimensions)
     token_ids = await token_inputs(ctx, limits, body.inputs(), "input")

@@ -4,6 +4,8 @@ max_seq_len), and their runs in the engine, all at once so that they batch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import time
 from typing import Awaitable, Callable, Sequence
 
 from fastapi import Depends
@@ -87,26 +89,43 @@ async def token_inputs(ctx: ServingContext, limits: ModelLimits,
     return token_ids
 
 
-async def run_all(ctx: ServingContext, request: Request, calls: list[Callable[[], Awaitable]],
-                  param: str) -> list:
+async def run_all(ctx: ServingContext, request: Request | None,
+                  calls: list[Callable[[], Awaitable]], param: str,
+                  num_inputs: int | None = None) -> list:
     """Run the engine calls together (they batch in the engine); one that fails, or the
-    client going away, cancels the rest. A ValueError of the engine is a 400 naming
-    `param`, a dead engine a 503."""
-    ctx.engine.check_alive()
+    HTTP client going away, cancels the rest (without a `request`, as for a gRPC call, the
+    call's cancellation does). Refused as a generation request is when the engine is down
+    (503) or its queue full (429); a ValueError of the engine is a 400 naming `param`. The
+    request counts in the server's metrics: its `num_inputs` (one per call unless given)
+    as finished or aborted."""
+    arrival = time.monotonic()
+    ctx.engine.check_room()
     running = _Running([asyncio.ensure_future(call()) for call in calls])
     try:
-        async with abort_on_disconnect(request, running):
-            return await asyncio.gather(*running.tasks)
+        async with (abort_on_disconnect(request, running) if request is not None
+                    else contextlib.nullcontext()):
+            results = await asyncio.gather(*running.tasks)
     except asyncio.CancelledError:
+        ctx.metrics.count_pooling_aborted(num_inputs or len(calls))
         if not running.is_aborted:      # this handler itself is cancelled
             raise
         raise APIError(400, "the client disconnected", code="client_disconnected") from None
     except ValueError as exc:
         raise _as_field(from_value_error(exc, param), param) from exc
     except EngineDeadError as exc:
+        ctx.metrics.count_pooling_aborted(num_inputs or len(calls))
         raise engine_stopped() from exc
     finally:
         running.cancel()    # those still running after a failure (done ones: no-op)
+    ctx.metrics.count_pooled([len(output.prompt_token_ids) for output in _flat(results)],
+                             arrival)
+    return results
+
+
+def _flat(results: list) -> list[PoolingRequestOutput]:
+    """The outputs of the calls (score_async's: a list each)."""
+    return [output for result in results
+            for output in (result if isinstance(result, list) else [result])]
 
 
 class _Running:

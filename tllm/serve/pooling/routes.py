@@ -1,5 +1,6 @@
 """The routes of pooling models (/v1/embeddings for the embed task; /v1/score, /v1/rerank and
-/v2/rerank for the score task, or embed: the cosine of embeddings) and the token routes of
+/v2/rerank for the score task, or embed: the cosine of embeddings; /classify and
+/v1/classify for the classify task) and the token routes of
 every model (/tokenize, /detokenize). A route of another task answers 400 naming the task."""
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from tllm.serve.context import ServingContext
 from tllm.serve.http.errors import error_responses
 from tllm.serve.openai.params import ModelLimits
 from tllm.serve.openai.request_fields import check_fields, mark_ignored
+from tllm.serve.pooling.classify import (ClassificationRequest, ClassificationResponse,
+                                         create_classification)
 from tllm.serve.pooling.embeddings import create_embeddings
 from tllm.serve.pooling.engine_calls import needs_task
 from tllm.serve.pooling.protocol import (DetokenizeRequest, DetokenizeResponse,
@@ -20,8 +23,8 @@ from tllm.serve.pooling.protocol import (DetokenizeRequest, DetokenizeResponse,
 from tllm.serve.pooling.scores import create_rerank, create_score
 from tllm.serve.pooling.tokens import detokenize, tokenize
 
-POOLING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/tokenize",
-                     "/detokenize")
+POOLING_ENDPOINTS = ("/v1/embeddings", "/v1/score", "/v1/rerank", "/v2/rerank", "/classify",
+                     "/v1/classify", "/tokenize", "/detokenize")
 
 
 def pooling_routes(ctx: ServingContext, limits: ModelLimits, with_body: list) -> APIRouter:
@@ -56,6 +59,14 @@ def pooling_routes(ctx: ServingContext, limits: ModelLimits, with_body: list) ->
         async def rerank(request: Request, body: RerankRequest) -> Response:
             ignored = check_fields(body, strict)
             return answer(await create_rerank(ctx, request, body), ignored)
+
+    for path in ("/classify", "/v1/classify"):
+        @router.post(path, dependencies=[*with_body, needs_task(ctx, "classify")],
+                     summary="Classify inputs (classification and reward models)",
+                     responses={200: {"model": ClassificationResponse}, **body_errors})
+        async def classify(request: Request, body: ClassificationRequest) -> Response:
+            ignored = check_fields(body, strict)
+            return answer(await create_classification(ctx, limits, request, body), ignored)
 
     @router.post("/tokenize", dependencies=with_body,
                  summary="Tokenize a prompt or chat messages",

@@ -62,5 +62,6 @@ async def _scores(ctx: ServingContext, request: Request, query: str, documents: 
                   param: str) -> list[PoolingRequestOutput]:
     """One score per document, in their order (the engine batches the pairs)."""
     [outputs] = await run_all(
-        ctx, request, [functools.partial(ctx.llm.score_async, query, documents)], param)
+        ctx, request, [functools.partial(ctx.llm.score_async, query, documents)], param,
+        num_inputs=len(documents))
     return outputs

@@ -284,6 +284,10 @@ class LlmArgs(BaseModel):
     # host before the next is scheduled. Outputs are the same either way.
     disable_overlap_scheduler: bool = False
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Batch-invariant deterministic mode: a request's tokens and logprobs are the same bits
+    # alone or in any batch, chunking and prefix reuse (tllm.layers.batch_invariant,
+    # tllm.attention.invariant); slower. Turns CUDA graphs off.
+    deterministic: bool = False
     # Whose modeling code runs: "tllm" (our own model files), "transformers" (transformers'
     # modules with our paged KV cache and attention plugged in), "auto" (ours where we have
     # the architecture, else transformers').

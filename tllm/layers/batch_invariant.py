@@ -1,0 +1,59 @@
+"""Batch-invariant execution of a model's layers (deterministic mode, `LlmArgs.deterministic`):
+a token's result must not depend on how many other tokens share its step.
+
+What varies with the batch on a CPU, as probed on this project's 2-core VMs (torch 2.13,
+oneDNN/MKL; the probe is in tests/layers/test_batch_invariant.py):
+- float32 GEMMs: a row's product differs between M = 1 (a GEMV), M = 2..4 and M >= 5 rows,
+  and at a few odd M besides (64 -> 128 features: M = 10); at every multiple of 8 from 8 to
+  512 it was the same (9 shapes, tiny and SmolLM2's). bf16 GEMMs agreed at every M. So
+  every linear layer pads its input rows up to a multiple of `MIN_ROWS` (`padded_rows`).
+- The int8 weight-only CPU path (tllm.kernels.int8_cpu) switches from a GEMV to a GEMM at
+  DEQUANT_MIN_ROWS rows: its layers pad to that many rows, so the GEMM always runs.
+- Elementwise transcendental ops (silu, sigmoid, gelu): torch runs a vectorised loop and a
+  scalar tail, which round differently, and where the tail falls depends on the tensor's
+  size and on how its elements are split among threads. `invariant_ops.row_tiled` applies
+  such an op to pieces of whole rows, each below torch's parallel grain (one thread) and
+  iterated row by row, so a row meets the same vector/tail split whatever its batch.
+RMSNorm (one row at a time in torch's kernel), softmax and log_softmax were invariant."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tllm.layers.embedding import LMHead
+from tllm.layers.invariant_ops import MIN_ROWS, padded_rows
+from tllm.layers.linear import Linear
+
+
+def min_rows_of(layer: nn.Module) -> int:
+    """The fewest rows `layer`'s kernel must see to compute every row the same way."""
+    if getattr(getattr(layer, "quant", None), "form", None) == "int8":
+        from tllm.kernels.int8_cpu import DEQUANT_MIN_ROWS
+        return max(MIN_ROWS, DEQUANT_MIN_ROWS)
+    return MIN_ROWS
+
+
+def _pad_rows(module: nn.Module, args: tuple) -> tuple | None:
+    x = args[0]
+    module._invariant_rows = x.shape[0]
+    missing = padded_rows(x.shape[0], module._invariant_min_rows) - x.shape[0]
+    if missing <= 0:
+        return None
+    return (torch.cat([x, x.new_zeros(missing, *x.shape[1:])]),) + tuple(args[1:])
+
+
+def _unpad_rows(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out[:module._invariant_rows]
+
+
+def make_batch_invariant(model: nn.Module, device: torch.device) -> None:
+    """Pads every linear layer's and LM head's input rows (hooks) and, on the CPU, makes
+    the activations compute in row tiles (CUDA's are Triton kernels, the same code for
+    every element). See the module docstring."""
+    for module in model.modules():
+        if isinstance(module, (Linear, LMHead)):
+            module._invariant_min_rows = min_rows_of(module)
+            module.register_forward_pre_hook(_pad_rows)
+            module.register_forward_hook(_unpad_rows)
+        elif hasattr(module, "is_row_tiled") and device.type == "cpu":
+            module.is_row_tiled = True

@@ -100,7 +100,8 @@ def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
         token_ids, positions = prompt.token_ids + token_ids, prompt_positions + positions
     logprobs = None
     if body.logprobs is not None:
-        logprobs = ctx.logprobs.completion(token_ids, positions, body.logprobs, 0)
+        formatter = ctx.logprobs.for_request(body)
+        logprobs = formatter.completion(token_ids, positions, body.logprobs, 0)
     return CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
                             finish_reason=finish_reason, stop_reason=stop_reason)
 
@@ -123,11 +124,12 @@ async def _events(ctx: ServingContext, body: CompletionRequest, prompts: list[Pr
             text = _prompt_text(ctx, prompts[index // body.n])
             text_offsets[index] = len(text)
             yield event(CompletionChoice(index=index, text=text))
+    formatter = ctx.logprobs.for_request(body)
     async for delta in generation.deltas():
         logprobs = None
         if body.logprobs is not None and delta.token_ids:
-            logprobs = ctx.logprobs.completion(delta.token_ids, delta.logprobs, body.logprobs,
-                                               text_offsets[delta.index])
+            logprobs = formatter.completion(delta.token_ids, delta.logprobs, body.logprobs,
+                                            text_offsets[delta.index])
             text_offsets[delta.index] += _text_len(logprobs)
         usage.add(delta.index, len(delta.token_ids))
         yield event(CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,

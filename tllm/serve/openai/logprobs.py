@@ -30,6 +30,17 @@ class LogprobFormatter:
                 return f"token_id:{token_id}"
             return tokenizer.decode([token_id], skip_special_tokens=False)
         self._token_text = lru_cache(maxsize=1 << 16)(decode)
+        self._as_ids = self if tokenizer is None else None
+
+    def for_request(self, body) -> LogprobFormatter:
+        """This formatter, or one rendering tokens as "token_id:<id>" where the request asks
+        (vLLM's return_tokens_as_token_ids: a trainer gets ids, not text it would have to
+        re-tokenize)."""
+        if not getattr(body, "return_tokens_as_token_ids", False):
+            return self
+        if self._as_ids is None:
+            self._as_ids = LogprobFormatter(None)
+        return self._as_ids
 
     def token_text(self, token_id: int) -> str:
         return self._token_text(token_id)

@@ -82,6 +82,11 @@ class _SamplingRequest(_Body):
     early_stopping: bool | Literal["never"] = False
     # vLLM's: lower runs first (the server's --scheduling-policy priority; else only 0)
     priority: int = 0
+    # For RL trainers: which distribution logprobs report (SamplingParams.logprobs_mode),
+    # and vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
+    logprobs_mode: Literal["raw_logprobs", "tempered_logprobs",
+                           "processed_logprobs"] = "raw_logprobs"
+    return_tokens_as_token_ids: bool = False
     # Disaggregated serving (set by `tllm serve disaggregated`'s front for its workers):
     # {"request_type": "context_only" | "generation_only", "ctx_request_id", "opaque_state"}
     disaggregated_params: Optional[dict[str, Any]] = None

@@ -215,3 +215,10 @@ def test_multimodal_flags():
         parse("--limit-mm-per-prompt", "3")
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LlmArgs(model="m", limit_mm_per_prompt={"video": 1})
+
+
+def test_deterministic_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert llm_kwargs(parser.parse_args(["--deterministic"]), "m")["deterministic"] is True
+    assert "deterministic" not in llm_kwargs(parser.parse_args([]), "m")

@@ -14,8 +14,19 @@ oneDNN/MKL; the probe is in tests/layers/test_batch_invariant.py):
   size and on how its elements are split among threads. `invariant_ops.row_tiled` applies
   such an op to pieces of whole rows, each below torch's parallel grain (one thread) and
   iterated row by row, so a row meets the same vector/tail split whatever its batch.
-RMSNorm (one row at a time in torch's kernel), softmax and log_softmax were invariant."""
+RMSNorm (one row at a time in torch's kernel), softmax and log_softmax were invariant.
+
+On CUDA (read, not run: no GPU in the session that wrote this): cuBLAS picks a GEMM kernel
+(tiles, split-K) by M, so linear layers with a plain float weight and the LM head (one
+rank) multiply by tllm.kernels.triton.invariant_matmul (fixed tiles, no split-K); the
+padding above also keeps batch-1 decode off the fused GEMV (dense_gemv_dispatch). Quantized
+weights keep their own kernels, whose invariance is not claimed. RMSNorm, SiLU-and-mul and
+the sampler's noise are Triton kernels that treat every row alike; attention is
+tllm.attention.invariant on any device, and CUDA graphs stay off (they need the triton
+attention backend)."""
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -51,9 +62,41 @@ def make_batch_invariant(model: nn.Module, device: torch.device) -> None:
     the activations compute in row tiles (CUDA's are Triton kernels, the same code for
     every element). See the module docstring."""
     for module in model.modules():
-        if isinstance(module, (Linear, LMHead)):
+        # a gated MLP padded as a whole never takes the batch-1 fused GEMV on CUDA
+        # (dense_gemv_dispatch.gate_up_silu_mul), which rounds unlike the batched GEMM
+        if isinstance(module, (Linear, LMHead)) or hasattr(module, "gate_up_proj"):
             module._invariant_min_rows = min_rows_of(module)
             module.register_forward_pre_hook(_pad_rows)
             module.register_forward_hook(_unpad_rows)
-        elif hasattr(module, "is_row_tiled") and device.type == "cpu":
+        if device.type == "cuda":
+            _use_invariant_matmul(module)
+        if hasattr(module, "is_row_tiled") and device.type == "cpu":
             module.is_row_tiled = True
+
+
+class _InvariantMatmulMethod:
+    """The layer's own quantization method, but a plain float weight is multiplied by the
+    batch-invariant Triton GEMM (CUDA)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        from tllm.kernels.triton.invariant_matmul import invariant_matmul
+        return invariant_matmul(x.reshape(-1, x.shape[-1]), layer.weight).view(
+            *x.shape[:-1], -1)
+
+
+def _use_invariant_matmul(module: nn.Module) -> None:
+    if isinstance(module, Linear) and getattr(module.quant, "plain_weight", False):
+        module.quant = _InvariantMatmulMethod(module.quant)
+    elif type(module) is LMHead and module.tp_size == 1:
+        module.forward = functools.partial(_invariant_lm_head, module)
+
+
+def _invariant_lm_head(head: LMHead, hidden: torch.Tensor) -> torch.Tensor:
+    from tllm.kernels.triton.invariant_matmul import invariant_matmul
+    return invariant_matmul(hidden, head.weight)

@@ -51,3 +51,12 @@ def test_activation_rows_do_not_depend_on_the_batch():
 def test_padded_rows():
     assert [padded_rows(n) for n in (1, 8, 9, 16, 17)] == [8, 8, 16, 16, 24]
     assert padded_rows(3, 40) == 40 and padded_rows(41, 40) == 48
+
+
+def test_int8_layers_always_take_the_gemm():
+    from tllm.kernels.int8_cpu import DEQUANT_MIN_ROWS
+    from tllm.layers.batch_invariant import min_rows_of
+    layer = nn.Module()
+    layer.register_buffer("qweight", torch.zeros(4, 4, dtype=torch.int8))
+    assert min_rows_of(layer) == max(8, DEQUANT_MIN_ROWS)
+    assert min_rows_of(Linear(4, 4)) == 8

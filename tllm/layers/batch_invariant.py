@@ -7,8 +7,9 @@ oneDNN/MKL; the probe is in tests/layers/test_batch_invariant.py):
   and at a few odd M besides (64 -> 128 features: M = 10); at every multiple of 8 from 8 to
   512 it was the same (9 shapes, tiny and SmolLM2's). bf16 GEMMs agreed at every M. So
   every linear layer pads its input rows up to a multiple of `MIN_ROWS` (`padded_rows`).
-- The int8 weight-only CPU path (tllm.kernels.int8_cpu) switches from a GEMV to a GEMM at
-  DEQUANT_MIN_ROWS rows: its layers pad to that many rows, so the GEMM always runs.
+- The int8 CPU path (tllm.kernels.int8_cpu: GGUF layers and LM heads) switches from a GEMV
+  to a GEMM at DEQUANT_MIN_ROWS rows: its layers pad to that many rows, so the GEMM always
+  runs. The exact-int4 GGUF form (`gguf_int4`) is not probed.
 - Elementwise transcendental ops (silu, sigmoid, gelu): torch runs a vectorised loop and a
   scalar tail, which round differently, and where the tail falls depends on the tensor's
   size and on how its elements are split among threads. `invariant_ops.row_tiled` applies
@@ -37,8 +38,12 @@ from tllm.layers.linear import Linear
 
 
 def min_rows_of(layer: nn.Module) -> int:
-    """The fewest rows `layer`'s kernel must see to compute every row the same way."""
-    if getattr(getattr(layer, "quant", None), "form", None) == "int8":
+    """The fewest rows `layer`'s kernel must see to compute every row the same way: GGUF
+    layers and LM heads re-quantized to int8 on the CPU take int8_matmul, whose path
+    changes at DEQUANT_MIN_ROWS."""
+    qweight = getattr(layer, "qweight", None)
+    if (isinstance(qweight, torch.Tensor) and qweight.dtype == torch.int8
+            and qweight.device.type == "cpu"):
         from tllm.kernels.int8_cpu import DEQUANT_MIN_ROWS
         return max(MIN_ROWS, DEQUANT_MIN_ROWS)
     return MIN_ROWS

@@ -17,7 +17,7 @@ NUM_COMPOSITIONS = 50
 
 
 def _engine(path, reuse: bool, overlap: bool, budget: int | None) -> LLM:
-    return LLM(str(path), deterministic=True, max_num_tokens=64, max_batch_size=64,
+    return LLM(str(path), deterministic=True, max_num_tokens=128, max_batch_size=64,
                max_seq_len=128, disable_overlap_scheduler=not overlap,
                scheduler_config=SchedulerConfig(prefill_token_budget=budget),
                kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=5144,
@@ -35,8 +35,8 @@ def _composition(rng: random.Random) -> tuple[list[list[int]], list[SamplingPara
     prompts, params = [], []
     for _ in range(max(0, size - len(PROBES))):
         head = PROBE_PROMPT[:rng.choice((8, 16))] if rng.random() < 0.2 else []
-        prompts.append(head + [rng.randrange(3, 380) for _ in range(rng.randint(1, 32))])
-        params.append(SamplingParams(max_tokens=rng.randint(1, 3),
+        prompts.append(head + [rng.randrange(3, 380) for _ in range(rng.randint(1, 16))])
+        params.append(SamplingParams(max_tokens=rng.randint(1, 2),
                                      temperature=rng.choice((0, 0.7, 1.0)), seed=rng.randrange(99)))
     slots = []
     for probe in PROBES:

@@ -2,7 +2,7 @@
 a token's result must not depend on how many other tokens share its step.
 
 What varies with the batch on a CPU, as probed on this project's 2-core VMs (torch 2.13,
-oneDNN/MKL; the probe is in tests/layers/test_batch_invariant.py):
+MKL/oneDNN; tests/layers/test_batch_invariant.py checks the fixes):
 - float32 GEMMs: a row's product differs between M = 1 (a GEMV), M = 2..4 and M >= 5 rows,
   and at a few odd M besides (64 -> 128 features: M = 10); at every multiple of 8 from 8 to
   512 it was the same (9 shapes, tiny and SmolLM2's). bf16 GEMMs agreed at every M. So
@@ -22,9 +22,10 @@ On CUDA (read, not run: no GPU in the session that wrote this): cuBLAS picks a G
 rank) multiply by tllm.kernels.triton.invariant_matmul (fixed tiles, no split-K); the
 padding above also keeps batch-1 decode off the fused GEMV (dense_gemv_dispatch). Quantized
 weights keep their own kernels, whose invariance is not claimed. RMSNorm, SiLU-and-mul and
-the sampler's noise are Triton kernels that treat every row alike; attention is
-tllm.attention.invariant on any device, and CUDA graphs stay off (they need the triton
-attention backend)."""
+the sampler's noise are Triton kernels that treat every row alike. Attention is
+tllm.attention.invariant on any device (the split-K Triton decode kernel is not used); its
+products there are cuBLAS batched GEMMs with K and N fixed and M a multiple of 8, not yet
+checked on a GPU. CUDA graphs stay off (they need the triton attention backend)."""
 from __future__ import annotations
 
 import functools

@@ -77,3 +77,18 @@ def test_logprobs_mode_reaches_the_engine_and_is_checked(client):
     assert _completion(client, logprobs_mode="tempered_logprobs").status_code == 200
     error = assert_openai_error(_completion(client, logprobs_mode="raw_logits"), 400)
     assert "logprobs_mode" in (error["param"] or "") + error["message"]
+
+
+def test_completions_prompt_logprobs_in_the_same_call(client):
+    """vLLM's prompt_logprobs: per prompt position, the token's logprob (the fake engine's
+    -1.0), keyed by token id, beside the sampled tokens' logprobs."""
+    choice = _completion(client, prompt_logprobs=1).json()["choices"][0]
+    prompt = choice["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) == 2   # "hi": h, i
+    assert prompt[1] == {"105": {"logprob": -1.0, "rank": 1, "decoded_token": "i"}}
+    assert choice["logprobs"]["tokens"] == ["a", "b", "c"]
+    as_ids = _completion(client, prompt_logprobs=0, return_tokens_as_token_ids=True).json()
+    assert as_ids["choices"][0]["prompt_logprobs"][1]["105"]["decoded_token"] == "token_id:105"
+    assert _completion(client).json()["choices"][0]["prompt_logprobs"] is None
+    error = assert_openai_error(_completion(client, prompt_logprobs=1, stream=True), 400)
+    assert error["param"] == "prompt_logprobs"

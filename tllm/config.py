@@ -368,6 +368,13 @@ class LlmArgs(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _check_deterministic(self) -> LlmArgs:
+        if self.deterministic and self.attn_backend == "triton":
+            raise ValueError("attn_backend: deterministic mode attends with its own "
+                             "batch-invariant backend; leave attn_backend at 'auto'")
+        return self
+
+    @model_validator(mode="after")
     def _check_lora(self) -> LlmArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least "

@@ -289,6 +289,10 @@ class LlmArgs(BaseModel):
     # host before the next is scheduled. Outputs are the same either way.
     disable_overlap_scheduler: bool = False
     attn_backend: Literal["auto", "torch", "triton"] = "auto"
+    # Batch-invariant deterministic mode: a request's tokens and logprobs are the same bits
+    # alone or in any batch, chunking and prefix reuse (tllm.layers.batch_invariant,
+    # tllm.attention.invariant); slower. Turns CUDA graphs off.
+    deterministic: bool = False
     # Whose modeling code runs: "tllm" (our own model files), "transformers" (transformers'
     # modules with our paged KV cache and attention plugged in), "auto" (ours where we have
     # the architecture, else transformers').
@@ -369,6 +373,13 @@ class LlmArgs(BaseModel):
         if config.step_token_budget is not None and config.prefill_token_budget is not None:
             raise ValueError("scheduler_config: set step_token_budget or "
                              "prefill_token_budget, not both")
+        return self
+
+    @model_validator(mode="after")
+    def _check_deterministic(self) -> LlmArgs:
+        if self.deterministic and self.attn_backend == "triton":
+            raise ValueError("attn_backend: deterministic mode attends with its own "
+                             "batch-invariant backend; leave attn_backend at 'auto'")
         return self
 
     @model_validator(mode="after")

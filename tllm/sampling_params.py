@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _GUIDED_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+# Which distribution `logprobs` (the sampled token's and the top ones) come from:
+# "raw_logprobs": the model's own (log_softmax of its logits; vLLM's default);
+# "tempered_logprobs": after logit bias, penalties, masks and the temperature, before the
+#   top-k / top-p / min-p filters;
+# "processed_logprobs": the distribution the token was drawn from (after the filters too:
+#   tokens they removed are -inf). A greedy request's temperature counts as 1 here.
+LOGPROBS_MODES = ("raw_logprobs", "tempered_logprobs", "processed_logprobs")
 
 
 @dataclass
@@ -101,6 +108,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprobs_mode: str = "raw_logprobs"   # one of LOGPROBS_MODES
     n: int = 1
     # best_of sequences are generated and the n best by cumulative logprob returned; with
     # beam search best_of (or beam_width, TensorRT-LLM's name) is the beam width
@@ -173,6 +181,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name, value,
                    "must be None or an integer >= 0")
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", self.logprobs_mode,
+               f"must be one of {', '.join(LOGPROBS_MODES)}")
         if self.seed is not None:
             _check(_is_int(self.seed), "seed", self.seed, "must be an integer")
         _check(all(isinstance(s, str) and s for s in self.stop_strings), "stop", self.stop,

@@ -215,3 +215,16 @@ def test_multimodal_flags():
         parse("--limit-mm-per-prompt", "3")
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):
         LlmArgs(model="m", limit_mm_per_prompt={"video": 1})
+
+
+def test_deterministic_flag():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert llm_kwargs(parser.parse_args(["--deterministic"]), "m")["deterministic"] is True
+    assert "deterministic" not in llm_kwargs(parser.parse_args([]), "m")
+
+
+def test_deterministic_refuses_the_triton_attention_backend():
+    with pytest.raises(ValueError, match="attn_backend"):
+        LlmArgs(model="m", deterministic=True, attn_backend="triton")
+    assert LlmArgs(model="m", deterministic=True).deterministic

@@ -193,7 +193,10 @@ class AttentionBackend(ABC):
 
 # name -> "module:Class", imported only when the backend is chosen.
 _BACKENDS: dict[str, str] = {"torch": "tllm.attention.torch_ref:TorchAttentionBackend",
-                              "triton": "tllm.attention.triton_backend:TritonAttentionBackend"}
+                              "triton": "tllm.attention.triton_backend:TritonAttentionBackend",
+                              # deterministic mode's (LlmArgs.deterministic), on any device
+                              "batch_invariant":
+                                  "tllm.attention.invariant:BatchInvariantAttentionBackend"}
 
 
 def register_attention_backend(name: str, target: str) -> None:

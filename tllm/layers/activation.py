@@ -1,8 +1,11 @@
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tllm.kernels import fp8
+from tllm.layers.invariant_ops import row_tiled
 
 
 def _check_quantize_to(activation: nn.Module, quantize_to: torch.dtype | None) -> None:
@@ -16,6 +19,8 @@ class SiluAndMul(nn.Module):
     e4m3, asked for by the FP8 down projection) the output is a fp8.QuantizedActivation,
     quantized per token: in the same kernel on CUDA."""
 
+    is_row_tiled = False  # deterministic mode on the CPU (tllm.layers.batch_invariant)
+
     def forward(self, x: torch.Tensor, quantize_to: torch.dtype | None = None):
         _check_quantize_to(self, quantize_to)
         if x.is_cuda and quantize_to is None and torch.compiler.is_compiling():
@@ -25,13 +30,15 @@ class SiluAndMul(nn.Module):
             from tllm.kernels.triton.activation import silu_and_mul, silu_and_mul_quant
             return (silu_and_mul if quantize_to is None else silu_and_mul_quant)(x)
         gate, up = x.chunk(2, dim=-1)
-        out = F.silu(gate) * up
+        out = (row_tiled(F.silu, gate) if self.is_row_tiled else F.silu(gate)) * up
         return out if quantize_to is None else fp8.quantize_activation(out)
 
 
 class GeluAndMul(nn.Module):
     """gelu(gate) * up for a merged [gate | up] projection output: Gemma's gated MLP
     (`approximate="tanh"`: HF's gelu_pytorch_tanh). `quantize_to` as in SiluAndMul."""
+
+    is_row_tiled = False
 
     def __init__(self, approximate: str = "tanh") -> None:
         super().__init__()
@@ -42,5 +49,6 @@ class GeluAndMul(nn.Module):
     def forward(self, x: torch.Tensor, quantize_to: torch.dtype | None = None):
         _check_quantize_to(self, quantize_to)
         gate, up = x.chunk(2, dim=-1)
-        out = F.gelu(gate, approximate=self.approximate) * up
+        gelu = functools.partial(F.gelu, approximate=self.approximate)
+        out = (row_tiled(gelu, gate) if self.is_row_tiled else gelu(gate)) * up
         return out if quantize_to is None else fp8.quantize_activation(out)

@@ -187,7 +187,7 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
                          max_batch_size=args.max_batch_size, max_seq_len=parts.max_seq_len,
                          piecewise=parts.piecewise)
     sampler = Sampler(args.seed, parts.device, args.max_batch_size,
-                      int(parts.config.vocab_size))
+                      int(parts.config.vocab_size), batch_invariant=args.deterministic)
     runner.slots.listeners.append(sampler)
     if pp_size > 1:
         overlap = pipelined(pp_size)

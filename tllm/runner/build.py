@@ -13,6 +13,7 @@ from tllm import loader
 from tllm.attention import get_attention_backend, has_attention_backend
 from tllm.attention.interface import KVCacheSpec
 from tllm.distributed import comm
+from tllm.layers.batch_invariant import make_batch_invariant
 from tllm.kv_cache.groups import KVCacheLayout, plan_layout
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.config import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
@@ -74,7 +75,10 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     # a config without max_position_embeddings (T5's) reaches build_model, which says why
     # it cannot be served
     max_seq_len = args.max_seq_len or getattr(config, "max_position_embeddings", None)
-    backend = pick_backend(args.attn_backend, device, config)
+    # deterministic: the batch-invariant attention (and so no CUDA graphs: they take the
+    # triton backend only), linear inputs padded to fixed row counts
+    backend = ("batch_invariant" if args.deterministic
+               else pick_backend(args.attn_backend, device, config))
     quant = loader.quant_config(source, config, args.quantization)
     model = loader.build_model(model_config, get_attention_backend(backend), dtype, device,
                                max_seq_len, quant, args.model_impl)
@@ -83,6 +87,8 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
                          "set max_seq_len")
     loader.load_weights(model, source, checkpoint, args.seed + mapping.rank,
                         show_progress=mapping.rank == 0)  # one bar, not one per rank
+    if args.deterministic:
+        make_batch_invariant(model, device)
     lora = build_lora(model, args, dtype, device)  # before the KV cache takes the memory
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)

@@ -12,6 +12,7 @@ from tllm.kernels.sampling_noise import sample_tokens_ref
 from tllm.request import Request
 from tllm.outputs import Logprob, PositionLogprobs
 from tllm.sampling import processors as P
+from tllm.sampling.logprobs_mode import filtered_logits, reported_logprobs
 from tllm.sampling.penalties import PenaltyCounts
 from tllm.sampling.rows import SamplingRows, SlotParams, has_penalty, rows_of_requests
 from tllm.upload import Uploader
@@ -71,8 +72,12 @@ class Sampler:
     on its seed and position only, never on the rest of the batch."""
 
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
-                 num_slots: int = 0, vocab_size: int = 0) -> None:
+                 num_slots: int = 0, vocab_size: int = 0,
+                 batch_invariant: bool = False) -> None:
         self.device = torch.device(device)
+        # deterministic mode: the CPU noise row by row (its -log is vectorised with a
+        # scalar tail, which rounds differently, wherever the batch's size puts the tail)
+        self.batch_invariant = batch_invariant
         # speculative acceptance draws its uniforms from this one (tllm.executor.speculation)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
@@ -132,6 +137,7 @@ class Sampler:
             self.penalties.add(slots, token_ids)
         if raw_logprobs is None:
             return SampledBatch(requests, token_ids, None)
+        raw_logprobs = reported_logprobs(raw_logprobs, logits, rows, requests)
         return SampledBatch(requests, token_ids,
                             _logprob_tensors(raw_logprobs, token_ids, rows.max_logprobs))
 
@@ -189,6 +195,9 @@ class Sampler:
         if probs.is_cuda:
             from tllm.kernels.triton.sample_tokens import sample_tokens
             return sample_tokens(probs, seeds, counters)
+        if self.batch_invariant:
+            return torch.cat([sample_tokens_ref(probs[i:i + 1], seeds[i:i + 1],
+                                                counters[i:i + 1]) for i in range(len(probs))])
         return sample_tokens_ref(probs, seeds, counters)
 
     def processed_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -201,16 +210,7 @@ class Sampler:
 def _processed_probs(logits: torch.Tensor, rows: SamplingRows,
                      index: torch.Tensor | None) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p on `logits` (the rows `index` of the call)."""
-    def pick(values: torch.Tensor | None) -> torch.Tensor | None:
-        return values if values is None or index is None else values[index]
-    logits = logits / pick(rows.temperature)[:, None]
-    if rows.top_k is not None:
-        logits = P.apply_top_k(logits, pick(rows.top_k))
-    if rows.top_p is not None:
-        logits = P.apply_top_p(logits, pick(rows.top_p))
-    if rows.min_p is not None:
-        logits = P.apply_min_p(logits, pick(rows.min_p))
-    return logits.softmax(dim=-1)
+    return filtered_logits(logits, rows, index).softmax(dim=-1)
 
 
 def _counts_of(requests: list[Request], vocab: int, device) -> tuple[torch.Tensor, torch.Tensor]:

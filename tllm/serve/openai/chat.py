@@ -240,8 +240,8 @@ def _logprobs(ctx: ServingContext, body: ChatCompletionRequest, token_ids: list[
               positions) -> ChoiceLogprobs | None:
     if not body.logprobs or positions is None:
         return None
-    return ChoiceLogprobs(content=ctx.logprobs.chat(token_ids, positions,
-                                                    body.top_logprobs or 0))
+    formatter = ctx.logprobs.for_request(body)
+    return ChoiceLogprobs(content=formatter.chat(token_ids, positions, body.top_logprobs or 0))
 
 
 def _response(ctx: ServingContext, body: ChatCompletionRequest, num_prompt_tokens: int,

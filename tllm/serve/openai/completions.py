@@ -46,6 +46,9 @@ def _check_options(body: CompletionRequest) -> None:
     if body.stream and body.echo and body.logprobs is not None:
         raise bad_request("echo with logprobs is not supported when streaming",
                           param="echo", code="unsupported_parameter")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported when streaming",
+                          param="prompt_logprobs", code="unsupported_parameter")
 
 
 async def _prompt_inputs(ctx: ServingContext, body: CompletionRequest) -> list[PromptInput]:
@@ -66,7 +69,9 @@ def _sampling_params(ctx: ServingContext, body: CompletionRequest, prompt: Promp
     # max_tokens 0 (scoring the prompt): generate one token and drop it.
     requested = 1 if body.max_tokens == 0 else body.max_tokens
     max_tokens = max_new_tokens(len(prompt.token_ids), requested, ctx.llm.max_seq_len, "prompt")
-    prompt_logprobs = body.logprobs if body.echo else None
+    asked = [k for k in (body.logprobs if body.echo else None, body.prompt_logprobs)
+             if k is not None]
+    prompt_logprobs = max(asked) if asked else None
     return sampling_params(body, max_tokens, logprobs=body.logprobs,
                            prompt_logprobs=prompt_logprobs, defaults=ctx.sampling_defaults)
 
@@ -91,6 +96,11 @@ def _response(ctx: ServingContext, body: CompletionRequest, prompts: list[Prompt
 def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
             prompt_logprobs: list | None, choice: Choice) -> CompletionChoice:
     text, token_ids, positions = choice.text, choice.token_ids, choice.logprobs or []
+    formatter = ctx.logprobs.for_request(body)
+    prompt_entries = None
+    if body.prompt_logprobs is not None and prompt_logprobs is not None:
+        prompt_entries = formatter.prompt(prompt.token_ids, prompt_logprobs,
+                                          body.prompt_logprobs)
     finish_reason, stop_reason = choice.finish_reason, choice.stop_reason
     if body.max_tokens == 0:
         text, token_ids, positions, finish_reason, stop_reason = "", [], [], "length", None
@@ -100,9 +110,10 @@ def _choice(ctx: ServingContext, body: CompletionRequest, prompt: PromptInput,
         token_ids, positions = prompt.token_ids + token_ids, prompt_positions + positions
     logprobs = None
     if body.logprobs is not None:
-        logprobs = ctx.logprobs.completion(token_ids, positions, body.logprobs, 0)
+        logprobs = formatter.completion(token_ids, positions, body.logprobs, 0)
     return CompletionChoice(index=choice.index, text=text, logprobs=logprobs,
-                            finish_reason=finish_reason, stop_reason=stop_reason)
+                            finish_reason=finish_reason, stop_reason=stop_reason,
+                            prompt_logprobs=prompt_entries)
 
 
 async def _events(ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput],
@@ -123,11 +134,12 @@ async def _events(ctx: ServingContext, body: CompletionRequest, prompts: list[Pr
             text = _prompt_text(ctx, prompts[index // body.n])
             text_offsets[index] = len(text)
             yield event(CompletionChoice(index=index, text=text))
+    formatter = ctx.logprobs.for_request(body)
     async for delta in generation.deltas():
         logprobs = None
         if body.logprobs is not None and delta.token_ids:
-            logprobs = ctx.logprobs.completion(delta.token_ids, delta.logprobs, body.logprobs,
-                                               text_offsets[delta.index])
+            logprobs = formatter.completion(delta.token_ids, delta.logprobs, body.logprobs,
+                                            text_offsets[delta.index])
             text_offsets[delta.index] += _text_len(logprobs)
         usage.add(delta.index, len(delta.token_ids))
         yield event(CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs,

@@ -6,7 +6,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from tllm.outputs import Logprob, PositionLogprobs
-from tllm.serve.openai.protocol import ChatLogprob, CompletionLogprobs, TopLogprob
+from tllm.serve.openai.protocol import (ChatLogprob, CompletionLogprobs, PromptLogprob,
+                                        TopLogprob)
 
 # JSON has no -inf; vLLM reports impossible tokens with this value too.
 _MIN_LOGPROB = -9999.0
@@ -30,6 +31,17 @@ class LogprobFormatter:
                 return f"token_id:{token_id}"
             return tokenizer.decode([token_id], skip_special_tokens=False)
         self._token_text = lru_cache(maxsize=1 << 16)(decode)
+        self._as_ids = self if tokenizer is None else None
+
+    def for_request(self, body) -> LogprobFormatter:
+        """This formatter, or one rendering tokens as "token_id:<id>" where the request asks
+        (vLLM's return_tokens_as_token_ids: a trainer gets ids, not text it would have to
+        re-tokenize)."""
+        if not getattr(body, "return_tokens_as_token_ids", False):
+            return self
+        if self._as_ids is None:
+            self._as_ids = LogprobFormatter(None)
+        return self._as_ids
 
     def token_text(self, token_id: int) -> str:
         return self._token_text(token_id)
@@ -60,6 +72,20 @@ class LogprobFormatter:
                             top_logprobs=[TopLogprob(**self._entry(t, lp.logprob))
                                           for t, lp in _top(position, num_top)])
                 for token_id, position in zip(token_ids, positions)]
+
+    def prompt(self, token_ids: list[int], positions: list[PositionLogprobs | None],
+               num_top: int) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: per position, the prompt's token and the top ones."""
+        out: list[dict[str, PromptLogprob] | None] = []
+        for token_id, position in zip(token_ids, positions):
+            if position is None:
+                out.append(None)
+                continue
+            entries = [(token_id, position[token_id])] + _top(position, num_top)
+            out.append({str(t): PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank,
+                                              decoded_token=self.token_text(t))
+                        for t, lp in entries})
+        return out
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text = self.token_text(token_id)

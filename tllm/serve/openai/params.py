@@ -183,6 +183,7 @@ def sampling_params(body: _SamplingRequest, max_tokens: int, logprobs: int | Non
             ignore_eos=body.ignore_eos, logit_bias=logit_bias,
             presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=body.n,
+            logprobs_mode=body.logprobs_mode,
             skip_special_tokens=body.skip_special_tokens, **guided, **beams)
     except ValueError as exc:
         raise from_value_error(exc) from exc

@@ -82,6 +82,11 @@ class _SamplingRequest(_Body):
     early_stopping: bool | Literal["never"] = False
     # vLLM's: lower runs first (the server's --scheduling-policy priority; else only 0)
     priority: int = 0
+    # For RL trainers: which distribution logprobs report (SamplingParams.logprobs_mode),
+    # and vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:<id>"
+    logprobs_mode: Literal["raw_logprobs", "tempered_logprobs",
+                           "processed_logprobs"] = "raw_logprobs"
+    return_tokens_as_token_ids: bool = False
     # Disaggregated serving (set by `tllm serve disaggregated`'s front for its workers):
     # {"request_type": "context_only" | "generation_only", "ctx_request_id", "opaque_state"}
     disaggregated_params: Optional[dict[str, Any]] = None
@@ -118,6 +123,8 @@ class CompletionRequest(_SamplingRequest):
         description=f"absent or null: {COMPLETIONS_DEFAULT_MAX_TOKENS}, as OpenAI's")
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: each prompt token's logprob (and the top ones) in the choice, in the same call
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
 
     @field_validator("prompt")
@@ -353,12 +360,22 @@ class CompletionLogprobs(_Response):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(_Response):
+    """One token of a prompt position (vLLM's prompt_logprobs entry)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: str
+
+
 class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
+    # per prompt position (the first: null), token id -> its logprob (prompt_logprobs asked)
+    prompt_logprobs: Optional[list[Optional[dict[str, PromptLogprob]]]] = None
 
 
 class CompletionResponse(_Response):

@@ -12,6 +12,7 @@ from tllm.request import Request
 from tllm.llmapi.engine import build_engine
 from tllm.llmapi.flag_aliases import llm_args
 from tllm.llmapi.pooling import PoolingClient
+from tllm.llmapi.pooling_methods import PoolingMethods
 from tllm.config import LlmArgs
 from tllm.llmapi.result import GenerationResult
 from tllm.llmapi.rollout import RolloutMethods, rollout_control
@@ -36,7 +37,7 @@ PromptInput = Union[str, Sequence[int], dict]
 Messages = list[dict[str, Any]]
 
 
-class LLM(RolloutMethods):
+class LLM(RolloutMethods, PoolingMethods):
     """An LLM with its own executor loop, e.g. `LLM("smollm2")` or `LLM("/path/to/hf_dir",
     max_batch_size=64, kv_cache_config=KvCacheConfig(max_tokens=65536))`."""
 
@@ -207,47 +208,6 @@ class LLM(RolloutMethods):
             self._rollout = rollout_control(self._engine, self.args.sleep_mode_policy)
         attr = getattr(self._rollout, name)
         return attr(*args) if callable(attr) else attr
-
-    # ---- pooling (tllm.llmapi.pooling) ----
-
-    @property
-    def task(self) -> str:
-        """"generate", "embed", "score" or "classify" (the model's, or task=...)."""
-        return self._pooling.task
-
-    @property
-    def pooling_info(self) -> dict:
-        """{"embedding_size": int | None, "labels": list[str] | None}"""
-        return dict(self._pooling.info)
-
-    def embed(self, prompts, *, dimensions: int | None = None, normalize: bool | None = None):
-        """One PoolingRequestOutput (`.embedding`) per prompt, in order."""
-        self._check_open()
-        return self._pooling.embed(prompts, dimensions, normalize)
-
-    def score(self, query: str, documents: Sequence[str]):
-        """Each document's score against the query (`.score`): a cross-encoder's, or the
-        cosine of an embedder's embeddings."""
-        self._check_open()
-        return self._pooling.score(query, documents)
-
-    def classify(self, prompts):
-        """One PoolingRequestOutput (`.probs`, one per label) per prompt, in order."""
-        self._check_open()
-        return self._pooling.classify(prompts)
-
-    async def encode_async(self, prompt, params, request_id: str | None = None):
-        self._check_open()
-        return await self._pooling.encode_async(prompt, params, request_id)
-
-    async def score_async(self, query: str, documents: Sequence[str]):
-        self._check_open()
-        return await self._pooling.score_async(query, documents)
-
-    def add_pooling_request(self, prompt, params, request_id: str, on_done):
-        """add_request's pooling twin: on_done gets the output or the error."""
-        self._check_open()
-        return self._pooling.add_request(prompt, params, request_id, on_done)
 
     def shutdown(self) -> None:
         """Stop the loop thread and release the model and KV cache."""

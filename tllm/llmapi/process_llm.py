@@ -39,8 +39,7 @@ from tllm.llmapi.flag_aliases import llm_args
 from tllm.config import LlmArgs
 from tllm.gc_heap import frozen_heap
 from tllm.llmapi.process_rollout import RolloutCalls, run_rollout_call
-from tllm.llmapi.pooling import PooledResult, pool_sync, score_with
-from tllm.pooling_params import PoolingParams
+from tllm.llmapi.pooling_methods import ProcessPoolingMethods
 from tllm.llmapi.result import DeltaStream
 from tllm.llmapi.rollout import RolloutMethods
 from tllm.log import LogSettings, active_settings, apply_settings
@@ -56,7 +55,7 @@ class EngineDeadError(RuntimeError):
     with it until `restart()`."""
 
 
-class ProcessLLM(RolloutMethods):
+class ProcessLLM(RolloutMethods, ProcessPoolingMethods):
     """The server's handle on an engine process: `submit_batch`, `get_stats`, `is_alive`,
     `tokenizer`, `max_seq_len`, `lora_targets`, `sampling_defaults`, `shutdown` (what the
     server uses of an LLM), and `restart` once the process has died."""
@@ -152,39 +151,6 @@ class ProcessLLM(RolloutMethods):
     def _rollout_call(self, name: str, *args):
         """Sleep, wake, weight updates: run in the engine process (llmapi/process_rollout)."""
         return self._engine.rollout.call(self._engine.send, name, args)
-
-    async def encode_async(self, prompt, params, request_id: str | None = None):
-        """A pooling request (LLM.encode_async) run in the engine process; its refusal
-        comes back as the ValueError."""
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down")
-        engine, request_id = self._engine, request_id or f"p{next(self._ids)}"
-        result = PooledResult(asyncio.get_running_loop())
-        self._loop = asyncio.get_running_loop()
-        engine.streams[request_id] = result
-        engine.send(("encode", request_id, prompt, params))
-        engine.num_sent += 1
-        try:
-            return await result.future
-        except asyncio.CancelledError:
-            self._abort(engine, request_id)
-            raise
-        finally:
-            engine.streams.pop(request_id, None)
-
-    async def score_async(self, query: str, documents: Sequence[str]):
-        return await score_with(self.encode_async, self.task, query, documents)
-
-    def embed(self, prompts, *, dimensions: int | None = None, normalize: bool | None = None):
-        """LLM.embed's (and classify's, score's) sync forms, outside any event loop."""
-        return pool_sync(self.encode_async, prompts,
-                         PoolingParams("embed", dimensions=dimensions, normalize=normalize))
-
-    def classify(self, prompts):
-        return pool_sync(self.encode_async, prompts, PoolingParams("classify"))
-
-    def score(self, query: str, documents: Sequence[str]):
-        return asyncio.run(self.score_async(query, documents))
 
     def restart(self) -> None:
         """Replace the engine process with a new one (the old one has died, or is killed

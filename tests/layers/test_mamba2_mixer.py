@@ -1,12 +1,14 @@
 """The Mamba-2 mixer against transformers' NemotronH mixer (its torch path) on tiny random
 weights in fp32: a whole prompt, the same prompt prefilled in chunks carrying the state, then
-decode steps, for two requests in one flattened batch."""
+decode steps, for two requests in one flattened batch; by the torch path and by the Triton
+kernels (under the interpreter on a CPU)."""
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.nemotron_h import modeling_nemotron_h as hf  # noqa: E402
 
+from tllm.attention.testing import setup_triton_for_tests  # noqa: E402
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaBatch, MambaLayerState  # noqa: E402
 
 
@@ -25,22 +27,26 @@ def _hf_mixer():
     return config, mixer
 
 
-def _ours(config, hf_mixer):
+def _ours(config, hf_mixer, use_triton):
     dims = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_num_heads,
                       head_dim=config.mamba_head_dim, num_groups=config.n_groups,
                       state_size=config.ssm_state_size, conv_kernel=config.conv_kernel,
                       chunk_size=config.chunk_size, eps=config.layer_norm_epsilon)
     mixer = Mamba2Mixer(dims)
     mixer.load_state_dict(hf_mixer.state_dict())
-    return mixer, MambaLayerState.empty(dims, num_slots=3, dtype=torch.float32)
+    mixer.use_triton = use_triton
+    device = setup_triton_for_tests() if use_triton else torch.device("cpu")
+    return mixer.to(device), MambaLayerState.empty(dims, 3, torch.float32, device), device
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
 @torch.no_grad()
-def test_chunked_prefill_then_decode_matches_hf():
+def test_chunked_prefill_then_decode_matches_hf(use_triton):
     config, hf_mixer = _hf_mixer()
-    mixer, state = _ours(config, hf_mixer)
+    mixer, state, device = _ours(config, hf_mixer, use_triton)
+    hf_mixer.to(device)
     lens, num_decode = [11, 6], 3
-    seqs = [torch.randn(n + num_decode, config.hidden_size) for n in lens]
+    seqs = [torch.randn(n + num_decode, config.hidden_size, device=device) for n in lens]
     want = [hf_mixer(s[None])[0] for s in seqs]        # the whole sequence at once
     slots = [2, 0]
     # prompt chunks of different sizes per request (one of them a single token)

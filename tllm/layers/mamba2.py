@@ -89,6 +89,10 @@ class Mamba2Mixer(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(d.inner_size), requires_grad=False)
         self.out_proj = Linear(d.inner_size, d.hidden_size, bias=d.proj_bias)
+        self.use_triton: bool | None = None    # None: on CUDA tensors; tests force it
+
+    def _uses_triton(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.use_triton is None else self.use_triton
 
     def forward(self, hidden: torch.Tensor, batch: MambaBatch,
                 state: MambaLayerState) -> torch.Tensor:
@@ -97,8 +101,8 @@ class Mamba2Mixer(nn.Module):
         xbc = self._conv(xbc, batch, state)
         x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
                              d.num_groups * d.state_size], dim=-1)
-        dt = mamba_ref.discretize_dt(dt, self.dt_bias, d.dt_limit)
-        y = self._scan(x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
+        scan = self._scan_triton if self._uses_triton(hidden) else self._scan
+        y = scan(x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
                        B.unflatten(-1, (d.num_groups, d.state_size)),
                        C.unflatten(-1, (d.num_groups, d.state_size)), batch, state)
         y = mamba_ref.gated_rms_norm_ref(y.flatten(-2).to(hidden.dtype), gate,
@@ -128,6 +132,7 @@ class Mamba2Mixer(nn.Module):
 
     def _scan(self, x, dt, B, C, batch: MambaBatch, state: MambaLayerState) -> torch.Tensor:
         A = -torch.exp(self.A_log.float())
+        dt = mamba_ref.discretize_dt(dt, self.dt_bias, self.dims.dt_limit)
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         decode_rows, decode_slots = [], []
         for start, length, slot in _segments(batch):
@@ -146,6 +151,31 @@ class Mamba2Mixer(nn.Module):
             y[decode_rows] = mamba_ref.ssd_state_update_ref(
                 ssm, x[decode_rows], dt[decode_rows], A, B[decode_rows], C[decode_rows], self.D)
             state.ssm[slots] = ssm
+        return y
+
+
+    def _scan_triton(self, x, dt, B, C, batch: MambaBatch,
+                     state: MambaLayerState) -> torch.Tensor:
+        """All prefill segments in one chunked-scan launch, all decode rows in one update."""
+        from tllm.kernels.triton.mamba_ssd import ssd_chunk_scan, ssd_state_update
+        A = -torch.exp(self.A_log.float())
+        args = (self.dt_bias, A)
+        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        segments = list(_segments(batch))
+        prefill = [(s, n, slot) for s, n, slot in segments if n > 1]
+        decode = [(s, slot) for s, n, slot in segments if n == 1]
+        if prefill:
+            rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(x.device)
+            lens = torch.tensor([0] + [n for _, n, _ in prefill])
+            cu = lens.cumsum(0).to(torch.int32).to(x.device)
+            slots = torch.tensor([slot for *_, slot in prefill], device=x.device)
+            y[rows] = ssd_chunk_scan(state.ssm, slots, cu, x[rows], dt[rows], *args, B[rows],
+                                     C[rows], self.D, self.dims.chunk_size, self.dims.dt_limit)
+        if decode:
+            rows = torch.tensor([s for s, _ in decode], device=x.device)
+            slots = torch.tensor([slot for _, slot in decode], device=x.device)
+            y[rows] = ssd_state_update(state.ssm, slots, x[rows], dt[rows], *args, B[rows],
+                                       C[rows], self.D, self.dims.dt_limit)
         return y
 
 

@@ -137,8 +137,9 @@ def ssd_chunk_scan(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.T
     """Prefill of a flattened batch: request i owns tokens cu_seqlens[i]:cu_seqlens[i+1] of
     x [T, H, P], dt [T, H] (raw), B, C [T, G, N], and starts from state[slots[i]]
     ([slots_total, H, P, N], updated in place to the state after its last token). Returns
-    y [T, H, P] fp32 with the D skip. `chunk_size` is the kernel's tile (>= 16), free to
-    differ from the model's: the result is the same up to rounding."""
+    y [T, H, P] fp32 with the D skip. The kernel's tile is `chunk_size` within [16, 64]
+    (the L x L scores stay in registers): free to differ from the model's chunk size, as the
+    result is the same up to rounding."""
     num_tokens, num_heads, head_dim = x.shape
     num_groups, state_size = B.shape[1], B.shape[2]
     x, B, C = x.flatten(1), B.flatten(1), C.flatten(1)
@@ -151,7 +152,7 @@ def ssd_chunk_scan(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.T
         state, slots, cu_seqlens, x, dt, dt_bias, A, B, C, D, y, float(dt_limit[0]),
         float(dt_limit[1]), head_dim, state_size, state.stride(0), x.stride(0), dt.stride(0),
         B.stride(0), C.stride(0), num_heads * head_dim,
-        HEADS_PER_GROUP=num_heads // num_groups, CHUNK=max(16, next_pow2(chunk_size)),
+        HEADS_PER_GROUP=num_heads // num_groups, CHUNK=max(16, min(64, next_pow2(chunk_size))),
         BLOCK_P=block_p, BLOCK_N=max(16, next_pow2(state_size)),
         PRECISION=dot_precision(x.dtype))
     return y

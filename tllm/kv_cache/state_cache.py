@@ -1,0 +1,89 @@
+"""The per-request state of state-space layers (Mamba-2: a conv state and an SSM state per
+layer), a cache of its own kind beside the paged KV cache.
+
+Design. Unlike KV, a request's state has a fixed size whatever its length, and one step
+overwrites it: it is a slot, not a list of blocks.
+
+- Slots. A request's state lives at the row of its batch slot (runner/batch_state.py's
+  SlotAssigner: taken when the request is first scheduled, given back when it finishes or is
+  preempted), in tensors of `max_batch_size` rows per layer allocated once at start-up, so
+  admission never waits for state memory and the KV cache's capacity policy is unchanged.
+  Every rank already receives the slots in each step's diff (AttentionMetadata's
+  `request_slots_cpu`), so tensor- and pipeline-parallel ranks address the same rows.
+- Lifetime. A step whose request starts at position 0 resets the slot's state before
+  reading it (the mixer does, layer by layer), so "allocated on admission" needs no message,
+  and preemption with recompute is correct by construction: the request comes back at
+  position 0 on whatever slot it gets. Finishing frees nothing beyond the slot itself.
+- What is not correct yet, and therefore refused or switched off at build time
+  (`check_hybrid_args`): prefix reuse (a hit would start a request past position 0 with no
+  state: block reuse is turned off), swapping to host (the state would have to travel with
+  the KV blocks), speculative decoding (rejected drafts would have to roll the state back),
+  beam search, and CUDA graphs (the mixer loops over requests on the host).
+- Next: checkpoints at block boundaries for prefix reuse. The chunked-scan kernel already
+  holds the state at each of its chunk boundaries; with its tile dividing tokens_per_block it
+  can write the state at every block boundary a prefill crosses into a checkpoint pool (one
+  entry: every layer's conv + SSM state), keyed by the same chained block hash as the KV
+  block it ends. The pool is a BlockPool of its own (LRU, ref counts), much smaller than the
+  KV pool; a prefix hit for a hybrid is cut to the longest prefix whose last block has a
+  checkpoint, and admission copies that checkpoint into the request's slot. Swapping with
+  the host tier then moves the slot's rows like one more block.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tllm.layers.mamba2 import Mamba2Dims, MambaLayerState
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What a model's per-request state holds on this rank: `num_layers` Mamba-2 layers of
+    one geometry; the SSM state in `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype)."""
+    dims: Mamba2Dims
+    num_layers: int
+    ssm_dtype: torch.dtype = torch.float32
+
+    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
+        d = self.dims
+        conv = d.conv_dim * (d.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).itemsize
+        ssm = d.num_heads * d.head_dim * d.state_size * torch.empty(
+            (), dtype=self.ssm_dtype).itemsize
+        return self.num_layers * (conv + ssm)
+
+
+class StateCache:
+    """Every state-space layer's state for `num_slots` batch slots (see the module
+    docstring); `layers[i]` is the i-th state-space layer's."""
+
+    def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.spec = spec
+        self.layers = [MambaLayerState.empty(spec.dims, num_slots, dtype, device,
+                                             spec.ssm_dtype) for _ in range(spec.num_layers)]
+        logger.info("state cache: %d layers x %d slots, %.2f MiB per request", spec.num_layers,
+                    num_slots, spec.bytes_per_request(dtype) / 2**20)
+
+
+def build_state_cache(model, args, dtype: torch.dtype,
+                      device: torch.device) -> StateCache | None:
+    """The model's state cache (None for a model without state-space layers), bound to it."""
+    spec = getattr(model, "state_spec", None)
+    if spec is None:
+        return None
+    cache = StateCache(spec, args.max_batch_size, dtype, device)
+    model.bind_state_cache(cache)
+    return cache
+
+
+def check_hybrid_args(args) -> None:
+    """Refuse what a state-space model cannot do yet (module docstring)."""
+    if args.speculative_config is not None:
+        raise ValueError("speculative_config: speculative decoding is not supported for "
+                         "models with state-space layers yet")
+    if args.scheduler_config.preemption_mode == "swap":
+        raise ValueError("scheduler_config.preemption_mode: 'swap' is not supported for "
+                         "models with state-space layers yet; use 'recompute'")

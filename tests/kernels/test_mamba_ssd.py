@@ -53,3 +53,9 @@ def test_chunk_scan_varlen(device, chunk_size):
                          C, D, chunk_size)
     torch.testing.assert_close(got, torch.cat(wants), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state[slots], torch.stack(want_states), atol=1e-4, rtol=1e-4)
+
+
+def test_mixer_with_kernels_matches_hf(device):
+    pytest.importorskip("transformers")
+    from tests.layers.test_mamba2_mixer import check_against_hf
+    check_against_hf(use_triton=True, device=device)

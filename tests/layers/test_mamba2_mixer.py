@@ -1,14 +1,13 @@
 """The Mamba-2 mixer against transformers' NemotronH mixer (its torch path) on tiny random
 weights in fp32: a whole prompt, the same prompt prefilled in chunks carrying the state, then
-decode steps, for two requests in one flattened batch; by the torch path and by the Triton
-kernels (under the interpreter on a CPU)."""
+decode steps, for two requests in one flattened batch whose slots hold stale state.
+tests/kernels/test_mamba_ssd.py runs the same check through the Triton kernels."""
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.nemotron_h import modeling_nemotron_h as hf  # noqa: E402
 
-from tllm.attention.testing import setup_triton_for_tests  # noqa: E402
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaBatch, MambaLayerState  # noqa: E402
 
 
@@ -20,14 +19,14 @@ def _hf_mixer():
     torch.manual_seed(0)
     mixer = hf.NemotronHMamba2Mixer(config, layer_idx=0).eval()
     with torch.no_grad():
-        for name, p in mixer.named_parameters():
+        for p in mixer.parameters():
             p.copy_(torch.randn_like(p) * 0.3)
         mixer.A_log.copy_(torch.rand(4).log())
         mixer.dt_bias.copy_(torch.randn(4) * 0.5)
     return config, mixer
 
 
-def _ours(config, hf_mixer, use_triton):
+def _ours(config, hf_mixer, use_triton: bool, device):
     dims = Mamba2Dims(hidden_size=config.hidden_size, num_heads=config.mamba_num_heads,
                       head_dim=config.mamba_head_dim, num_groups=config.n_groups,
                       state_size=config.ssm_state_size, conv_kernel=config.conv_kernel,
@@ -35,15 +34,16 @@ def _ours(config, hf_mixer, use_triton):
     mixer = Mamba2Mixer(dims)
     mixer.load_state_dict(hf_mixer.state_dict())
     mixer.use_triton = use_triton
-    device = setup_triton_for_tests() if use_triton else torch.device("cpu")
-    return mixer.to(device), MambaLayerState.empty(dims, 3, torch.float32, device), device
+    state = MambaLayerState.empty(dims, 3, torch.float32, device)
+    state.conv.normal_()       # what earlier requests left: a new one must not read it
+    state.ssm.normal_()
+    return mixer.to(device), state
 
 
-@pytest.mark.parametrize("use_triton", [False, True])
 @torch.no_grad()
-def test_chunked_prefill_then_decode_matches_hf(use_triton):
+def check_against_hf(use_triton: bool, device) -> None:
     config, hf_mixer = _hf_mixer()
-    mixer, state, device = _ours(config, hf_mixer, use_triton)
+    mixer, state = _ours(config, hf_mixer, use_triton, device)
     hf_mixer.to(device)
     lens, num_decode = [11, 6], 3
     seqs = [torch.randn(n + num_decode, config.hidden_size, device=device) for n in lens]
@@ -52,19 +52,24 @@ def test_chunked_prefill_then_decode_matches_hf(use_triton):
     # prompt chunks of different sizes per request (one of them a single token)
     chunks = [[(0, 5), (5, 6), (6, 11)], [(0, 6)]]
     for step in range(3):
-        parts, seq_lens, step_slots, wanted = [], [], [], []
+        parts, seq_lens, step_slots, starts, wanted = [], [], [], [], []
         for i, plan in enumerate(chunks):
             if step < len(plan):
                 a, b = plan[step]
                 parts.append(seqs[i][a:b])
                 seq_lens.append(b - a)
                 step_slots.append(slots[i])
+                starts.append(a)
                 wanted.append(want[i][a:b])
-        got = mixer(torch.cat(parts), MambaBatch(seq_lens, step_slots), state)
+        got = mixer(torch.cat(parts), MambaBatch(seq_lens, step_slots, starts), state)
         torch.testing.assert_close(got, torch.cat(wanted), atol=1e-5, rtol=1e-4)
     for k in range(num_decode):
         rows = [lens[0] + k, lens[1] + k]
         x = torch.stack([seqs[0][rows[0]], seqs[1][rows[1]]])
-        got = mixer(x, MambaBatch([1, 1], slots), state)
+        got = mixer(x, MambaBatch([1, 1], slots, rows), state)
         torch.testing.assert_close(got, torch.stack([want[0][rows[0]], want[1][rows[1]]]),
                                    atol=1e-5, rtol=1e-4)
+
+
+def test_chunked_prefill_then_decode_matches_hf():
+    check_against_hf(use_triton=False, device=torch.device("cpu"))

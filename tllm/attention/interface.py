@@ -41,6 +41,9 @@ class AttentionMetadata:
     capture: object | None = field(default=None, repr=False, compare=False)
     # M-RoPE models (Qwen2.5-VL): each token's (temporal, height, width) positions [3, T]
     mrope_positions: torch.Tensor | None = None
+    # each request's batch slot, where layers with per-request state (state-space models'
+    # Mamba layers: tllm/kv_cache/state_cache.py) keep it; host-side
+    request_slots_cpu: list[int] = field(default_factory=list)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` (model-wide index) attends with."""

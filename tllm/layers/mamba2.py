@@ -63,9 +63,19 @@ class MambaLayerState:
 @dataclass(frozen=True)
 class MambaBatch:
     """Which tokens of the flattened batch belong to which request, and its state slot.
-    Requests appear in token order; `seq_lens[i]` tokens of request i use `slots[i]`."""
+    Requests appear in token order; `seq_lens[i]` tokens of request i use `slots[i]`, and
+    `starts[i]` tokens came before them (0: a new or recomputed request, whose slot's state
+    is reset first)."""
     seq_lens: list[int]
     slots: list[int]
+    starts: list[int]
+
+    @classmethod
+    def from_metadata(cls, metadata) -> "MambaBatch":
+        """The step's requests as AttentionMetadata describes them."""
+        queries, contexts = metadata.query_lens_cpu, metadata.seq_lens_cpu
+        return cls(queries, metadata.request_slots_cpu,
+                   [c - q for q, c in zip(queries, contexts)])
 
 
 class Mamba2Mixer(nn.Module):
@@ -97,6 +107,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: MambaBatch,
                 state: MambaLayerState) -> torch.Tensor:
         d = self.dims
+        _reset_new_requests(batch, state)
         gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
         xbc = self._conv(xbc, batch, state)
         x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
@@ -177,6 +188,15 @@ class Mamba2Mixer(nn.Module):
             y[rows] = ssd_state_update(state.ssm, slots, x[rows], dt[rows], *args, B[rows],
                                        C[rows], self.D, self.dims.dt_limit)
         return y
+
+
+def _reset_new_requests(batch: MambaBatch, state: MambaLayerState) -> None:
+    """A request at position 0 starts from zero state, whatever its slot held before."""
+    fresh = [slot for slot, start in zip(batch.slots, batch.starts) if start == 0]
+    if fresh:
+        rows = torch.tensor(fresh, device=state.ssm.device)
+        state.conv.index_fill_(0, rows, 0)
+        state.ssm.index_fill_(0, rows, 0)
 
 
 def _segments(batch: MambaBatch):

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from tllm.config import LlmArgs
-from tllm.kv_cache.state_cache import StateCache, StateSpec, check_hybrid_args
-from tllm.layers.mamba2 import Mamba2Dims
+from tllm.kv_cache.state_cache import StateCache, check_hybrid_args
+from tllm.layers.mamba2 import Mamba2Dims, StateSpec
 
 DIMS = Mamba2Dims(hidden_size=32, num_heads=4, head_dim=8, num_groups=2, state_size=8,
                   conv_kernel=4, chunk_size=4, eps=1e-5)

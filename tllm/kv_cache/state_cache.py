@@ -31,28 +31,11 @@ overwrites it: it is a slot, not a list of blocks.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from tllm.layers.mamba2 import Mamba2Dims, MambaLayerState
+from tllm.layers.mamba2 import MambaLayerState, StateSpec
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """What a model's per-request state holds on this rank: `num_layers` Mamba-2 layers of
-    one geometry; the SSM state in `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype)."""
-    dims: Mamba2Dims
-    num_layers: int
-    ssm_dtype: torch.dtype = torch.float32
-
-    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
-        d = self.dims
-        conv = d.conv_dim * (d.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).itemsize
-        ssm = d.num_heads * d.head_dim * d.state_size * torch.empty(
-            (), dtype=self.ssm_dtype).itemsize
-        return self.num_layers * (conv + ssm)
 
 
 class StateCache:
@@ -74,6 +57,7 @@ def build_state_cache(model, args, dtype: torch.dtype,
     spec = getattr(model, "state_spec", None)
     if spec is None:
         return None
+    check_hybrid_args(args)
     cache = StateCache(spec, args.max_batch_size, dtype, device)
     model.bind_state_cache(cache)
     return cache

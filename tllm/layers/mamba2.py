@@ -61,6 +61,22 @@ class MambaLayerState:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """What a model's per-request state holds on this rank: `num_layers` Mamba-2 layers of
+    one geometry; the SSM state in `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype)."""
+    dims: Mamba2Dims
+    num_layers: int
+    ssm_dtype: torch.dtype = torch.float32
+
+    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
+        d = self.dims
+        conv = d.conv_dim * (d.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).itemsize
+        ssm = d.num_heads * d.head_dim * d.state_size * torch.empty(
+            (), dtype=self.ssm_dtype).itemsize
+        return self.num_layers * (conv + ssm)
+
+
+@dataclass(frozen=True)
 class MambaBatch:
     """Which tokens of the flattened batch belong to which request, and its state slot.
     Requests appear in token order; `seq_lens[i]` tokens of request i use `slots[i]`, and

@@ -23,6 +23,7 @@ _MODULES = {
     "Olmo2ForCausalLM": "tllm.models.olmo2",
     "DeepseekV2ForCausalLM": "tllm.models.deepseek.model",
     "DeepseekV3ForCausalLM": "tllm.models.deepseek.model",
+    "NemotronHForCausalLM": "tllm.models.nemotron_h",
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

@@ -15,6 +15,7 @@ from tllm.attention.interface import KVCacheSpec
 from tllm.distributed import comm
 from tllm.kv_cache.groups import KVCacheLayout, plan_layout
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.kv_cache.state_cache import build_state_cache
 from tllm.config import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from tllm.runner.piecewise import PiecewiseGraphRunner, token_buckets
@@ -81,6 +82,7 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     loader.load_weights(model, source, checkpoint, args.seed + mapping.rank,
                         show_progress=mapping.rank == 0)  # one bar, not one per rank
     lora = build_lora(model, args, dtype, device)  # before the KV cache takes the memory
+    has_state = build_state_cache(model, args, dtype, device) is not None  # so does this
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
     kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
@@ -88,7 +90,8 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     if lora is not None:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
-    if mapping.pp_size == 1 and not getattr(model, "is_multimodal", False):
+    # state-space layers loop over requests on the host: eager for now
+    if mapping.pp_size == 1 and not getattr(model, "is_multimodal", False) and not has_state:
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
         piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
                                            graphs.pool if graphs is not None else None)
@@ -200,7 +203,9 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     return KVCacheManager(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                           head_dim=spec.head_dim, num_blocks=num_blocks,
                           tokens_per_block=block, dtype=kv_dtype, device=device,
-                          enable_block_reuse=kv_config.enable_block_reuse,
+                          # a prefix hit would need the state there (state_cache.py)
+                          enable_block_reuse=(kv_config.enable_block_reuse
+                                              and getattr(model, "state_spec", None) is None),
                           reserve_full_generation=reserve_full_generation,
                           host_cache_blocks=kv_config.host_cache_size // block_bytes,
                           disk_cache_dir=kv_config.disk_cache_dir,

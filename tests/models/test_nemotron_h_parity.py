@@ -1,0 +1,53 @@
+"""NemotronH (Mamba-2 + attention + squared-ReLU MLP blocks) against HF transformers (fp32):
+greedy tokens equal and top-5 logprobs within 1e-3 over a continuous batch with chunked prefill (24-token steps, prompts up
+to 60 tokens), 3 requests at a time so state slots are reused (the Mamba decay is slowed so that a
+state left in a slot would change the tokens), requests finishing at different steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
+from tllm import LLM, KvCacheConfig, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+NUM_NEW = 10
+TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16,
+            n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=8,
+            layers_block_type=["mamba", "attention", "mlp", "mamba", "mlp"],
+            max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
+
+
+def save_tiny(path, seed: int = 0):
+    config = transformers.NemotronHConfig(**TINY)
+    config.architectures = ["NemotronHForCausalLM"]
+    torch.manual_seed(seed)
+    model = transformers.NemotronHForCausalLM(config).eval()
+    with torch.no_grad():     # HF starts these at 1 and 0, which would hide a misplaced one
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith((".bias", ".D", ".dt_bias")):
+                param.copy_(param.mean() + 0.2 * torch.randn_like(param))
+            if name.endswith(".A_log"):  # slow decay: a state left in a slot would show
+                param.copy_((0.01 + 0.05 * torch.rand_like(param)).log())
+    model.save_pretrained(path)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def test_greedy_matches_hf_in_continuous_batch(tmp_path):
+    hf_model = save_tiny(tmp_path)
+    prompts = make_prompts(TINY["vocab_size"])[:8]
+    max_tokens = [NUM_NEW - i % 3 for i in range(len(prompts))]   # finish at different steps
+    with LLM(str(tmp_path), max_num_tokens=24, max_batch_size=3,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048)) as llm:
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=TOP)
+             for n in max_tokens],
+            use_tqdm=False)
+    for prompt, n, output in zip(prompts, max_tokens, outputs):
+        want, want_logprobs = hf_greedy(hf_model, prompt, n)
+        assert output.outputs[0].token_ids == want
+        check_logprobs(output.outputs[0].logprobs, want_logprobs, want)

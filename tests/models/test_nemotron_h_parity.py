@@ -1,14 +1,16 @@
 """NemotronH (Mamba-2 + attention + squared-ReLU MLP blocks) against HF transformers (fp32):
 greedy tokens equal and top-5 logprobs within 1e-3 over a continuous batch with chunked prefill (24-token steps, prompts up
 to 60 tokens), 3 requests at a time so state slots are reused (the Mamba decay is slowed so that a
-state left in a slot would change the tokens), requests finishing at different steps."""
+state left in a slot would change the tokens), requests finishing at different steps, prompts
+sharing prefixes (block reuse is on by default and must not hand a hybrid a prefix without its
+state); and preemption with recompute under a small KV cache."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
-from tllm import LLM, KvCacheConfig, SamplingParams
+from tllm import LLM, CapacitySchedulerPolicy, KvCacheConfig, SamplingParams, SchedulerConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -38,7 +40,7 @@ def save_tiny(path, seed: int = 0):
 
 def test_greedy_matches_hf_in_continuous_batch(tmp_path):
     hf_model = save_tiny(tmp_path)
-    prompts = make_prompts(TINY["vocab_size"])[:8]
+    prompts = make_prompts(TINY["vocab_size"])   # the last two share a prefix with the third
     max_tokens = [NUM_NEW - i % 3 for i in range(len(prompts))]   # finish at different steps
     with LLM(str(tmp_path), max_num_tokens=24, max_batch_size=3,
              kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048)) as llm:
@@ -51,3 +53,19 @@ def test_greedy_matches_hf_in_continuous_batch(tmp_path):
         want, want_logprobs = hf_greedy(hf_model, prompt, n)
         assert output.outputs[0].token_ids == want
         check_logprobs(output.outputs[0].logprobs, want_logprobs, want)
+
+
+def test_preemption_with_recompute_keeps_answers(tmp_path):
+    hf_model = save_tiny(tmp_path, seed=1)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist()
+               for n in (20, 9, 31, 14, 25, 6)]
+    policy = SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION)
+    with LLM(str(tmp_path), max_num_tokens=64, max_batch_size=4, scheduler_config=policy,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=48)) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=NUM_NEW, temperature=0,
+                                              ignore_eos=True), use_tqdm=False)
+        assert llm.get_kv_cache_stats()["preemptions"] > 0
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NUM_NEW)[0]

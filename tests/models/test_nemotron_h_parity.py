@@ -1,9 +1,10 @@
 """NemotronH (Mamba-2 + attention + squared-ReLU MLP blocks) against HF transformers (fp32):
-greedy tokens equal and top-5 logprobs within 1e-3 over a continuous batch with chunked prefill (24-token steps, prompts up
-to 60 tokens), 3 requests at a time so state slots are reused (the Mamba decay is slowed so that a
-state left in a slot would change the tokens), requests finishing at different steps, prompts
-sharing prefixes (block reuse is on by default and must not hand a hybrid a prefix without its
-state); and preemption with recompute under a small KV cache."""
+greedy tokens equal and top-5 logprobs within 1e-3 over a continuous batch with chunked
+prefill (24-token steps, prompts up to 60 tokens); 3 requests at a time so state slots are
+reused (the Mamba decay is slowed so that a state left in a slot would change the tokens);
+requests finishing at different steps; prompts sharing prefixes (block reuse is on by default
+and must not hand a hybrid a prefix without its state); preemption with recompute under a
+small KV cache."""
 from __future__ import annotations
 
 import pytest

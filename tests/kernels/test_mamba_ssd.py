@@ -59,3 +59,26 @@ def test_mixer_with_kernels_matches_hf(device):
     pytest.importorskip("transformers")
     from tests.layers.test_mamba2_mixer import check_against_hf
     check_against_hf(use_triton=True, device=device)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_causal_conv1d_varlen(device, with_bias):
+    from tllm.kernels.triton.causal_conv1d import causal_conv1d_varlen
+    torch.manual_seed(1)
+    dim, width = 40, 4
+    lens, slots = [19, 1, 2, 1], [2, 0, 3, 1]         # a prefill, decodes, a short chunk
+    x = torch.randn(sum(lens), dim, device=device)
+    weight = torch.randn(dim, width, device=device)
+    bias = torch.randn(dim, device=device) if with_bias else None
+    state = torch.randn(4, dim, width - 1, device=device)
+    cu = torch.tensor([0, 19, 20, 22, 23], dtype=torch.int32, device=device)
+    wants, want_states = [], []
+    for i, slot in enumerate(slots):
+        out, new_state = mamba_ref.causal_conv1d_ref(x[int(cu[i]):int(cu[i + 1])],
+                                                     state[slot], weight, bias)
+        wants.append(out)
+        want_states.append(new_state.clone())
+    got = causal_conv1d_varlen(x, state, torch.tensor(slots, device=device), cu, weight, bias,
+                               max(lens))
+    torch.testing.assert_close(got, torch.cat(wants), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state[slots], torch.stack(want_states), atol=1e-6, rtol=0)

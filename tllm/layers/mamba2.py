@@ -125,10 +125,11 @@ class Mamba2Mixer(nn.Module):
         d = self.dims
         _reset_new_requests(batch, state)
         gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
-        xbc = self._conv(xbc, batch, state)
+        use_triton = self._uses_triton(hidden)
+        xbc = (self._conv_triton if use_triton else self._conv)(xbc, batch, state)
         x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
                              d.num_groups * d.state_size], dim=-1)
-        scan = self._scan_triton if self._uses_triton(hidden) else self._scan
+        scan = self._scan_triton if use_triton else self._scan
         y = scan(x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
                        B.unflatten(-1, (d.num_groups, d.state_size)),
                        C.unflatten(-1, (d.num_groups, d.state_size)), batch, state)
@@ -156,6 +157,16 @@ class Mamba2Mixer(nn.Module):
                 xbc[decode_rows], conv_state, weight, bias)
             state.conv[slots] = conv_state
         return out
+
+    def _conv_triton(self, xbc: torch.Tensor, batch: MambaBatch,
+                     state: MambaLayerState) -> torch.Tensor:
+        """Every request (prefill chunk or decode) in one pair of launches."""
+        from tllm.kernels.triton.causal_conv1d import causal_conv1d_varlen
+        cu = torch.tensor([0, *batch.seq_lens]).cumsum(0).to(torch.int32).to(xbc.device)
+        slots = torch.tensor(batch.slots, device=xbc.device)
+        return causal_conv1d_varlen(xbc.contiguous(), state.conv, slots, cu,
+                                    self.conv1d.weight[:, 0], self.conv1d.bias,
+                                    max(batch.seq_lens, default=0))
 
     def _scan(self, x, dt, B, C, batch: MambaBatch, state: MambaLayerState) -> torch.Tensor:
         A = -torch.exp(self.A_log.float())

@@ -26,3 +26,18 @@ def test_refuses_swap_preemption():
     args = LlmArgs(model="x", scheduler_config={"preemption_mode": "swap"})
     with pytest.raises(ValueError, match="preemption_mode"):
         check_hybrid_args(args)
+
+
+def test_nemotron_h_8b_state_beside_kv():
+    """Nemotron-H-8B's per-request state (24 Mamba layers, fixed) against its 4 attention
+    layers' KV at 8k tokens."""
+    from tllm.loader.dummy import dummy_config
+    from tllm.models.nemotron_h import ATTENTION, MAMBA, block_kinds, mamba_dims
+    config = dummy_config("nemotron-h-8b")
+    kinds = block_kinds(config)
+    assert (kinds.count(MAMBA), kinds.count(ATTENTION), len(kinds)) == (24, 4, 52)
+    dims = mamba_dims(config)
+    assert dims.inner_size * 2 + 2 * dims.num_groups * dims.state_size + dims.num_heads == 18560
+    state = StateSpec(dims, kinds.count(MAMBA)).bytes_per_request(torch.bfloat16)
+    kv_8k = 8192 * 4 * 2 * config.num_key_value_heads * config.head_dim * 2
+    assert round(state / 2**20, 1) == 97.4 and kv_8k == 128 * 2**20

@@ -70,3 +70,14 @@ def test_preemption_with_recompute_keeps_answers(tmp_path):
         assert llm.get_kv_cache_stats()["preemptions"] > 0
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NUM_NEW)[0]
+
+
+def test_beam_search_refused(tmp_path):
+    save_tiny(tmp_path)
+    with LLM(str(tmp_path), max_batch_size=4,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=256)) as llm:
+        with pytest.raises(ValueError, match="state-space"):
+            llm.generate({"prompt_token_ids": [5, 6, 7]},
+                         SamplingParams(max_tokens=2, temperature=0, use_beam_search=True,
+                                        best_of=2, n=1),
+                         use_tqdm=False)

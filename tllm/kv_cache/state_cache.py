@@ -14,11 +14,12 @@ overwrites it: it is a slot, not a list of blocks.
   reading it (the mixer does, layer by layer), so "allocated on admission" needs no message,
   and preemption with recompute is correct by construction: the request comes back at
   position 0 on whatever slot it gets. Finishing frees nothing beyond the slot itself.
-- What is not correct yet, and therefore refused or switched off at build time
-  (`check_hybrid_args`): prefix reuse (a hit would start a request past position 0 with no
-  state: block reuse is turned off), swapping to host (the state would have to travel with
-  the KV blocks), speculative decoding (rejected drafts would have to roll the state back),
-  beam search, and CUDA graphs (the mixer loops over requests on the host).
+- What is not correct yet, and therefore refused or switched off: prefix reuse (a hit would
+  start a request past position 0 with no state: build.py turns block reuse off), swapping
+  to host (the state would have to travel with the KV blocks) and speculative decoding
+  (rejected drafts would have to roll the state back), both refused by `check_hybrid_args`;
+  beam search (a forked beam needs its parent's state: refused per request by the executor);
+  CUDA graphs (the mixer builds its launch arguments on the host: build.py runs eagerly).
 - Next: checkpoints at block boundaries for prefix reuse. The chunked-scan kernel already
   holds the state at each of its chunk boundaries; with its tile dividing tokens_per_block it
   can write the state at every block boundary a prefill crosses into a checkpoint pool (one

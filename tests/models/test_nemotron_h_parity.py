@@ -23,8 +23,8 @@ TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_attention_
             max_position_embeddings=256, eos_token_id=2, bos_token_id=1, pad_token_id=0)
 
 
-def save_tiny(path, seed: int = 0):
-    config = transformers.NemotronHConfig(**TINY)
+def save_tiny(path, seed: int = 0, **extra):
+    config = transformers.NemotronHConfig(**{**TINY, **extra})
     config.architectures = ["NemotronHForCausalLM"]
     torch.manual_seed(seed)
     model = transformers.NemotronHForCausalLM(config).eval()
@@ -32,8 +32,13 @@ def save_tiny(path, seed: int = 0):
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith((".bias", ".D", ".dt_bias")):
                 param.copy_(param.mean() + 0.2 * torch.randn_like(param))
+            if ".experts" in name or name.endswith("gate.weight"):  # else they barely show
+                param.mul_(10)
             if name.endswith(".A_log"):  # slow decay: a state left in a slot would show
                 param.copy_((0.01 + 0.05 * torch.rand_like(param)).log())
+        for name, buffer in model.named_buffers():   # the router's balancing bias
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.1 * torch.randn_like(buffer))
     model.save_pretrained(path)
     model.generation_config.eos_token_id = None
     return model
@@ -81,3 +86,23 @@ def test_beam_search_refused(tmp_path):
                          SamplingParams(max_tokens=2, temperature=0, use_beam_search=True,
                                         best_of=2, n=1),
                          use_tqdm=False)
+
+
+def test_moe_blocks_match_hf(tmp_path):
+    """Nemotron 3's MoE blocks: grouped sigmoid routing with the correction bias, non-gated
+    squared-ReLU experts stored one by one in the checkpoint, a shared expert."""
+    moe = dict(layers_block_type=["mamba", "moe", "attention", "mamba", "moe"],
+               n_routed_experts=8, moe_intermediate_size=32,
+               moe_shared_expert_intermediate_size=48, num_experts_per_tok=2, n_group=2,
+               topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    hf_model = save_tiny(tmp_path, seed=2, **moe)
+    prompts = make_prompts(TINY["vocab_size"])[:6]
+    with LLM(str(tmp_path), max_num_tokens=24, max_batch_size=3,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024)) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=NUM_NEW, temperature=0,
+                                              ignore_eos=True, logprobs=TOP), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        want, want_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
+        assert output.outputs[0].token_ids == want
+        check_logprobs(output.outputs[0].logprobs, want_logprobs, want)

@@ -4,7 +4,7 @@ block pre-normed with a residual around it.
 
 Attention layers keep paged KV (the KV cache holds only them); Mamba layers keep a
 per-request state in the state cache (tllm/kv_cache/state_cache.py), at each request's batch
-slot. One rank only for now, and no MoE blocks (Nemotron-H's "moe" kind)."""
+slot. MoE blocks (Nemotron 3) are in nemotron_h_moe.py. One rank only for now."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -18,20 +18,21 @@ from tllm.layers.linear import Linear, _copy_checked
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaBatch, StateSpec
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
+from tllm.models.nemotron_h_moe import NemotronHMoE, load_per_expert
 from tllm.models.registry import register_model
 
-MAMBA, ATTENTION, MLP = "mamba", "attention", "mlp"
+MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
 _KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": ATTENTION,
-          "full_attention": ATTENTION, "mlp": MLP}
+          "full_attention": ATTENTION, "mlp": MLP, "moe": MOE}
 
 
 def block_kinds(config) -> list[str]:
-    """Each layer's mixer: mamba, attention or mlp (the config's names vary by version)."""
+    """Each layer's mixer: mamba, attention, mlp or moe (the config's names vary by
+    version)."""
     names = getattr(config, "layers_block_type", None) or config.layer_types
     unknown = sorted({n for n in names if n not in _KINDS})
     if unknown:
-        raise ValueError(f"NemotronH: block kinds {unknown} are not supported yet "
-                         "(mamba, attention and mlp are)")
+        raise ValueError(f"NemotronH: unknown block kinds {unknown}")
     return [_KINDS[n] for n in names]
 
 
@@ -72,11 +73,12 @@ class NemotronHAttention(nn.Module):
 
 
 class NemotronHMLP(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, intermediate_size: int | None = None) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = intermediate_size or config.intermediate_size
+        self.up_proj = Linear(config.hidden_size, size, bias=bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.relu(self.up_proj(hidden)).square())
@@ -91,6 +93,8 @@ class NemotronHBlock(nn.Module):
             self.mixer = Mamba2Mixer(mamba_dims(config))
         elif kind == ATTENTION:
             self.mixer = NemotronHAttention(config, backend)
+        elif kind == MOE:
+            self.mixer = NemotronHMoE(config, NemotronHMLP)
         else:
             self.mixer = NemotronHMLP(config)
 
@@ -173,6 +177,10 @@ class NemotronHForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("backbone.").removeprefix("model.")
+            stacked = load_per_expert(self, name, tensor)
+            if stacked is not None:
+                loaded.add(f"{stacked}#None")
+                continue
             if name not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in "
                                  f"{type(self).__name__}")

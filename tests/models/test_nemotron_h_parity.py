@@ -93,7 +93,8 @@ def test_moe_blocks_match_hf(tmp_path, latent):
     """Nemotron 3's MoE blocks: grouped sigmoid routing with the correction bias, non-gated
     squared-ReLU experts stored one by one in the checkpoint, a shared expert; with and
     without the latent projection around the experts."""
-    moe = dict(moe_latent_size=latent, layers_block_type=["mamba", "moe", "attention", "mamba", "moe"],
+    moe = dict(moe_latent_size=latent,
+               layers_block_type=["mamba", "moe", "attention", "mamba", "moe"],
                n_routed_experts=8, moe_intermediate_size=32,
                moe_shared_expert_intermediate_size=48, num_experts_per_tok=2, n_group=2,
                topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)

@@ -24,6 +24,7 @@ _MODULES = {
     "DeepseekV2ForCausalLM": "tllm.models.deepseek.model",
     "DeepseekV3ForCausalLM": "tllm.models.deepseek.model",
     "NemotronHForCausalLM": "tllm.models.nemotron_h",
+    "GraniteMoeHybridForCausalLM": "tllm.models.granite_moe_hybrid",
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

@@ -44,6 +44,9 @@ class AttentionMetadata:
     # Gemma 3 steps with images: the last key position each token sees [T] int64 (an image
     # token sees its whole image), for tllm.attention.causal_limits; None: its own position
     causal_limits: torch.Tensor | None = None
+    # each request's batch slot, where layers with per-request state (state-space models'
+    # Mamba layers: tllm/kv_cache/state_cache.py) keep it; host-side
+    request_slots_cpu: list[int] = field(default_factory=list)
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` (model-wide index) attends with."""

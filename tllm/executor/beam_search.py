@@ -19,10 +19,14 @@ FinishFn = Callable[..., None]                       # (request, reason, stop_re
 FailFn = Callable[[list[Request], Exception], None]
 
 
-def check_beam_support(request: Request, *, has_drafter: bool, samples_at_launch: bool) -> None:
+def check_beam_support(request: Request, *, has_drafter: bool, samples_at_launch: bool,
+                       has_state: bool = False) -> None:
     """ValueError for a beam-search request this engine cannot run."""
     if request.beam_group is None:
         return
+    if has_state:  # a forked beam would need its parent's state (kv_cache/state_cache.py)
+        raise ValueError("SamplingParams.use_beam_search is not supported for models with "
+                         "state-space layers yet")
     if has_drafter:
         raise ValueError("SamplingParams.use_beam_search is not supported with speculative "
                          "decoding")

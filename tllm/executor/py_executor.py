@@ -129,7 +129,9 @@ class PyExecutor:
                                  "decoding (it has no tokenizer, or runs pipeline stages)")
             self.guided.check(request)
         check_beam_support(request, has_drafter=self.speculation is not None,
-                           samples_at_launch=self.strategy.samples_at_launch)
+                           samples_at_launch=self.strategy.samples_at_launch,
+                           has_state=getattr(getattr(self.runner, "model", None),
+                                             "state_cache", None) is not None)
         with self._pending_lock:
             self._num_pending_adds += 1
         self._inbox.put(("add", request))

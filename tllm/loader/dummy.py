@@ -111,6 +111,14 @@ PRESETS: dict[str, tuple[str, dict]] = {
         final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh",
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True, dtype="bfloat16")),
+    # Nemotron-H-8B's shape: 24 Mamba-2, 4 attention and 24 squared-ReLU MLP layers
+    "nemotron-h-8b": ("nemotron_h", dict(
+        architectures=["NemotronHForCausalLM"], hidden_size=4096, intermediate_size=21504,
+        hybrid_override_pattern="M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, mamba_num_heads=128,
+        mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, chunk_size=128,
+        mlp_hidden_act="relu2", vocab_size=131072, max_position_embeddings=8192,
+        layer_norm_epsilon=1e-5, tie_word_embeddings=False, dtype="bfloat16")),
 }
 
 

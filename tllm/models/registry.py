@@ -36,6 +36,8 @@ _MODULES = {
                      "RobertaForSequenceClassification"], "tllm.models.bert"),
     **dict.fromkeys(["ModernBertModel", "ModernBertForSequenceClassification"],
                     "tllm.models.modernbert"),
+    "NemotronHForCausalLM": "tllm.models.nemotron_h",
+    "GraniteMoeHybridForCausalLM": "tllm.models.granite_moe_hybrid",
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

@@ -55,6 +55,7 @@ class StepArrays:
     group_slot_mappings: list[np.ndarray]   # groups 1..
     group_block_tables: list[np.ndarray]
     token_seqs: np.ndarray       # [T] the index in the batch of each token's request
+    request_slots: np.ndarray | None = None  # [B] each request's batch slot
 
     @property
     def max_query_len(self) -> int:
@@ -106,7 +107,7 @@ class BatchTables:
             slot_mappings.append(group[token_slots, block_index] * bs + offset)
             tables.append(group[diff.slots, :width])
         return StepArrays(positions, slot_mappings[0], query_start_loc, seq_lens, tables[0],
-                          slot_mappings[1:], tables[1:], token_seqs)
+                          slot_mappings[1:], tables[1:], token_seqs, diff.slots)
 
 
 class SlotAssigner(ResourceManager):

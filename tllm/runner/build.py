@@ -16,6 +16,7 @@ from tllm.distributed import comm
 from tllm.layers.batch_invariant import make_batch_invariant
 from tllm.kv_cache.groups import KVCacheLayout, plan_layout
 from tllm.kv_cache.manager import KVCacheManager
+from tllm.kv_cache.state_cache import build_state_cache
 from tllm.config import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from tllm.runner.piecewise import PiecewiseGraphRunner, token_buckets
@@ -90,6 +91,7 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     if args.deterministic:
         make_batch_invariant(model, device)
     lora = build_lora(model, args, dtype, device)  # before the KV cache takes the memory
+    has_state = build_state_cache(model, args, dtype, device) is not None  # so does this
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
     kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
@@ -98,9 +100,9 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
     # a pooling-only model's steps all pool (never a decode graph); piecewise graphs of
-    # encoders are untried: both run eagerly
+    # encoders are untried; state-space layers loop over requests on the host: all eager
     if (mapping.pp_size == 1 and not getattr(model, "is_multimodal", False)
-            and getattr(model, "pooling_task", None) is None):
+            and getattr(model, "pooling_task", None) is None and not has_state):
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
         piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
                                            graphs.pool if graphs is not None else None)
@@ -212,7 +214,9 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     return KVCacheManager(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                           head_dim=spec.head_dim, num_blocks=num_blocks,
                           tokens_per_block=block, dtype=kv_dtype, device=device,
-                          enable_block_reuse=kv_config.enable_block_reuse,
+                          # a prefix hit would need the state there (state_cache.py)
+                          enable_block_reuse=(kv_config.enable_block_reuse
+                                              and getattr(model, "state_spec", None) is None),
                           reserve_full_generation=reserve_full_generation,
                           host_cache_blocks=kv_config.host_cache_size // block_bytes,
                           disk_cache_dir=kv_config.disk_cache_dir,

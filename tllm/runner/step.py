@@ -78,7 +78,8 @@ def step_tensors(arrays: StepArrays, input_ids: np.ndarray, logit_rows: np.ndarr
         seq_lens=seq_lens, block_tables=tables,
         max_query_len=int(query_lens.max()), max_seq_len=int(arrays.seq_lens.max()),
         tokens_per_block=tokens_per_block,
-        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=arrays.seq_lens.tolist())
+        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=arrays.seq_lens.tolist(),
+        request_slots_cpu=[] if arrays.request_slots is None else arrays.request_slots.tolist())
     if groups:
         metadata.add_group_views(layer_groups, list(zip(group_slots, group_tables)))
     return StepTensors(ids, metadata, rows)

@@ -1,0 +1,43 @@
+"""The state-space layers' state cache: sizes per request, rows per slot, and the options a
+hybrid model refuses until state checkpoints land."""
+import pytest
+import torch
+
+from tllm.config import LlmArgs
+from tllm.kv_cache.state_cache import StateCache, check_hybrid_args
+from tllm.layers.mamba2 import Mamba2Dims, StateSpec
+
+DIMS = Mamba2Dims(hidden_size=32, num_heads=4, head_dim=8, num_groups=2, state_size=8,
+                  conv_kernel=4, chunk_size=4, eps=1e-5)
+
+
+def test_state_per_request_and_slots():
+    spec = StateSpec(DIMS, num_layers=3)
+    conv = DIMS.conv_dim * 3 * 2          # bf16 conv state, K-1 = 3 inputs
+    ssm = 4 * 8 * 8 * 4                   # fp32 SSM state
+    assert spec.bytes_per_request(torch.bfloat16) == 3 * (conv + ssm)
+    cache = StateCache(spec, num_slots=5, dtype=torch.bfloat16, device="cpu")
+    assert len(cache.layers) == 3
+    assert cache.layers[0].conv.shape == (5, DIMS.conv_dim, 3)
+    assert cache.layers[0].ssm.shape == (5, 4, 8, 8)
+
+
+def test_refuses_swap_preemption():
+    args = LlmArgs(model="x", scheduler_config={"preemption_mode": "swap"})
+    with pytest.raises(ValueError, match="preemption_mode"):
+        check_hybrid_args(args)
+
+
+def test_nemotron_h_8b_state_beside_kv():
+    """Nemotron-H-8B's per-request state (24 Mamba layers, fixed) against its 4 attention
+    layers' KV at 8k tokens."""
+    from tllm.loader.dummy import dummy_config
+    from tllm.models.nemotron_h import ATTENTION, MAMBA, block_kinds, mamba_dims
+    config = dummy_config("nemotron-h-8b")
+    kinds = block_kinds(config)
+    assert (kinds.count(MAMBA), kinds.count(ATTENTION), len(kinds)) == (24, 4, 52)
+    dims = mamba_dims(config)
+    assert dims.inner_size * 2 + 2 * dims.num_groups * dims.state_size + dims.num_heads == 18560
+    state = StateSpec(dims, kinds.count(MAMBA)).bytes_per_request(torch.bfloat16)
+    kv_8k = 8192 * 4 * 2 * config.num_key_value_heads * config.head_dim * 2
+    assert round(state / 2**20, 1) == 97.4 and kv_8k == 128 * 2**20

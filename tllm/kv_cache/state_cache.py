@@ -1,0 +1,74 @@
+"""The per-request state of state-space layers (Mamba-2: a conv state and an SSM state per
+layer), a cache of its own kind beside the paged KV cache.
+
+Design. Unlike KV, a request's state has a fixed size whatever its length, and one step
+overwrites it: it is a slot, not a list of blocks.
+
+- Slots. A request's state lives at the row of its batch slot (runner/batch_state.py's
+  SlotAssigner: taken when the request is first scheduled, given back when it finishes or is
+  preempted), in tensors of `max_batch_size` rows per layer allocated once at start-up, so
+  admission never waits for state memory and the KV cache's capacity policy is unchanged.
+  Every rank already receives the slots in each step's diff (AttentionMetadata's
+  `request_slots_cpu`), so tensor- and pipeline-parallel ranks address the same rows.
+- Lifetime. A step whose request starts at position 0 resets the slot's state before
+  reading it (the mixer does, layer by layer), so "allocated on admission" needs no message,
+  and preemption with recompute is correct by construction: the request comes back at
+  position 0 on whatever slot it gets. Finishing frees nothing beyond the slot itself.
+- What is not correct yet, and therefore refused or switched off: prefix reuse (a hit would
+  start a request past position 0 with no state: build.py turns block reuse off), swapping
+  to host (the state would have to travel with the KV blocks) and speculative decoding
+  (rejected drafts would have to roll the state back), both refused by `check_hybrid_args`;
+  beam search (a forked beam needs its parent's state: refused per request by the executor);
+  CUDA graphs (the mixer builds its launch arguments on the host: build.py runs eagerly).
+- Next: checkpoints at block boundaries for prefix reuse. The chunked-scan kernel already
+  holds the state at each of its chunk boundaries; with its tile dividing tokens_per_block it
+  can write the state at every block boundary a prefill crosses into a checkpoint pool (one
+  entry: every layer's conv + SSM state), keyed by the same chained block hash as the KV
+  block it ends. The pool is a BlockPool of its own (LRU, ref counts), much smaller than the
+  KV pool; a prefix hit for a hybrid is cut to the longest prefix whose last block has a
+  checkpoint, and admission copies that checkpoint into the request's slot. Swapping with
+  the host tier then moves the slot's rows like one more block.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tllm.layers.mamba2 import MambaLayerState, StateSpec
+logger = logging.getLogger(__name__)
+
+
+class StateCache:
+    """Every state-space layer's state for `num_slots` batch slots (see the module
+    docstring); `layers[i]` is the i-th state-space layer's."""
+
+    def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        self.spec = spec
+        self.layers = [MambaLayerState.empty(spec.dims, num_slots, dtype, device,
+                                             spec.ssm_dtype) for _ in range(spec.num_layers)]
+        logger.info("state cache: %d layers x %d slots, %.2f MiB per request", spec.num_layers,
+                    num_slots, spec.bytes_per_request(dtype) / 2**20)
+
+
+def build_state_cache(model, args, dtype: torch.dtype,
+                      device: torch.device) -> StateCache | None:
+    """The model's state cache (None for a model without state-space layers), bound to it."""
+    spec = getattr(model, "state_spec", None)
+    if spec is None:
+        return None
+    check_hybrid_args(args)
+    cache = StateCache(spec, args.max_batch_size, dtype, device)
+    model.bind_state_cache(cache)
+    return cache
+
+
+def check_hybrid_args(args) -> None:
+    """Refuse what a state-space model cannot do yet (module docstring)."""
+    if args.speculative_config is not None:
+        raise ValueError("speculative_config: speculative decoding is not supported for "
+                         "models with state-space layers yet")
+    if args.scheduler_config.preemption_mode == "swap":
+        raise ValueError("scheduler_config.preemption_mode: 'swap' is not supported for "
+                         "models with state-space layers yet; use 'recompute'")

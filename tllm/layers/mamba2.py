@@ -1,0 +1,234 @@
+"""The Mamba-2 mixer (as NemotronH and Granite 4.0-H use it) over a flattened batch of
+requests, each reading and writing its own state slot: in_proj -> causal depthwise conv1d ->
+SSD scan -> gated grouped RMSNorm -> out_proj. A request's segment of more than one token is
+prefilled with the chunked scan starting from its slot's state (so chunked prefill composes);
+one-token segments (decode) go through the single-step update together.
+
+The state lives outside the layer (a MambaLayerState per layer, rows indexed by slot); a new
+request's slot must be zeroed before its first token (the state cache does that on
+admission)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tllm.kernels import mamba_ref
+from tllm.layers.linear import Linear
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """The mixer's geometry, read from the model config."""
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    num_groups: int
+    state_size: int
+    conv_kernel: int
+    chunk_size: int
+    eps: float
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the conv: x, B and C side by side."""
+        return self.inner_size + 2 * self.num_groups * self.state_size
+
+
+@dataclass
+class MambaLayerState:
+    """One layer's state for every slot: conv [slots, conv_dim, K-1], ssm [slots, H, P, N]."""
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    @classmethod
+    def empty(cls, dims: Mamba2Dims, num_slots: int, dtype: torch.dtype,
+              device: torch.device | str = "cpu",
+              ssm_dtype: torch.dtype = torch.float32) -> "MambaLayerState":
+        conv = torch.zeros(num_slots, dims.conv_dim, dims.conv_kernel - 1, dtype=dtype,
+                           device=device)
+        ssm = torch.zeros(num_slots, dims.num_heads, dims.head_dim, dims.state_size,
+                          dtype=ssm_dtype, device=device)
+        return cls(conv, ssm)
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What a model's per-request state holds on this rank: `num_layers` Mamba-2 layers of
+    one geometry; the SSM state in `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype)."""
+    dims: Mamba2Dims
+    num_layers: int
+    ssm_dtype: torch.dtype = torch.float32
+
+    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
+        d = self.dims
+        conv = d.conv_dim * (d.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).itemsize
+        ssm = d.num_heads * d.head_dim * d.state_size * torch.empty(
+            (), dtype=self.ssm_dtype).itemsize
+        return self.num_layers * (conv + ssm)
+
+
+@dataclass(frozen=True)
+class MambaBatch:
+    """Which tokens of the flattened batch belong to which request, and its state slot.
+    Requests appear in token order; `seq_lens[i]` tokens of request i use `slots[i]`, and
+    `starts[i]` tokens came before them (0: a new or recomputed request, whose slot's state
+    is reset first)."""
+    seq_lens: list[int]
+    slots: list[int]
+    starts: list[int]
+
+    @classmethod
+    def from_metadata(cls, metadata) -> "MambaBatch":
+        """The step's requests as AttentionMetadata describes them."""
+        queries, contexts = metadata.query_lens_cpu, metadata.seq_lens_cpu
+        return cls(queries, metadata.request_slots_cpu,
+                   [c - q for q, c in zip(queries, contexts)])
+
+
+class Mamba2Mixer(nn.Module):
+    """Parameter names follow the HF checkpoint (in_proj, conv1d, dt_bias, A_log, D, norm,
+    out_proj) so weights load by name."""
+
+    def __init__(self, dims: Mamba2Dims) -> None:
+        super().__init__()
+        self.dims = dims
+        d = dims
+        self.in_proj = Linear(d.hidden_size, d.inner_size + d.conv_dim + d.num_heads,
+                              bias=d.proj_bias)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel),
+                                          requires_grad=False)
+        self.conv1d.bias = (nn.Parameter(torch.empty(d.conv_dim), requires_grad=False)
+                            if d.conv_bias else None)
+        self.dt_bias = nn.Parameter(torch.empty(d.num_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(d.num_heads), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(d.num_heads), requires_grad=False)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(d.inner_size), requires_grad=False)
+        self.out_proj = Linear(d.inner_size, d.hidden_size, bias=d.proj_bias)
+        self.use_triton: bool | None = None    # None: on CUDA tensors; tests force it
+
+    def _uses_triton(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.use_triton is None else self.use_triton
+
+    def forward(self, hidden: torch.Tensor, batch: MambaBatch,
+                state: MambaLayerState) -> torch.Tensor:
+        d = self.dims
+        _reset_new_requests(batch, state)
+        gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
+        use_triton = self._uses_triton(hidden)
+        xbc = (self._conv_triton if use_triton else self._conv)(xbc, batch, state)
+        x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
+                             d.num_groups * d.state_size], dim=-1)
+        scan = self._scan_triton if use_triton else self._scan
+        y = scan(x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
+                       B.unflatten(-1, (d.num_groups, d.state_size)),
+                       C.unflatten(-1, (d.num_groups, d.state_size)), batch, state)
+        y = mamba_ref.gated_rms_norm_ref(y.flatten(-2).to(hidden.dtype), gate,
+                                         self.norm.weight, d.inner_size // d.num_groups, d.eps)
+        return self.out_proj(y)
+
+    def _conv(self, xbc: torch.Tensor, batch: MambaBatch,
+              state: MambaLayerState) -> torch.Tensor:
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        out = torch.empty_like(xbc)
+        decode_rows, decode_slots = [], []
+        for start, length, slot in _segments(batch):
+            if length == 1:
+                decode_rows.append(start)
+                decode_slots.append(slot)
+                continue
+            part, state.conv[slot] = mamba_ref.causal_conv1d_ref(
+                xbc[start:start + length], state.conv[slot], weight, bias)
+            out[start:start + length] = part
+        if decode_rows:
+            slots = torch.tensor(decode_slots, device=xbc.device)
+            conv_state = state.conv[slots]
+            out[decode_rows] = mamba_ref.causal_conv1d_step_ref(
+                xbc[decode_rows], conv_state, weight, bias)
+            state.conv[slots] = conv_state
+        return out
+
+    def _conv_triton(self, xbc: torch.Tensor, batch: MambaBatch,
+                     state: MambaLayerState) -> torch.Tensor:
+        """Every request (prefill chunk or decode) in one pair of launches."""
+        from tllm.kernels.triton.causal_conv1d import causal_conv1d_varlen
+        cu = torch.tensor([0, *batch.seq_lens]).cumsum(0).to(torch.int32).to(xbc.device)
+        slots = torch.tensor(batch.slots, device=xbc.device)
+        return causal_conv1d_varlen(xbc.contiguous(), state.conv, slots, cu,
+                                    self.conv1d.weight[:, 0], self.conv1d.bias,
+                                    max(batch.seq_lens, default=0))
+
+    def _scan(self, x, dt, B, C, batch: MambaBatch, state: MambaLayerState) -> torch.Tensor:
+        A = -torch.exp(self.A_log.float())
+        dt = mamba_ref.discretize_dt(dt, self.dt_bias, self.dims.dt_limit)
+        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        decode_rows, decode_slots = [], []
+        for start, length, slot in _segments(batch):
+            if length == 1:
+                decode_rows.append(start)
+                decode_slots.append(slot)
+                continue
+            part = slice(start, start + length)
+            y[part], final = mamba_ref.ssd_chunk_scan_ref(
+                x[part], dt[part], A, B[part], C[part], self.D, state.ssm[slot],
+                self.dims.chunk_size)
+            state.ssm[slot] = final
+        if decode_rows:
+            slots = torch.tensor(decode_slots, device=x.device)
+            ssm = state.ssm[slots]
+            y[decode_rows] = mamba_ref.ssd_state_update_ref(
+                ssm, x[decode_rows], dt[decode_rows], A, B[decode_rows], C[decode_rows], self.D)
+            state.ssm[slots] = ssm
+        return y
+
+
+    def _scan_triton(self, x, dt, B, C, batch: MambaBatch,
+                     state: MambaLayerState) -> torch.Tensor:
+        """All prefill segments in one chunked-scan launch, all decode rows in one update."""
+        from tllm.kernels.triton.mamba_ssd import ssd_chunk_scan, ssd_state_update
+        A = -torch.exp(self.A_log.float())
+        args = (self.dt_bias, A)
+        y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        segments = list(_segments(batch))
+        prefill = [(s, n, slot) for s, n, slot in segments if n > 1]
+        decode = [(s, slot) for s, n, slot in segments if n == 1]
+        if prefill:
+            rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(x.device)
+            lens = torch.tensor([0] + [n for _, n, _ in prefill])
+            cu = lens.cumsum(0).to(torch.int32).to(x.device)
+            slots = torch.tensor([slot for *_, slot in prefill], device=x.device)
+            y[rows] = ssd_chunk_scan(state.ssm, slots, cu, x[rows], dt[rows], *args, B[rows],
+                                     C[rows], self.D, self.dims.chunk_size, self.dims.dt_limit)
+        if decode:
+            rows = torch.tensor([s for s, _ in decode], device=x.device)
+            slots = torch.tensor([slot for _, slot in decode], device=x.device)
+            y[rows] = ssd_state_update(state.ssm, slots, x[rows], dt[rows], *args, B[rows],
+                                       C[rows], self.D, self.dims.dt_limit)
+        return y
+
+
+def _reset_new_requests(batch: MambaBatch, state: MambaLayerState) -> None:
+    """A request at position 0 starts from zero state, whatever its slot held before."""
+    fresh = [slot for slot, start in zip(batch.slots, batch.starts) if start == 0]
+    if fresh:
+        rows = torch.tensor(fresh, device=state.ssm.device)
+        state.conv.index_fill_(0, rows, 0)
+        state.ssm.index_fill_(0, rows, 0)
+
+
+def _segments(batch: MambaBatch):
+    """(first token row, number of tokens, slot) per request."""
+    start = 0
+    for length, slot in zip(batch.seq_lens, batch.slots):
+        yield start, length, slot
+        start += length

@@ -73,9 +73,9 @@ def texts_of_length(path: Path, count: int, num_tokens: int) -> list[str]:
     return texts
 
 
-def timed(fn, budget_s: float, min_repeats: int = 1) -> tuple[list, float, int]:
-    """Run fn() once to warm up, then repeatedly (at least min_repeats times, more while the
-    budget lasts); returns (the last result, mean seconds per call, repeats)."""
+def timed(fn, budget_s: float, max_repeats: int = 5) -> tuple[list, float, int]:
+    """Run fn() once to warm up, then repeatedly (once at least, up to max_repeats times
+    while the budget lasts); returns (the last result, mean seconds per call, repeats)."""
     fn()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     sync()
@@ -85,7 +85,7 @@ def timed(fn, budget_s: float, min_repeats: int = 1) -> tuple[list, float, int]:
         sync()
         repeats += 1
         elapsed = time.perf_counter() - start
-        if repeats >= min_repeats and elapsed + elapsed / repeats > budget_s:
+        if repeats >= max_repeats or elapsed + elapsed / repeats > budget_s:
             return result, elapsed / repeats, repeats
 
 

@@ -109,7 +109,7 @@ def run_engine(path: Path, texts: list[str], args, budget_s: float) -> tuple[np.
     from tllm import LLM
     kwargs = {"dtype": "float32", "device": "cpu"} if args.tiny else {"dtype": "bfloat16"}
     with LLM(str(path), max_batch_size=len(texts), max_num_tokens=args.max_num_tokens,
-             max_seq_len=args.tokens * 2, **kwargs) as llm:
+             max_seq_len=args.tokens, **kwargs) as llm:
         embed = lambda: llm.embed(texts)  # noqa: E731
         outputs, seconds, repeats = timed(embed, budget_s)
     embeddings = np.array([o.embedding for o in outputs], dtype=np.float32)
@@ -175,7 +175,7 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     if args.tiny:
-        args.batch, args.tokens, args.max_num_tokens = 8, 24, 64
+        args.batch, args.tokens, args.max_num_tokens = 8, 64, 128
         args.budget = min(args.budget, 20.0)
     out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_pooling")
     out_dir.mkdir(parents=True, exist_ok=True)

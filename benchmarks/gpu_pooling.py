@@ -34,9 +34,9 @@ sys.path.insert(0, str(HERE.parent / "tests" / "pooling"))
 from tiny_models import (WORDS, add_sentence_transformers_layout, save_bert,  # noqa: E402
                          save_qwen3)
 
-BERT_BASE = dict(vocab_size=30522, hidden_size=768, intermediate_size=3072,
-                 num_hidden_layers=12, num_attention_heads=12, max_position_embeddings=512,
-                 initializer_range=0.02)
+# (BERT's vocabulary stays the small tokenizer's: a lookup table, no compute)
+BERT_BASE = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                 num_attention_heads=12, max_position_embeddings=512, initializer_range=0.02)
 QWEN3_EMBEDDING_06B = dict(vocab_size=151669, hidden_size=1024, intermediate_size=3072,
                            num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
                            head_dim=128, max_position_embeddings=32768, rope_theta=1e6,
@@ -58,18 +58,22 @@ def save_model(name: str, tiny: bool) -> Path:
 
 
 def texts_of_length(path: Path, count: int, num_tokens: int) -> list[str]:
-    """`count` random texts of the tokenizer's words that tokenize (special tokens included)
-    to exactly `num_tokens` tokens."""
+    """`count` random texts that tokenize (special tokens included) to exactly `num_tokens`
+    tokens: words that are one token alone and after a space (both tokenizers split on
+    spaces first, so their counts add up)."""
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(path)
+    def one_token(text: str) -> bool:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) == 1
+    singles = [w for w in dict.fromkeys(WORDS) if one_token(w) and one_token(" " + w)]
+    specials = len(tokenizer("")["input_ids"])
+    if not singles or num_tokens <= specials:
+        raise ValueError(f"no texts of {num_tokens} tokens from these words")
     rng = np.random.default_rng(0)
-    texts = []
-    while len(texts) < count:
-        words = [str(w) for w in rng.choice(WORDS, num_tokens // 2)]  # fewer calls
-        while (n := len(tokenizer(" ".join(words))["input_ids"])) < num_tokens:
-            words.append(str(rng.choice(WORDS)))
-        if n == num_tokens:
-            texts.append(" ".join(words))
+    texts = [" ".join(rng.choice(singles, num_tokens - specials)) for _ in range(count)]
+    lengths = {len(ids) for ids in tokenizer(texts)["input_ids"]}
+    if lengths != {num_tokens}:
+        raise ValueError(f"texts of {sorted(lengths)} tokens, not {num_tokens}")
     return texts
 
 

@@ -143,6 +143,8 @@ def main() -> int:
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
     from tllm import LLM, SamplingParams
+    if args.tiny:
+        args.kv_tokens = min(args.kv_tokens, 2048)
     model = tiny_model() if args.tiny else args.model
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
@@ -152,6 +154,8 @@ def main() -> int:
                         "device": torch.cuda.get_device_name() if torch.cuda.is_available()
                         else "cpu", "torch": torch.__version__, "model": model}}
     tensors = second_model_tensors(model, device, dtype)
+    if torch.cuda.is_available():   # the temporaries' cached blocks are not the engine's
+        torch.cuda.empty_cache()
     free_before = free_bytes()
     prompts = [[1 + (7 * i + 3 * j) % 250 for j in range(16 + 8 * i)] for i in range(4)]
     greedy_params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)

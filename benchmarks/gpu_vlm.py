@@ -53,9 +53,8 @@ WORDS = "describe the picture in a few words what is in this image".split()
 def qwen_vl_7b_config(tokenizer):
     """Qwen2.5-VL-7B-Instruct's shapes with the small tokenizer's special-token ids."""
     config = tiny_config(tokenizer)
-    text = {**config.text_config.to_dict(), **TEXT_7B, "pad_token_id": 0}
-    vision = {**config.vision_config.to_dict(), **VISION_7B}
-    return type(config)(text_config=text, vision_config=vision,
+    text = {**TEXT_7B, "pad_token_id": 0, "eos_token_id": None, "bos_token_id": None}
+    return type(config)(text_config=text, vision_config=dict(VISION_7B),
                         image_token_id=config.image_token_id,
                         video_token_id=config.video_token_id,
                         vision_start_token_id=config.vision_start_token_id,

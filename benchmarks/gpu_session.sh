@@ -7,8 +7,8 @@
 #   bash benchmarks/gpu_session.sh kernels  # INT4 and LoRA again after tuning
 #   bash benchmarks/gpu_session.sh smollm2  # n-gram speculation and guided JSON on SmolLM2, GGUF
 #   bash benchmarks/gpu_session.sh window   # spec replay, guided (carry .smol/tok), LoRA, INT4
-#   bash benchmarks/gpu_session.sh round3     # issues 36, 35: embeddings/s vs ST; sleep, wake, update_weights
-#   bash benchmarks/gpu_session.sh round3_vlm # issue 34: Qwen2.5-VL-7B-shaped TTFT, throughput vs HF (own call)
+#   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
+#   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
 # $OUT/<step>.log (and each script's JSON to $OUT).
 set -u

@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh window   # spec replay, guided (carry .smol/tok), LoRA, INT4
 #   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
 #   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
+# (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
+#  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
 # $OUT/<step>.log (and each script's JSON to $OUT).
 set -u

@@ -7,6 +7,10 @@
 #   bash benchmarks/gpu_session.sh kernels  # INT4 and LoRA again after tuning
 #   bash benchmarks/gpu_session.sh smollm2  # n-gram speculation and guided JSON on SmolLM2, GGUF
 #   bash benchmarks/gpu_session.sh window   # spec replay, guided (carry .smol/tok), LoRA, INT4
+#   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
+#   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
+# (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
+#  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
 # $OUT/<step>.log (and each script's JSON to $OUT).
 set -u
@@ -121,8 +125,17 @@ case $section in
   scale)  # issue 32: max load, decode TPOT, host time and GPU idle per step, GEMM floors
     export PYTHONUNBUFFERED=1
     step scale 570 python3 benchmarks/gpu_scale.py --parts fp8,bf16,gemm ;;
+  round3)  # issue 36's pooling and issue 35's rollout figures (about 8 minutes)
+    export PYTHONUNBUFFERED=1
+    step gpu_pooling 270 python3 benchmarks/gpu_pooling.py --budget 200
+    step gpu_rollout 240 python3 benchmarks/gpu_rollout.py
+    ;;
+  round3_vlm)  # issue 34: builds and saves a 16 GiB checkpoint first; its own call
+    export PYTHONUNBUFFERED=1
+    step gpu_vlm 540 python3 benchmarks/gpu_vlm.py
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|stage|smollm2 ..."; exit 2 ;;
 esac
 done

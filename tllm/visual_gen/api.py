@@ -8,7 +8,7 @@ import torch
 from tllm.device import pick_device
 from tllm.extras import require_extra
 from tllm.visual_gen import batching, memory, registry
-from tllm.visual_gen.fp8 import check_quantization, quantize_transformer
+from tllm.visual_gen.fp8 import check_quantization, quantize_pipeline
 from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook, VisualGenOutput
 from tllm.visual_gen.step_cache import (DEFAULT_THRESHOLDS, StepCache, check_supported,
@@ -54,7 +54,7 @@ class VisualGen:
             self.pipeline = pipeline_cls.from_pretrained(spec.path, self.dtype, self.device,
                                                          transformer_impl)
         if quantization == "fp8":
-            quantize_transformer(self.pipeline.transformer)
+            quantize_pipeline(self.pipeline)
         self.pipeline.show_progress = show_progress
 
     @property

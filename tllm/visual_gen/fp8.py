@@ -18,7 +18,8 @@ from tllm.layers.quant.base import WEIGHT, add_param
 from tllm.layers.quant.fp8 import Fp8LinearMethod, Fp8Scheme
 
 QUANTIZATIONS = ("fp8",)
-BLOCK_LISTS = ("blocks", "transformer_blocks", "layers")   # where a DiT keeps its blocks
+# where a DiT keeps its blocks (FLUX: double-stream `blocks`, then `single_blocks`)
+BLOCK_LISTS = ("blocks", "single_blocks", "transformer_blocks", "layers")
 KEEP = ("mod",)                                             # AdaLN linears: not quantized
 
 
@@ -54,16 +55,23 @@ def check_quantization(quantization: str | None, transformer_impl: str) -> None:
                          "'auto'), not diffusers'")
 
 
+def quantize_pipeline(pipeline) -> int:
+    """quantize_transformer on each of the pipeline's transformers (Wan 2.2 A14B's second
+    expert too); returns how many layers were swapped."""
+    transformers = [pipeline.transformer, getattr(pipeline, "transformer_2", None)]
+    return sum(quantize_transformer(t) for t in transformers if t is not None)
+
+
 @torch.no_grad()
 def quantize_transformer(transformer: nn.Module) -> int:
     """Swap the linear layers of the transformer's blocks for Fp8Linear, in place; returns
     how many were swapped."""
-    blocks = next((getattr(transformer, name) for name in BLOCK_LISTS
-                   if isinstance(getattr(transformer, name, None), nn.ModuleList)), None)
-    if blocks is None:
+    block_lists = [getattr(transformer, name) for name in BLOCK_LISTS
+                   if isinstance(getattr(transformer, name, None), nn.ModuleList)]
+    if not block_lists:
         raise ValueError(f"quantization: {type(transformer).__name__} has no block list")
     swapped = 0
-    for block in blocks:
+    for block in (block for blocks in block_lists for block in blocks):
         for name, module in list(block.named_modules()):
             if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in KEEP:
                 parent_name, _, leaf = name.rpartition(".")

@@ -13,7 +13,10 @@ threshold the step is skipped, else the blocks run and the sum restarts at 0:
   cache), and the residual reused is that of the remaining blocks.
 
 The first and the last step always run. A threshold of 0 never skips, and the steps that run
-compute exactly what they compute without a cache.
+compute exactly what they compute without a cache. When the network running the blocks
+changes within a loop (Wan 2.2 A14B's switch from the high-noise to the low-noise expert,
+`BlockStack.network`), the cache starts over: the residual it holds is the other network's,
+and the two networks' signals are not comparable, so the new network's first step runs.
 
 How a transformer takes part (the interface): its forward builds a `BlockStack` over its own
 state between blocks (any object: a tensor, a tuple of streams, pending residuals...) and
@@ -43,7 +46,8 @@ class BlockStack:
     hidden(state) -> the streams' hidden states as tensors (the first is the main one, whose
     first-block residual is first_block's signal); with_residuals(state, residuals) -> the
     state with each stream's hidden state advanced by its residual; coefficients: the
-    published TeaCache rescale polynomial (highest power first) or None."""
+    published TeaCache rescale polynomial (highest power first) or None; network: the
+    module whose blocks these are (a change starts the cache over)."""
 
     first: Callable[[Any], Any]
     rest: Callable[[Any], Any]
@@ -51,6 +55,7 @@ class BlockStack:
     hidden: Callable[[Any], list[torch.Tensor]]
     with_residuals: Callable[[Any, list[torch.Tensor]], Any]
     coefficients: Sequence[float] | None = None
+    network: Any = None
 
 
 def run_blocks(stack: BlockStack, state: Any, cache: StepCache | None) -> Any:
@@ -85,6 +90,7 @@ class StepCache(DenoiseHook):
         self.skipped = 0
         self.step_index, self.num_steps = 0, 0
         self.decided_step: int | None = None
+        self.network: Any = None
 
     # ---- the loop's side ----
 
@@ -103,6 +109,8 @@ class StepCache(DenoiseHook):
         if self.decided_step == self.step_index:
             raise RuntimeError("step caching needs one transformer forward per step")
         self.decided_step = self.step_index
+        if stack.network is not self.network:      # e.g. the next expert: start over
+            self.network, self.previous, self.residuals = stack.network, None, None
         if self.mode == "teacache":
             if self._skips(stack.modulated_input(state), stack.coefficients):
                 return stack.with_residuals(state, self.residuals)

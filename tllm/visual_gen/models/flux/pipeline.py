@@ -161,7 +161,8 @@ class FluxPipeline(VisualPipeline):
         def predict(step: DenoiseStep) -> dict[str, list[torch.Tensor]]:
             hidden = step.latents.repeat(num_copies, 1, 1)
             timestep = step.timestep.expand(len(hidden)).to(hidden.dtype) / 1000
-            out = self.transformer(hidden, states, pooled, timestep, img_ids, txt_ids, guidance)
+            out = self.transformer(hidden, states, pooled, timestep, img_ids, txt_ids, guidance,
+                                   **step.model_kwargs)     # the step cache, if any
             return {"latents": list(out.chunk(num_copies))}
 
         streams = denoise_streams({"latents": latents}, {"latents": scheduler}, predict, rule,

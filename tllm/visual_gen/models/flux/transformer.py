@@ -27,9 +27,14 @@ from tllm.visual_gen.models.qwen_image.blocks import (KeyPadding, QwenImageBlock
                                                       gated_residual, joint_attention,
                                                       modulated_norm, qk_norm_rope)
 from tllm.visual_gen.models.qwen_image.rope import RopeTables
+from tllm.visual_gen.step_cache import BlockStack, StepCache, run_blocks
 
 TIMESTEP_CHANNELS = 256
 ROPE_THETA = 10000
+# TeaCache's published rescale polynomial for FLUX.1 (ali-vilab/TeaCache, TeaCache4FLUX;
+# highest power first), fitted on the first double block's modulated image input
+TEACACHE_COEFFICIENTS = (4.98651651e+02, -2.83781631e+02, 5.58554382e+01, -3.82021401e+00,
+                         2.64230861e-01)
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,8 @@ class FluxSingleBlock(nn.Module):
 class FluxTransformer(nn.Module):
     """FLUX.1's transformer; `forward` gives diffusers' `forward(..., return_dict=False)[0]`."""
 
+    supports_step_cache = True
+
     def __init__(self, config: FluxConfig) -> None:
         super().__init__()
         self.config = config
@@ -150,24 +157,57 @@ class FluxTransformer(nn.Module):
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 pooled_projections: torch.Tensor, timestep: torch.Tensor,
                 img_ids: torch.Tensor, txt_ids: torch.Tensor,
-                guidance: torch.Tensor | None = None) -> torch.Tensor:
+                guidance: torch.Tensor | None = None,
+                step_cache: StepCache | None = None) -> torch.Tensor:
         """hidden_states [B, N, in_channels] packed latents; encoder_hidden_states [B, L,
         joint_attention_dim]; pooled_projections [B, pooled_projection_dim]; timestep [B] in
-        [0, 1]; img_ids [N, 3], txt_ids [L, 3]; guidance [B] (FLUX.1-dev's scale). Returns
-        [B, N, out_channels]."""
+        [0, 1]; img_ids [N, 3], txt_ids [L, 3]; guidance [B] (FLUX.1-dev's scale);
+        step_cache: see step_cache.py. Returns [B, N, out_channels]."""
         num_img = hidden_states.shape[1]
         img = self.x_in(hidden_states)
         txt = self.context_in(encoder_hidden_states)
         silu_temb = F.silu(self._conditioning(timestep, guidance, pooled_projections, img.dtype))
-        rope = self.rope_tables(img_ids, txt_ids)
-        for block in self.blocks:
-            img, txt = block(img, txt, silu_temb, rope, KeyPadding(), None)
-        x = torch.cat([img, txt], dim=1)
-        cos, sin = torch.cat([rope.img_cos, rope.txt_cos]), torch.cat([rope.img_sin, rope.txt_sin])
-        for block in self.single_blocks:
-            x = block(x, silu_temb, cos, sin)
+        stack = self._block_stack(silu_temb, self.rope_tables(img_ids, txt_ids), num_img)
+        (img,) = stack.hidden(run_blocks(stack, (img, txt), step_cache))
         scale, shift = self.norm_out(silu_temb[:, None]).chunk(2, dim=-1)
-        return self.proj_out(modulated_norm(x[:, :num_img], shift, scale, None))
+        return self.proj_out(modulated_norm(img, shift, scale, None))
+
+    def _block_stack(self, silu_temb: torch.Tensor, rope: RopeTables,
+                     num_img: int) -> BlockStack:
+        """The double- then single-stream blocks as one stack, for run_blocks: the state is
+        (img, txt) while double blocks run, the joint [image, text] sequence after."""
+        joint_rope = (torch.cat([rope.img_cos, rope.txt_cos]),
+                      torch.cat([rope.img_sin, rope.txt_sin]))
+        num_double = len(self.blocks)
+
+        def run(start: int, stop: int, state):
+            for index in range(start, stop):
+                if index < num_double:
+                    state = self.blocks[index](*state, silu_temb, rope, KeyPadding(), None)
+                    continue
+                if isinstance(state, tuple):
+                    state = torch.cat(state, dim=1)
+                state = self.single_blocks[index - num_double](state, silu_temb, *joint_rope)
+            return state
+
+        def hidden(state) -> list[torch.Tensor]:     # the image stream's hidden states
+            return [state[0] if isinstance(state, tuple) else state[:, :num_img]]
+
+        def with_residuals(state, residuals):
+            if isinstance(state, tuple):
+                return state[0] + residuals[0], state[1]
+            return torch.cat([state[:, :num_img] + residuals[0], state[:, num_img:]], dim=1)
+
+        def modulated_input(state) -> torch.Tensor:
+            if num_double:
+                return self.blocks[0].modulated_input(state[0], silu_temb, None)
+            return hidden(state)[0]     # no double block (not a released shape)
+
+        num_blocks = num_double + len(self.single_blocks)
+        return BlockStack(first=lambda state: run(0, 1, state),
+                          rest=lambda state: run(1, num_blocks, state),
+                          modulated_input=modulated_input, hidden=hidden,
+                          with_residuals=with_residuals, coefficients=TEACACHE_COEFFICIENTS)
 
     def _conditioning(self, timestep, guidance, pooled, dtype) -> torch.Tensor:
         """The AdaLN input [B, d]: timestep (+ guidance) + pooled-text embeddings."""

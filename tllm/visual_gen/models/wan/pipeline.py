@@ -106,7 +106,8 @@ class WanPipeline(VideoPipeline):
         def predict(step: DenoiseStep) -> dict[str, list[torch.Tensor]]:
             model = self.expert(step.timestep)
             hidden = step.latents.to(model.dtype).expand(len(texts), -1, -1, -1, -1)
-            out = model(hidden, step.timestep.expand(len(texts)), text.to(model.dtype))
+            out = model(hidden, step.timestep.expand(len(texts)), text.to(model.dtype),
+                        **step.model_kwargs)     # the step cache, if any
             return {"video": list(out.chunk(len(texts)))}
 
         streams = denoise_streams({"video": latents}, {"video": scheduler}, predict, guidance,

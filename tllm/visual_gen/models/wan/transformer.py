@@ -26,8 +26,17 @@ from tllm.loader.hf import CheckpointError, iter_safetensors, safetensors_files
 from tllm.visual_gen.models.checkpoint import load_named
 from tllm.visual_gen.models.flux.transformer import MLPEmbedding, timestep_features
 from tllm.visual_gen.models.fused_weights import FusedWeightLoader, diffusers_views
+from tllm.visual_gen.step_cache import BlockStack, StepCache, run_blocks
 
 ROPE_THETA = 10000.0
+# TeaCache's published rescale polynomials for Wan 2.1 text-to-video (ali-vilab/TeaCache,
+# TeaCache4Wan2.1: the fits on the timestep embedding `e`; highest power first), by the
+# transformer's width: 14B (5120, also each expert of Wan 2.2 A14B, the same shape) and
+# 1.3B (1536). Wan 2.2 TI2V-5B (3072) has no published fit (see WanTransformer._block_stack).
+TEACACHE_COEFFICIENTS = {
+    5120: (-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404),
+    1536: (2.39676752e+03, -1.31110545e+03, 2.01331979e+02, -8.29855975e+00, 1.37887774e-01),
+}
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,11 @@ class WanBlock(nn.Module):
                               (self._cross_attention(h, text), mods[8]))
         return gated_add(x, self.fc2(F.gelu(self.fc1(h), approximate="tanh")), mods[5])
 
+    def modulated_input(self, x: torch.Tensor, temb_proj: torch.Tensor) -> torch.Tensor:
+        """Self-attention's modulated input (step caching's signal)."""
+        mods = self._modulations(temb_proj)
+        return modulated_norm(x, mods[0], mods[1], self.eps)
+
     def _modulations(self, temb_proj: torch.Tensor) -> list[torch.Tensor]:
         """[B, 1, d] float32 views of one tensor: shift, scale, gate (self-attention), the
         same for the MLP, norm2's bias and weight - 1 (norm2 as a modulated norm), ones
@@ -221,6 +235,8 @@ class WanBlock(nn.Module):
 class WanTransformer(nn.Module):
     """Wan's transformer; `forward` gives diffusers' `forward(..., return_dict=False)[0]`."""
 
+    supports_step_cache = True
+
     def __init__(self, config: WanConfig) -> None:
         super().__init__()
         self.config = config
@@ -256,9 +272,10 @@ class WanTransformer(nn.Module):
         return self
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor,
-                encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+                encoder_hidden_states: torch.Tensor,
+                step_cache: StepCache | None = None) -> torch.Tensor:
         """hidden_states [B, C, F, H, W] latents; timestep [B] in [0, 1000]; text states
-        [B, L, text_dim]. Returns [B, out_channels, F, H, W]."""
+        [B, L, text_dim]; step_cache: see step_cache.py. Returns [B, out_channels, F, H, W]."""
         batch, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.config.patch_size
         grid = (frames // pt, height // ph, width // pw)
@@ -270,13 +287,34 @@ class WanTransformer(nn.Module):
         temb_proj = self.time_proj(F.silu(temb)).unflatten(1, (6, -1))
         text = self.text_embed_2(F.gelu(self.text_embed_1(encoder_hidden_states),
                                         approximate="tanh"))
-        for block in self.blocks:
-            x = block(x, text, temb_proj, rope)
+        x = run_blocks(self._block_stack(text, temb, temb_proj, rope), x, step_cache)
         shift, scale = (self.scale_shift_table + temb[:, None]).chunk(2, dim=1)
         x = modulated_norm(x, shift.float().contiguous(), scale.float().contiguous(),
                            self.config.eps)
         out = self.proj_out(x).reshape(batch, *grid, pt, ph, pw, -1)
         return out.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+    def _block_stack(self, text, temb, temb_proj, rope) -> BlockStack:
+        """The blocks over x, for run_blocks. TeaCache's signal is the one its polynomial was
+        fitted on: the timestep embedding where a published fit exists for this width, else
+        the first block's modulated input (used as is)."""
+        coefficients = TEACACHE_COEFFICIENTS.get(self.config.inner_dim)
+
+        def run(blocks, x):
+            for block in blocks:
+                x = block(x, text, temb_proj, rope)
+            return x
+
+        def modulated_input(x: torch.Tensor) -> torch.Tensor:
+            if coefficients is not None:
+                return temb
+            return self.blocks[0].modulated_input(x, temb_proj)
+
+        return BlockStack(first=lambda x: run(self.blocks[:1], x),
+                          rest=lambda x: run(self.blocks[1:], x),
+                          modulated_input=modulated_input, hidden=lambda x: [x],
+                          with_residuals=lambda x, residuals: x + residuals[0],
+                          coefficients=coefficients, network=self)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.bfloat16,

@@ -131,6 +131,7 @@ def test_incompatible_requests_run_separately(gen, tmp_path):
         assert batch_sizes(server.base_url) == (2, 2)
     assert counting.num_calls == 2
     assert all(response.status_code == 200 for response in responses)
+    assert all("steps_skipped" not in response.json() for response in responses)  # no cache
 
 
 def test_a_full_queue_answers_429(gen, tmp_path):
@@ -180,9 +181,10 @@ def test_step_cached_requests_run_alone_and_get_their_own_images(gen, tmp_path):
         params = VisualGenParams(height=height, width=width, num_inference_steps=body["steps"],
                                  seed=body["seed"], negative_prompt=body["negative_prompt"],
                                  true_cfg_scale=body["true_cfg_scale"], **cached)
-        expected = [np.asarray(image, np.int16)
-                    for image in gen.generate(body["prompt"], params).images]
+        output = gen.generate(body["prompt"], params)
+        expected = [np.asarray(image, np.int16) for image in output.images]
         assert all(np.abs(a - b).max() <= 1 for a, b in zip(pixels(response), expected))
+        assert response.json()["steps_skipped"] == output.steps_skipped     # the extension
 
 
 def test_a_bad_cache_name_is_a_400(gen, tmp_path):

@@ -18,6 +18,7 @@ from tests.visual_gen.tiny_cosmos import save_tiny_cosmos
 from tllm.serve.context import ServerConfig
 from tllm.serve.visual.images import build_images_app
 from tllm.serve.testing import ServerThread
+from tllm.visual_gen.params import VisualGenParams
 from tllm.visual_gen.pipeline import DenoiseHook
 from tllm.visual_gen.video_io import decode_mp4
 
@@ -104,6 +105,20 @@ def test_seconds_and_fps_set_the_frames(served):
     _wait(client, job["id"], "completed")
     frames, rate, _ = decode_mp4(client.get(f"/v1/videos/{job['id']}/content").content)
     assert frames.shape[0] == 9 and rate == 16      # 4 * round(0.5 * 16 / 4) + 1
+
+
+def test_step_caching_reports_steps_skipped(served, cosmos):
+    client, _, _ = served
+    cached = {"cache": "teacache", "cache_threshold": 0.2}
+    body = {**FAST, "prompt": "a fox", "steps": 4, **cached}
+    job = client.post("/v1/videos", json=body).json()
+    assert "steps_skipped" not in job           # known once completed
+    done = _wait(client, job["id"], "completed")
+    expected = cosmos.generate("a fox", VisualGenParams(
+        num_frames=5, height=32, width=48, num_inference_steps=4, seed=0, **cached))
+    assert [done["steps_skipped"]] == expected.steps_skipped and done["steps_skipped"] >= 1
+    plain = client.post("/v1/videos", json={**FAST, "prompt": "a fox"}).json()
+    assert "steps_skipped" not in _wait(client, plain["id"], "completed")
 
 
 def test_delete_cancels_a_running_job(served):

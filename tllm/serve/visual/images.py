@@ -13,7 +13,8 @@ expire, after an hour). GET /metrics has the batch sizes.
 Extensions to OpenAI's body: steps, seed, negative_prompt, true_cfg_scale, guidance_scale;
 for the layered model, `image` (base64 input image), layers, resolution and caption_language
 (a blank prompt asks the model to caption the image, where its folder has a processor), and
-each generated image gives `layers` entries of `data`, in order.
+each generated image gives `layers` entries of `data`, in order. With step caching (`cache`),
+the response's `steps_skipped` lists the denoising steps each generated image skipped.
 """
 from __future__ import annotations
 
@@ -238,18 +239,29 @@ async def create_images(ctx: ImagesContext, request: Request,
     params = _params(body)
     image = _input_image(ctx, body)
     queued = QueuedRequest(body.prompt, params, image, _batch_key(ctx.gen, params, image))
-    pngs = await _run_generation(ctx, request, queued)
+    generated = await _run_generation(ctx, request, queued)
     if body.response_format == "b64_json":
-        data = [{"b64_json": base64.b64encode(png).decode()} for png in pngs]
+        data = [{"b64_json": base64.b64encode(png).decode()} for png in generated.pngs]
     else:
         base_url = str(request.base_url).rstrip("/")
-        data = [{"url": ctx.file_url(base_url, ctx.save(png))} for png in pngs]
-    return {"created": int(time.time()), "data": data}
+        data = [{"url": ctx.file_url(base_url, ctx.save(png))} for png in generated.pngs]
+    response = {"created": int(time.time()), "data": data}
+    if generated.steps_skipped is not None:     # tllm's extension, with step caching
+        response["steps_skipped"] = generated.steps_skipped
+    return response
+
+
+@dataclass
+class GeneratedImages:
+    """A request's PNGs, and with step caching the steps each generated image skipped."""
+
+    pngs: list[bytes]
+    steps_skipped: list[int] | None = None
 
 
 async def _run_generation(ctx: ImagesContext, request: Request,
-                          queued: QueuedRequest) -> list[bytes]:
-    """PNGs from the batcher; cancelled if the client disconnects meanwhile."""
+                          queued: QueuedRequest) -> GeneratedImages:
+    """The images from the batcher; cancelled if the client disconnects meanwhile."""
     from tllm.visual_gen.pipeline import GenerationCancelled
 
     try:
@@ -310,7 +322,7 @@ def _input_image(ctx: ImagesContext, body: ImageGenerationRequest):
 
 
 def _generate_batch_pngs(gen, batch: list[QueuedRequest], stop) -> list:
-    """Each request's PNGs, or the exception that failed it (in the worker thread)."""
+    """Each request's GeneratedImages, or the exception that failed it (in the worker thread)."""
     from tllm.visual_gen.batching import ImageRequest
 
     if len(batch) == 1:
@@ -319,16 +331,16 @@ def _generate_batch_pngs(gen, batch: list[QueuedRequest], stop) -> list:
                                queued.cancellation)]
     outputs = gen.generate_batch([ImageRequest(q.prompt, q.params) for q in batch],
                                  hooks=[stop])
-    return [out if isinstance(out, Exception) else [_png(image) for image in out.images]
-            for out in outputs]
+    return [out if isinstance(out, Exception)
+            else GeneratedImages([_png(image) for image in out.images]) for out in outputs]
 
 
-def _generate_pngs(gen, prompt: str, params, image, cancellation) -> list[bytes]:
+def _generate_pngs(gen, prompt: str, params, image, cancellation) -> GeneratedImages:
     cancellation.check()        # the client left while the request was queued
     output = gen.generate(prompt, params, image=image, hooks=[cancellation])
     images = [layer for item in output.images
               for layer in (item if isinstance(item, list) else [item])]
-    return [_png(image) for image in images]
+    return GeneratedImages([_png(image) for image in images], output.steps_skipped)
 
 
 def _png(image) -> bytes:

@@ -10,7 +10,8 @@ Requests are validated before they are queued (400s naming the field, as the ima
 endpoint does). Jobs run one at a time on the images' worker thread; finished jobs are kept
 (MP4s in memory) until `MAX_FINISHED_JOBS` newer ones have finished.
 Body fields: prompt, model, size ("WxH"), seconds, and tllm's extensions fps, num_frames,
-steps, seed, negative_prompt, guidance_scale, input_reference (a base64 image: image-to-video).
+steps, seed, negative_prompt, guidance_scale, input_reference (a base64 image: image-to-video),
+cache and cache_threshold (step caching: a completed job then reports `steps_skipped`).
 """
 from __future__ import annotations
 
@@ -81,12 +82,16 @@ class VideoJob:
     error: Optional[dict] = None
     mp4: Optional[bytes] = None
     cancellation: Any = None
+    steps_skipped: Optional[int] = None     # with step caching, once completed
 
     def as_json(self) -> dict:
-        return {"id": self.id, "object": "video", "model": self.model, "status": self.status,
+        body = {"id": self.id, "object": "video", "model": self.model, "status": self.status,
                 "progress": self.progress, "created_at": self.created_at,
                 "completed_at": self.completed_at, "size": self.size, "seconds": self.seconds,
                 "prompt": self.prompt, "error": self.error}
+        if self.steps_skipped is not None:      # tllm's extension
+            body["steps_skipped"] = self.steps_skipped
+        return body
 
 
 class VideoJobs:
@@ -259,6 +264,7 @@ def _run_job(ctx, job: VideoJob) -> None:
                                   hooks=[job.cancellation, Progress()])
         audio = output.audio[0] if output.audio else None
         job.mp4 = encode_mp4(output.videos[0], output.frame_rate, audio, output.sample_rate)
+        job.steps_skipped = output.steps_skipped[0] if output.steps_skipped else None
         job.status, job.progress = "completed", 100
     except GenerationCancelled:
         job.status = "cancelled"

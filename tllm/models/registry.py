@@ -11,6 +11,7 @@ _MODULES = {
     "MistralForCausalLM": "tllm.models.llama",
     "Qwen2ForCausalLM": "tllm.models.qwen2",
     "Qwen2_5_VLForConditionalGeneration": "tllm.models.qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "tllm.models.qwen3_vl",
     "LlavaForConditionalGeneration": "tllm.models.llava",
     "Qwen3ForCausalLM": "tllm.models.qwen3",
     "MixtralForCausalLM": "tllm.models.mixtral",

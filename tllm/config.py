@@ -26,6 +26,9 @@ class KvCacheConfig(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     free_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
     enable_block_reuse: bool = True
+    # Models with state-space layers (hybrids): how many block-boundary states (every such
+    # layer's, one request's worth each) prefix reuse keeps, LRU; None: one per batch slot.
+    max_state_checkpoints: int | None = Field(None, ge=1)
     # Secondary tiers for evicted reusable blocks (and swapped-out requests): bytes of host
     # memory, then a directory on disk.
     host_cache_size: int = Field(0, ge=0)

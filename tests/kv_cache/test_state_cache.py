@@ -1,5 +1,5 @@
 """The state-space layers' state cache: sizes per request, rows per slot, and the options a
-hybrid model refuses until state checkpoints land."""
+hybrid model refuses (swap preemption; checkpoints: test_state_checkpoints.py)."""
 import pytest
 import torch
 

@@ -115,3 +115,18 @@ def test_a_paused_or_sleeping_engine_with_work_queued_is_not_stuck():
         http.get("/health")
         assert http.get("/health").status_code == 503
     llm.active.clear()
+
+
+def test_sleep_mode_policy_flag_becomes_an_llm_argument(capsys):
+    import pytest
+
+    from tests.serve.test_serve_cli_args import parse
+    from tllm.config import LlmArgs
+    from tllm.serve.cli_args import llm_arguments
+    _, kwargs = llm_arguments(parse("--sleep-mode-policy", "fail"))
+    assert LlmArgs(model="x", **kwargs).sleep_mode_policy == "fail"
+    _, kwargs = llm_arguments(parse())
+    assert "sleep_mode_policy" not in kwargs      # a --config file's value stands
+    with pytest.raises(SystemExit):
+        parse("--sleep-mode-policy", "later")
+    assert "invalid choice" in capsys.readouterr().err

@@ -137,7 +137,7 @@ class Speculation:
         drafts = _to_device([r.draft_token_ids + [0] * (width - 1 - len(r.draft_token_ids))
                              for r in requests], device)
         num_drafts = _to_device([len(r.draft_token_ids) for r in requests], device)
-        target = logits[index]  # the model's dtype: argmax needs no float copy
+        target = raw = logits[index]  # the model's dtype: argmax needs no float copy
         if self.sampler.guided is not None:  # each position as the grammar allows it
             target = self.sampler.guided.mask_verify_logits(target, requests)
         greedy = [s for s, r in enumerate(requests) if r.sampling_params.is_greedy]
@@ -155,7 +155,7 @@ class Speculation:
             tokens[s], accepted[s] = self._accept_sampled(
                 target[s], drafts[s], num_drafts[s], [requests[i] for i in sampled])
         outcome = torch.cat([tokens, accepted[:, None]], dim=1).tolist()
-        self._fill(batch, members, requests, target,
+        self._fill(batch, members, requests, (raw, target),
                    [row[:-1] for row in outcome], [row[-1] for row in outcome])
 
     def _accept_sampled(self, target: torch.Tensor, drafts: torch.Tensor,
@@ -176,18 +176,31 @@ class Speculation:
                               [r.generator for r in requests],
                               default_generator=self.sampler.generator)
 
-    @staticmethod
-    def _fill(batch: VerifiedBatch, members: list[int], requests: list[Request],
-              target: torch.Tensor, tokens: list[list[int]], accepted: list[int]) -> None:
+    def _fill(self, batch: VerifiedBatch, members: list[int], requests: list[Request],
+              logits: tuple[torch.Tensor, torch.Tensor], tokens: list[list[int]],
+              accepted: list[int]) -> None:
+        """`logits`: the target's at each position, raw and after the grammar's mask."""
+        raw, target = logits
         for s, (j, request) in enumerate(zip(members, requests)):
             n = accepted[s] + 1
             batch.token_ids[j] = tokens[s][:n]
             batch.num_drafts[j] = len(request.draft_token_ids)
             batch.num_accepted[j] = accepted[s]
             if request.sampling_params.logprobs is not None:
-                ids = torch.tensor(tokens[s][:n], device=target.device)
-                out = token_logprobs(target[s, :n], ids, [request] * n)
-                batch.logprobs[j] = list(zip(out.logprobs, out.sampled_logprobs))
+                batch.logprobs[j] = self._logprobs(request, raw[s, :n], target[s, :n],
+                                                   tokens[s][:n])
+
+    def _logprobs(self, request: Request, raw: torch.Tensor, target: torch.Tensor,
+                  tokens: list[int]) -> list:
+        """The accepted tokens' logprobs, of the distribution logprobs_mode names (at each
+        position the sampler's: speculating requests have no bias or penalties)."""
+        n, vocab = len(tokens), raw.shape[-1]
+        rows = None
+        if request.sampling_params.logprobs_mode != "raw_logprobs":
+            rows = self.sampler.request_rows([request] * n, vocab)
+        out = token_logprobs(raw, torch.tensor(tokens, device=raw.device), [request] * n,
+                             rows, target)
+        return list(zip(out.logprobs, out.sampled_logprobs))
 
 
 def _to_device(values: list, device: torch.device) -> torch.Tensor:

@@ -174,6 +174,11 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
     def group_block_ids_of(self, request_id: str) -> list[list[int]]:
         return self._tables[request_id].groups
 
+    def block_hashes_of(self, request_id: str) -> list[int]:
+        """The chained hashes of the request's blocks published so far (do not modify)."""
+        table = self._tables.get(request_id)
+        return table.block_hashes if table is not None else []
+
     def take_table_changes(self) -> dict[str, int]:
         """The tables changed in place since the last call (grown, truncated, a block
         copied on write or passed by a window, forked), each with its first changed index:
@@ -492,6 +497,8 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         """Forget every cached prefix, in every tier (the weights changed, or the KV memory
         was released); blocks requests hold stay theirs, never to be published."""
         self.pool.forget_cached()
+        if self.prefixes.saved_states is not None:
+            self.prefixes.saved_states.forget()
         if self.host_store is not None:
             self.host_store.clear()
         self._unpublishable.update(self._tables)

@@ -69,6 +69,9 @@ class PrefixIndex:
         self.host_store = host_store
         self.windows = windows
         self.tokens_per_block = tokens_per_block
+        # a model with state-space layers: a prefix must end on a block whose state was
+        # saved (kv_cache/state_checkpoints.py: `has(block_hash)`)
+        self.saved_states = None
 
     def find(self, request: Request) -> CachedPrefix:
         """The longest prefix of whole blocks every group holds in some tier."""
@@ -85,10 +88,22 @@ class PrefixIndex:
             if not all(self._is_cached(g, hashes[i]) for g in full):
                 num_hit = i
                 break
-        num_hit = self._window_hit_end(hashes, num_hit)
+        num_hit = self._hit_end(hashes, num_hit)
         hits = [[self._hit(g, hashes[i]) if i >= first_live_block(w, num_hit * bs, bs)
                  else None for i in range(num_hit)] for g, w in enumerate(self.windows)]
         return CachedPrefix(hashes[:num_hit], hits)
+
+    def _hit_end(self, hashes: list[int], num_hit: int) -> int:
+        """The longest prefix of at most `num_hit` blocks that every window and, with
+        state-space layers, a saved state allow (each cut may call for the other)."""
+        while True:
+            end = self._window_hit_end(hashes, num_hit)
+            if self.saved_states is not None:
+                while end > 0 and not self.saved_states.has(hashes[end - 1]):
+                    end -= 1
+            if end == num_hit:
+                return end
+            num_hit = end
 
     def _window_hit_end(self, hashes: list[int], num_hit: int) -> int:
         """The longest prefix of at most `num_hit` blocks whose blocks within each window of

@@ -13,21 +13,16 @@ overwrites it: it is a slot, not a list of blocks.
 - Lifetime. A step whose request starts at position 0 resets the slot's state before
   reading it (the mixer does, layer by layer), so "allocated on admission" needs no message,
   and preemption with recompute is correct by construction: the request comes back at
-  position 0 on whatever slot it gets. Finishing frees nothing beyond the slot itself.
-- What is not correct yet, and therefore refused or switched off: prefix reuse (a hit would
-  start a request past position 0 with no state: build.py turns block reuse off), swapping
-  to host (the state would have to travel with the KV blocks) and speculative decoding
-  (rejected drafts would have to roll the state back), both refused by `check_hybrid_args`;
-  beam search (a forked beam needs its parent's state: refused per request by the executor);
-  CUDA graphs (the mixer builds its launch arguments on the host: build.py runs eagerly).
-- Next: checkpoints at block boundaries for prefix reuse. The chunked-scan kernel already
-  holds the state at each of its chunk boundaries; with its tile dividing tokens_per_block it
-  can write the state at every block boundary a prefill crosses into a checkpoint pool (one
-  entry: every layer's conv + SSM state), keyed by the same chained block hash as the KV
-  block it ends. The pool is a BlockPool of its own (LRU, ref counts), much smaller than the
-  KV pool; a prefix hit for a hybrid is cut to the longest prefix whose last block has a
-  checkpoint, and admission copies that checkpoint into the request's slot. Swapping with
-  the host tier then moves the slot's rows like one more block.
+  position 0 (or at a prefix hit, restored as below) on whatever slot it gets. Finishing frees nothing beyond the slot itself.
+- Prefix reuse: the state at block boundaries is checkpointed, keyed by the KV block's
+  chained hash, and a prefix hit is cut back to the last block with a checkpoint, which is
+  copied into the slot before the request's first step (tllm/kv_cache/state_checkpoints.py).
+- What is not correct yet, and therefore refused: swapping to host (the state would have
+  to travel with the KV blocks) and speculative decoding (rejected drafts would have to roll
+  the state back), both refused by `check_hybrid_args`; beam search (a forked beam needs
+  its parent's state: refused per request by the executor); CUDA graphs (the mixer builds
+  its launch arguments on the host: build.py runs eagerly).
+- Next: swapping with the host tier moves the slot's rows like one more block.
 """
 from __future__ import annotations
 
@@ -35,7 +30,9 @@ import logging
 
 import torch
 
-from tllm.layers.mamba2 import MambaLayerState, StateSpec
+from tllm.kv_cache.state_checkpoints import StateCheckpoints
+from tllm.layers.mamba2 import MambaBatch, MambaLayerState, StateSpec
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,6 +47,12 @@ class StateCache:
                                              spec.ssm_dtype) for _ in range(spec.num_layers)]
         logger.info("state cache: %d layers x %d slots, %.2f MiB per request", spec.num_layers,
                     num_slots, spec.bytes_per_request(dtype) / 2**20)
+        self.checkpoints: StateCheckpoints | None = None   # with prefix reuse on
+
+    def batch(self, metadata) -> MambaBatch:
+        """The step's requests for the mixers, with the checkpoints they save."""
+        batch = MambaBatch.from_metadata(metadata)
+        return batch if self.checkpoints is None else self.checkpoints.plan(batch)
 
 
 def build_state_cache(model, args, dtype: torch.dtype,
@@ -60,6 +63,14 @@ def build_state_cache(model, args, dtype: torch.dtype,
         return None
     check_hybrid_args(args)
     cache = StateCache(spec, args.max_batch_size, dtype, device)
+    kv_config = args.kv_cache_config
+    if kv_config.enable_block_reuse:
+        cache.checkpoints = StateCheckpoints(
+            cache, kv_config.max_state_checkpoints or args.max_batch_size,
+            kv_config.tokens_per_block)
+        logger.info("state checkpoints for prefix reuse: %d rows (%.2f MiB)",
+                    cache.checkpoints.pool.num_blocks,
+                    cache.checkpoints.pool.num_blocks * spec.bytes_per_request(dtype) / 2**20)
     model.bind_state_cache(cache)
     return cache
 

@@ -9,7 +9,8 @@ request's slot must be zeroed before its first token (the state cache does that 
 admission)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -45,9 +46,11 @@ class Mamba2Dims:
 
 @dataclass
 class MambaLayerState:
-    """One layer's state for every slot: conv [slots, conv_dim, K-1], ssm [slots, H, P, N]."""
+    """One layer's state for every slot: conv [slots, conv_dim, K-1], ssm [slots, H, P, N];
+    `saved`: its checkpoints at block boundaries, rows alike (kv_cache/state_checkpoints.py)."""
     conv: torch.Tensor
     ssm: torch.Tensor
+    saved: "MambaLayerState | None" = None
 
     @classmethod
     def empty(cls, dims: Mamba2Dims, num_slots: int, dtype: torch.dtype,
@@ -81,10 +84,13 @@ class MambaBatch:
     """Which tokens of the flattened batch belong to which request, and its state slot.
     Requests appear in token order; `seq_lens[i]` tokens of request i use `slots[i]`, and
     `starts[i]` tokens came before them (0: a new or recomputed request, whose slot's state
-    is reset first)."""
+    is reset first). A request's state after its first `save_after[i]` tokens (0: none) is
+    saved into checkpoint row `save_rows[i]`."""
     seq_lens: list[int]
     slots: list[int]
     starts: list[int]
+    save_after: Sequence[int] = ()
+    save_rows: Sequence[int] = ()
 
     @classmethod
     def from_metadata(cls, metadata) -> "MambaBatch":
@@ -92,6 +98,48 @@ class MambaBatch:
         queries, contexts = metadata.query_lens_cpu, metadata.seq_lens_cpu
         return cls(queries, metadata.request_slots_cpu,
                    [c - q for q, c in zip(queries, contexts)])
+
+    def passes(self) -> list[tuple["MambaBatch", list[int] | None, list[tuple[int, int]]]]:
+        """The batch as one or two passes: (sub-batch, its token rows (None: all), the
+        (slot, checkpoint row) saves due after it). A save inside a segment splits it: its
+        first part runs in the first pass, the rest (with every other segment) in the
+        second."""
+        if not self.save_after:
+            return [(self, None, [])]
+        first, rest = _Pass(), _Pass()
+        offset = 0
+        for length, slot, start, k, row in zip(self.seq_lens, self.slots, self.starts,
+                                               self.save_after, self.save_rows):
+            if 0 < k < length:
+                first.add(offset, k, slot, start, (slot, row))
+                rest.add(offset + k, length - k, slot, start + k, None)
+            else:
+                rest.add(offset, length, slot, start, (slot, row) if k == length else None)
+            offset += length
+        if not first.rows:
+            return [(self, None, rest.saves)]
+        return [first.result(), rest.result()]
+
+
+@dataclass
+class _Pass:
+    """A sub-batch being built (MambaBatch.passes)."""
+    seq_lens: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    saves: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, offset: int, length: int, slot: int, start: int, save) -> None:
+        self.seq_lens.append(length)
+        self.slots.append(slot)
+        self.starts.append(start)
+        self.rows.extend(range(offset, offset + length))
+        if save is not None:
+            self.saves.append(save)
+
+    def result(self):
+        return MambaBatch(self.seq_lens, self.slots, self.starts), self.rows, self.saves
 
 
 class Mamba2Mixer(nn.Module):
@@ -126,13 +174,18 @@ class Mamba2Mixer(nn.Module):
         _reset_new_requests(batch, state)
         gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
         use_triton = self._uses_triton(hidden)
-        xbc = (self._conv_triton if use_triton else self._conv)(xbc, batch, state)
+        passes = batch.passes()
+        conv = self._conv_triton if use_triton else self._conv
+        xbc = _run_passes(lambda sub, t: conv(t, sub, state), (xbc,), passes,
+                          lambda saves: _save(saves, state, conv=True))
         x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
                              d.num_groups * d.state_size], dim=-1)
         scan = self._scan_triton if use_triton else self._scan
-        y = scan(x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
-                       B.unflatten(-1, (d.num_groups, d.state_size)),
-                       C.unflatten(-1, (d.num_groups, d.state_size)), batch, state)
+        inputs = (x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
+                  B.unflatten(-1, (d.num_groups, d.state_size)),
+                  C.unflatten(-1, (d.num_groups, d.state_size)))
+        y = _run_passes(lambda sub, *t: scan(*t, sub, state), inputs, passes,
+                        lambda saves: _save(saves, state, conv=False))
         y = mamba_ref.gated_rms_norm_ref(y.flatten(-2).to(hidden.dtype), gate,
                                          self.norm.weight, d.inner_size // d.num_groups, d.eps)
         return self.out_proj(y)
@@ -215,6 +268,35 @@ class Mamba2Mixer(nn.Module):
             y[rows] = ssd_state_update(state.ssm, slots, x[rows], dt[rows], *args, B[rows],
                                        C[rows], self.D, self.dims.dt_limit)
         return y
+
+
+def _run_passes(fn, inputs: tuple[torch.Tensor, ...], passes, save) -> torch.Tensor:
+    """fn(sub-batch, *inputs' rows) over each pass (MambaBatch.passes), `save(saves)` after
+    each; the outputs put back in token order."""
+    if len(passes) == 1:
+        sub, _, saves = passes[0]
+        out = fn(sub, *inputs)
+        save(saves)
+        return out
+    parts = []
+    for sub, rows, saves in passes:
+        index = torch.tensor(rows, device=inputs[0].device)
+        parts.append((index, fn(sub, *(t[index] for t in inputs))))
+        save(saves)
+    out = parts[0][1].new_empty((inputs[0].shape[0], *parts[0][1].shape[1:]))
+    for index, part in parts:
+        out[index] = part
+    return out
+
+
+def _save(saves: list[tuple[int, int]], state: MambaLayerState, conv: bool) -> None:
+    """Copy slots' conv (or SSM) state into checkpoint rows (`saves`: (slot, row) pairs)."""
+    if saves:
+        source, saved = ((state.conv, state.saved.conv) if conv
+                         else (state.ssm, state.saved.ssm))
+        slots = torch.tensor([s for s, _ in saves], device=source.device)
+        rows = torch.tensor([r for _, r in saves], device=source.device)
+        saved.index_copy_(0, rows, source[slots])
 
 
 def _reset_new_requests(batch: MambaBatch, state: MambaLayerState) -> None:

@@ -193,8 +193,14 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
         overlap = pipelined(pp_size)
     else:
         overlap = SYNC if args.disable_overlap_scheduler else OVERLAP
-    return PyExecutor(scheduler, parts.kv_cache, runner, sampler, overlap,
-                      build_drafter(args, parts))
+    executor = PyExecutor(scheduler, parts.kv_cache, runner, sampler, overlap,
+                          build_drafter(args, parts))
+    checkpoints = getattr(getattr(parts.model, "state_cache", None), "checkpoints", None)
+    if checkpoints is not None:  # a hybrid's saved states: restored as a hit takes its slot
+        checkpoints.slots = runner.slots
+        runner.slots.listeners.append(checkpoints)
+        executor.add_resource_manager(checkpoints)   # after the KV cache: its hashes first
+    return executor
 
 
 def build_drafter(args: LlmArgs, parts: RankParts):

@@ -23,8 +23,10 @@ def rollout_control(engine, sleep_mode_policy: str) -> RolloutControl:
     executor = engine.executor
     runner = executor.runner
     executor.gate.sleep_mode_policy = sleep_mode_policy
+    speculation = executor.speculation
     rank = RankRollout(runner.model, engine.kv_cache, runner.cuda_graphs, runner.piecewise,
-                       engine.device, engine.dtype)
+                       engine.device, engine.dtype,
+                       drafter=speculation.drafter if speculation is not None else None)
     return RolloutControl(executor, rank, engine.workers is not None)
 
 

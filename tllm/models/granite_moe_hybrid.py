@@ -17,7 +17,7 @@ from torch import nn
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
 from tllm.distributed import comm
 from tllm.layers.linear import Linear, _copy_checked
-from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaBatch, StateSpec
+from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, StateSpec
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
 from tllm.layers.rotary import rotary_embedding
@@ -186,7 +186,7 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         if self.state_cache is None:
             raise RuntimeError("GraniteMoeHybrid: no state cache bound (build_state_cache)")
         hidden = self.embed_tokens(input_ids) * self.config.embedding_multiplier
-        batch = MambaBatch.from_metadata(metadata)
+        batch = self.state_cache.batch(metadata)  # with checkpoints to save
         kv_iter, state_iter = iter(kv_caches), iter(self.state_cache.layers)
         for layer in self.layers:
             if layer.is_mamba:

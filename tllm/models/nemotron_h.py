@@ -15,7 +15,7 @@ from torch import nn
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
 from tllm.distributed import comm
 from tllm.layers.linear import Linear, _copy_checked
-from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, MambaBatch, StateSpec
+from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, StateSpec
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
 from tllm.models.nemotron_h_moe import NemotronHMoE, load_per_expert
@@ -155,7 +155,7 @@ class NemotronHForCausalLM(nn.Module):
         if self.state_cache is None:
             raise RuntimeError("NemotronH: no state cache bound (build_state_cache)")
         hidden = self.embeddings(input_ids)
-        batch = MambaBatch.from_metadata(metadata)
+        batch = self.state_cache.batch(metadata)  # with checkpoints to save
         kv_iter, state_iter = iter(kv_caches), iter(self.state_cache.layers)
         for layer in self.layers:
             h = layer.norm(hidden)

@@ -53,10 +53,13 @@ class MRotaryEmbedding(RotaryEmbedding):
 class Qwen2_5_VLAttention(Qwen2Attention):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                metadata: AttentionMetadata) -> torch.Tensor:
-        """Rotated by the step's M-RoPE positions, then attention without rope."""
+        """Rotated by the step's M-RoPE positions (after the q/k norms of a model that has
+        them: Qwen3-VL), then attention without rope."""
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         positions = metadata.mrope_positions
         if positions is None:  # a step built without them: text, unshifted
             positions = metadata.positions.expand(3, -1)
@@ -77,16 +80,20 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     uses_mrope = True
 
     def __init__(self, config, backend_cls, max_position: int, quant_config=None) -> None:
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
-            Qwen2_5_VisionTransformerPretrainedModel)
         text = config.get_text_config()
         text.tie_word_embeddings = config.tie_word_embeddings
         super().__init__(text, backend_cls, max_position, quant_config)
         self.hf_config = config
         vision = config.vision_config
         vision._attn_implementation = "sdpa"
-        self.visual = Qwen2_5_VisionTransformerPretrainedModel(vision)
+        self.visual = self.make_vision_tower(vision)
         self.spatial_merge_size = vision.spatial_merge_size
+
+    @staticmethod
+    def make_vision_tower(vision_config):
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel)
+        return Qwen2_5_VisionTransformerPretrainedModel(vision_config)
 
     def make_rotary(self, kind: str | None, max_position: int) -> RotaryEmbedding:
         inv_freq, scaling = position_inverse_frequencies(self.config, head_dim_of(self.config),

@@ -11,6 +11,8 @@ _MODULES = {
     "MistralForCausalLM": "tllm.models.llama",
     "Qwen2ForCausalLM": "tllm.models.qwen2",
     "Qwen2_5_VLForConditionalGeneration": "tllm.models.qwen2_5_vl",
+    "Qwen3VLForConditionalGeneration": "tllm.models.qwen3_vl",
+    "Qwen3VLMoeForConditionalGeneration": "tllm.models.qwen3_vl_moe",
     "LlavaForConditionalGeneration": "tllm.models.llava",
     "Qwen3ForCausalLM": "tllm.models.qwen3",
     "MixtralForCausalLM": "tllm.models.mixtral",

@@ -91,11 +91,14 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     if args.deterministic:
         make_batch_invariant(model, device)
     lora = build_lora(model, args, dtype, device)  # before the KV cache takes the memory
-    has_state = build_state_cache(model, args, dtype, device) is not None  # so does this
+    state_cache = build_state_cache(model, args, dtype, device)  # so does this
+    has_state = state_cache is not None
     no_evict = (args.scheduler_config.capacity_scheduler_policy
                 is CapacitySchedulerPolicy.GUARANTEED_NO_EVICT)
     kv_cache = build_kv_cache(config, args, dtype, device, max_seq_len,
                               reserve_full_generation=no_evict, model=model)
+    if has_state and state_cache.checkpoints is not None:  # hits end where a state was saved
+        state_cache.checkpoints.connect(kv_cache)
     if lora is not None:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
@@ -214,9 +217,7 @@ def build_kv_cache(config, args: LlmArgs, dtype: torch.dtype, device: torch.devi
     return KVCacheManager(num_layers=spec.num_layers, num_kv_heads=spec.num_kv_heads,
                           head_dim=spec.head_dim, num_blocks=num_blocks,
                           tokens_per_block=block, dtype=kv_dtype, device=device,
-                          # a prefix hit would need the state there (state_cache.py)
-                          enable_block_reuse=(kv_config.enable_block_reuse
-                                              and getattr(model, "state_spec", None) is None),
+                          enable_block_reuse=kv_config.enable_block_reuse,
                           reserve_full_generation=reserve_full_generation,
                           host_cache_blocks=kv_config.host_cache_size // block_bytes,
                           disk_cache_dir=kv_config.disk_cache_dir,

@@ -8,7 +8,14 @@ Memory is released by shrinking each tensor's storage to zero bytes and grown ba
 every module, the KV cache manager and the runner keep the same tensor objects. The new
 storage has a new address, so CUDA graphs (which captured the old ones) are dropped on
 sleep and captured again on wake; an in-place weight update keeps every address, and the
-graphs stay."""
+graphs stay.
+
+A drafter (rank 0's only: the other ranks run none) sleeps and wakes with the target: its
+KV cache freed, its own weights to host memory at either level (sleep(level=2) drops only
+what update_weights can bring back, the target's); modules it shares with the target (a
+layer-skip draft's layers, an EAGLE-3 or MTP head's embedding) move once, as the target's,
+and see its new weights. A separate draft model keeps its weights through update_weights;
+MTP's module takes the target checkpoint's names of its layer."""
 from __future__ import annotations
 
 import logging
@@ -23,6 +30,7 @@ from tllm.kv_cache.manager import KVCacheManager
 from tllm.kv_cache.transfer import stored_tensors
 from tllm.loader.weight_update import (NamedTensors, check_updatable, checkpoint_keys,
                                        checkpoint_tensors, update_model_weights)
+from tllm.speculative.interface import Drafter
 
 logger = logging.getLogger(__name__)
 SLEEP_LEVELS = (1, 2)
@@ -53,9 +61,11 @@ class RankRollout:
     """This rank's model, KV cache and graphs, put to sleep, woken and given new weights."""
 
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, graphs, piecewise,
-                 device: torch.device, dtype: torch.dtype, rank_offset: int = 0) -> None:
+                 device: torch.device, dtype: torch.dtype, rank_offset: int = 0,
+                 drafter: Drafter | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        self.drafter = drafter
         self.graphs = graphs
         self.piecewise = piecewise
         self.device = device
@@ -86,11 +96,14 @@ class RankRollout:
         self.kv_cache.reset_prefix_cache()     # its contents are about to go
         self._release_graphs()
         self.parked_kv = [_park(s, keep=False) for s in _storages(self._kv_tensors())]
-        keep = level == 1 and self.device.type == "cuda"   # a CPU's weights are host memory
+        on_gpu = self.device.type == "cuda"    # a CPU's weights are host memory already
+        keep = level == 1 and on_gpu
         if level == 1 and not keep:
             self.parked_weights = []
         else:
             self.parked_weights = [_park(s, keep) for s in _storages(self.model.parameters())]
+        if on_gpu:   # after the target's: what the drafter shares with it is parked already
+            self.parked_weights += [_park(s, True) for s in _storages(self._draft_params())]
         if level == 2:
             self.weights_dropped = True
             self._missing = checkpoint_keys(self.model)
@@ -113,15 +126,26 @@ class RankRollout:
         if was_sleeping and not self.is_sleeping:
             self._capture_graphs()
 
-    def _kv_tensors(self) -> Iterator[torch.Tensor]:
-        for pair in self.kv_cache.slot_caches:
-            yield from stored_tensors(pair)
+    def _kv_caches(self) -> list[KVCacheManager]:
+        draft = self.drafter.kv_cache if self.drafter is not None else None
+        return [self.kv_cache] + ([draft] if draft is not None else [])
+
+    def _kv_tensors(self, kv_caches: list[KVCacheManager] | None = None
+                    ) -> Iterator[torch.Tensor]:
+        for kv_cache in kv_caches or self._kv_caches():
+            for pair in kv_cache.slot_caches:
+                yield from stored_tensors(pair)
+
+    def _draft_params(self) -> Iterator[torch.Tensor]:
+        module = self.drafter.own_module() if self.drafter is not None else None
+        return module.parameters() if module is not None else iter(())
 
     def _zero_null_block(self) -> None:
         """Kernels may load the sliding windows' null block: it must hold numbers."""
-        if self.kv_cache.has_windows:
-            for tensor in self._kv_tensors():
-                tensor[self.kv_cache.null_block].zero_()
+        for kv_cache in self._kv_caches():
+            if kv_cache.has_windows:
+                for tensor in self._kv_tensors([kv_cache]):
+                    tensor[kv_cache.null_block].zero_()
 
     def _release_graphs(self) -> None:
         for runner in (self.graphs, self.piecewise):
@@ -141,7 +165,14 @@ class RankRollout:
         if self.parked_weights is not None:
             raise ValueError("update_weights: the weights are asleep; "
                              "wake_up(tags=['weights']) first")
+        drafter = self.drafter
+        takes = drafter.takes_target_weight if drafter is not None else None
+        draft_tensors: list[tuple[str, torch.Tensor]] = []
+        if takes is not None:   # the drafter's share of the target's names, on the way
+            tensors = _tee(tensors, takes, draft_tensors)
         loaded = update_model_weights(self.model, tensors, self.dtype)
+        if draft_tensors:
+            drafter.update_weights(draft_tensors, self.dtype)
         self.kv_cache.reset_prefix_cache()   # blocks computed with the old weights
         self._missing -= loaded
         if self.weights_dropped and not self._missing:
@@ -176,6 +207,14 @@ class RankRollout:
         group = self.groups.pop(group_name, None)
         if group is not None:
             weight_sync.leave_group(group)
+
+
+def _tee(tensors: NamedTensors, takes, taken: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every pair, and those `takes` names appended to `taken` as they pass."""
+    for name, tensor in tensors:
+        if takes(name):
+            taken.append((name, tensor))
+        yield name, tensor
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStorage]:

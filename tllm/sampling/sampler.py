@@ -200,6 +200,10 @@ class Sampler:
                                                 counters[i:i + 1]) for i in range(len(probs))])
         return sample_tokens_ref(probs, seeds, counters)
 
+    def request_rows(self, requests: list[Request], vocab_size: int) -> SamplingRows:
+        """Sampling rows read from the requests (no slots, no seeds)."""
+        return rows_of_requests(requests, vocab_size, self._uploaders, [0] * len(requests))
+
     def processed_probs(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The distribution each row samples from: its request's temperature, top-k, top-p
         and min-p applied to its (float) logits (speculative verification needs it too)."""
@@ -220,11 +224,18 @@ def _counts_of(requests: list[Request], vocab: int, device) -> tuple[torch.Tenso
     return counts, seen
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,
-                   requests: list[Request]) -> SamplerOutput:
-    """Each row's chosen token with its logprob, rank and the request's top-k (from the raw
-    logits, as `Sampler.sample` reports them); rows of requests that asked for none get None."""
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, requests: list[Request],
+                   rows: SamplingRows | None = None,
+                   processed: torch.Tensor | None = None) -> SamplerOutput:
+    """Each row's chosen token with its logprob, rank and the request's top-k; rows of
+    requests that asked for none get None. From the raw logits, or with `rows` (the
+    requests' sampling rows) from the distribution each request's logprobs_mode names, as
+    `Sampler.sample` reports them (`processed`: the logits after the grammar's mask; None:
+    `logits` themselves)."""
     raw_logprobs = logits.float().log_softmax(dim=-1)
+    if rows is not None:
+        processed = logits if processed is None else processed
+        raw_logprobs = reported_logprobs(raw_logprobs, processed.float(), rows, requests)
     max_k = max(r.sampling_params.logprobs or 0 for r in requests)
     return _logprobs_output(token_ids.tolist(),
                             *_logprob_tensors(raw_logprobs, token_ids, max_k), requests)

@@ -18,7 +18,8 @@ from tllm.serve.http.cors import add_cors_args, parse_origins
 from tllm.serve.disagg_worker import add_disagg_args, disagg_kwargs
 from tllm.serve.http.limits import add_http_limit_args
 from tllm.serve.lora import parse_lora_modules
-from tllm.serve.http.rollout_routes import add_rollout_args, rollout_server_options
+from tllm.serve.http.rollout_routes import (add_rollout_args, rollout_llm_kwargs,
+                                            rollout_server_options)
 from tllm.serve.openai.parser_choice import AUTO
 from tllm.serve.openai.reasoning import REASONING_PARSERS
 from tllm.serve.openai.tool_parsers import TOOL_PARSERS
@@ -231,6 +232,7 @@ def llm_arguments(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if getattr(args, "role", None) is not None:
         kwargs["disaggregation"] = disagg_kwargs(args)
     kwargs.update(pooling_llm_kwargs(args))
+    kwargs.update(rollout_llm_kwargs(args))
     return kwargs.pop("model"), kwargs
 
 

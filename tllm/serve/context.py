@@ -153,9 +153,13 @@ def check_text(text: str, param: str) -> None:
                           f"{exc.start})", param=param) from None
 
 
-# The OpenAPI description of a streamed 200 (what `event_stream` sends)
-SSE_CONTENT = {"text/event-stream": {"schema": {"type": "string", "description": "Server-Sent "
-                                                "Events: `data: <chunk JSON>` ..., `data: [DONE]`"}}}
+# The OpenAPI description of a streamed 200 (what `event_stream` sends): the whole body as a
+# string, or each event as an object (schema checkers such as schemathesis parse the events)
+SSE_CONTENT = {"text/event-stream": {"schema": {
+    "description": "Server-Sent Events: `data: <chunk JSON>` ..., `data: [DONE]`",
+    "anyOf": [{"type": "string"},
+              {"type": "object", "required": ["data"],
+               "properties": {"event": {"type": "string"}, "data": {"type": "string"}}}]}}}
 
 
 def sse(body: BaseModel) -> str:

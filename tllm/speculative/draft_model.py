@@ -304,6 +304,11 @@ class DraftModelDrafter(Drafter):
     def kv_cache(self) -> KVCacheManager:
         return self.cache.kv_cache
 
+    def own_module(self) -> nn.Module:
+        """(A layer-skip draft's modules are the target's; a separate draft model is left
+        as it is by the target's new weights.)"""
+        return self.model
+
     @torch.inference_mode()
     def propose(self, requests: list[Request], max_draft_lens: list[int]) -> Drafts:
         drafts: list[list[int]] = [[] for _ in requests]

@@ -16,6 +16,7 @@ import torch
 from tllm.layers.linear import process_loaded_weights
 from tllm.loader import hf
 from tllm.loader.hf import CheckpointError
+from tllm.loader.weight_update import update_model_weights
 from tllm.models.eagle3 import Eagle3LlamaHead, captured_target_layers
 from tllm.request import Request
 from tllm.speculative.draft_model import (DraftCache, DraftSequence, attention_backend_of,
@@ -57,6 +58,19 @@ class Eagle3Drafter(Drafter):
     @property
     def kv_cache(self):
         return self.cache.kv_cache
+
+    def own_module(self) -> torch.nn.Module:
+        """(The embedding, and MTP's final norm, are the target's: its new weights are
+        seen here at once.)"""
+        return self.head
+
+    def takes_target_weight(self, name: str) -> bool:
+        takes = getattr(self.head, "takes_checkpoint_weight", None)   # MTP's module
+        return takes is not None and takes(name)
+
+    def update_weights(self, tensors: list[tuple[str, torch.Tensor]],
+                       dtype: torch.dtype) -> None:
+        update_model_weights(self.head, tensors, dtype)
 
     @torch.inference_mode()
     def on_verified(self, result: VerifyResult) -> None:

@@ -26,6 +26,7 @@ from abc import abstractmethod
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager
@@ -92,3 +93,24 @@ class Drafter(ResourceManager):
 
     def free(self, request: Request) -> None:
         """The request has ended: drop any state kept for it."""
+
+    # ---- RL rollouts (tllm.runner.rank_rollout): sleep, wake, new target weights ----
+
+    def own_module(self) -> nn.Module | None:
+        """The module whose weights sleep moves with the target's (modules it shares with
+        the target are the target's: moved once); None for a drafter without one."""
+        return None
+
+    @property
+    def kv_cache(self):
+        """Its own KVCacheManager, freed on sleep like the target's (None: it has none)."""
+        return None
+
+    def takes_target_weight(self, name: str) -> bool:
+        """Whether a tensor of the target's checkpoint is also this drafter's own weight
+        (DeepSeek's MTP module), which `update_weights` then gets too."""
+        return False
+
+    def update_weights(self, tensors: list[tuple[str, torch.Tensor]],
+                       dtype: torch.dtype) -> None:
+        """New weights for what `takes_target_weight` named (not called otherwise)."""

@@ -92,3 +92,16 @@ def test_completions_prompt_logprobs_in_the_same_call(client):
     assert _completion(client).json()["choices"][0]["prompt_logprobs"] is None
     error = assert_openai_error(_completion(client, prompt_logprobs=1, stream=True), 400)
     assert error["param"] == "prompt_logprobs"
+
+
+def test_chat_prompt_logprobs_in_the_same_call(client):
+    """vLLM's chat prompt_logprobs: beside the choices, one entry per position of the
+    templated prompt (the first: null)."""
+    body = _chat(client, prompt_logprobs=1).json()
+    prompt = body["prompt_logprobs"]
+    assert prompt[0] is None and len(prompt) > 2
+    assert all(list(entry.values())[0]["logprob"] == -1.0 for entry in prompt[1:])
+    assert [c["token"] for c in body["choices"][0]["logprobs"]["content"]] == ["a", "b", "c"]
+    assert _chat(client).json()["prompt_logprobs"] is None
+    error = assert_openai_error(_chat(client, prompt_logprobs=1, stream=True), 400)
+    assert error["param"] == "prompt_logprobs"

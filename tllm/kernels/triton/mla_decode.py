@@ -136,11 +136,12 @@ def mla_decode_attention(q: torch.Tensor, cache: torch.Tensor, block_tables: tor
         if query_start_loc is None:
             query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=q.device)
         _merge_partitions_kernel[(num_seqs, num_heads)](
-            out, part_out, part_lse, query_start_loc, seq_lens, partition,
+            out, part_out, part_lse, query_start_loc, seq_lens, seq_lens, partition,
             out.stride(0), out.stride(1), part_out.stride(0), part_out.stride(1),
             part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
             HEAD_DIM=latent_dim, BLOCK_D=max(16, next_pow2(latent_dim)),
-            BLOCK_S=_merge_block(num_splits), num_warps=4)
+            BLOCK_S=_merge_block(num_splits), HAS_SINKS=False,  # (sinks_ptr unread)
+            num_warps=4)
     return out
 
 

@@ -85,11 +85,17 @@ class DeepseekMTPHead(nn.Module):
         loaded: set[str] = set()
         params = dict(self.named_parameters())
         for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if not name.startswith(prefix) or name.endswith("embed_tokens.weight"):
+            if not self.takes_checkpoint_weight(name):
                 continue
+            name = name.removeprefix("model.")
             loaded.add(self._load_one(name.removeprefix(prefix), name, tensor, params))
         return loaded
+
+    def takes_checkpoint_weight(self, name: str) -> bool:
+        """A tensor of this module's layer, other than the (shared) embedding."""
+        name = name.removeprefix("model.")
+        return (name.startswith(f"layers.{self.layer}.")
+                and not name.endswith("embed_tokens.weight"))
 
     def missing_weights(self, loaded: set[str]) -> list[str]:
         """Its own parameters (not the shared embedding and norm) no tensor was loaded

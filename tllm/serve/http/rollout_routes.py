@@ -6,6 +6,7 @@ it on, and behind the API key like every route (tllm.serve.http.auth):
                          POST /resume_generation
   --weight-update-dir D: POST /update_weights_from_disk {"model_path": "D/..."}: a folder
                          under D (symlinks and .. resolved first), any other path a 403
+  --sleep-mode-policy:   wait | fail, for requests that come while the engine sleeps
 
 No route takes a host to connect to (a trainer's process group is joined through the
 Python API only) or loads a path outside the operator's folders."""
@@ -19,6 +20,7 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.responses import JSONResponse, Response
 
+from tllm.executor.loop_gate import SLEEP_MODE_POLICIES
 from tllm.serve.http.errors import APIError, bad_request, error_responses
 
 SLEEP_ROUTES = ("/sleep", "/wake_up", "/is_sleeping", "/pause_generation",
@@ -41,6 +43,16 @@ def add_rollout_args(group) -> None:
     group.add_argument("--weight-update-dir", nargs="+", metavar="DIR",
                        help="serve POST /update_weights_from_disk for model_path folders "
                             "under these (symlinks and .. resolved first; others get a 403)")
+    group.add_argument("--sleep-mode-policy", choices=SLEEP_MODE_POLICIES, default=None,
+                       help="a request that comes while the engine sleeps: waits for "
+                            "/wake_up (wait, the default) or fails at once (fail)")
+
+
+def rollout_llm_kwargs(args) -> dict:
+    """LLM(...)'s keyword arguments of the flags above (none when not given: a --config
+    file's value stands)."""
+    policy = getattr(args, "sleep_mode_policy", None)
+    return {} if policy is None else {"sleep_mode_policy": policy}
 
 
 def rollout_server_options(args) -> dict:

@@ -40,6 +40,9 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     lora = ctx.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if body.stream and body.prompt_logprobs is not None:
+        raise bad_request("prompt_logprobs is not supported when streaming",
+                          param="prompt_logprobs", code="unsupported_parameter")
     prompt = await chat_prompt(ctx, body)
     max_tokens = max_new_tokens(len(prompt.token_ids), body.max_new_tokens,
                                 ctx.llm.max_seq_len, "messages")
@@ -50,6 +53,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     body = _with_marks_decoded(body, reasoning)
     params = sampling_params(body, max_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                             prompt_logprobs=body.prompt_logprobs,
                              guided_decoding=guided, defaults=ctx.sampling_defaults)
     output = OutputFormat.of(reasoning, tool_parser(ctx.config.tool_call_parser),
                              ToolRequest.of_chat(body))
@@ -62,7 +66,10 @@ async def create_chat_completion(ctx: ServingContext, request: Request,
     async with generation, abort_on_disconnect(request, generation):
         choices = await generation.wait()
     num_prompt = generation.num_prompt_tokens(0, len(prompt.token_ids))
-    return JSONResponse(_response(ctx, body, num_prompt, choices, output).model_dump())
+    response = _response(ctx, body, num_prompt, choices, output)
+    response.prompt_logprobs = _prompt_logprobs(ctx, body, prompt.token_ids,
+                                                generation.prompt_logprobs[0])
+    return JSONResponse(response.model_dump())
 
 
 def _with_marks_decoded(body: ChatCompletionRequest,
@@ -242,6 +249,13 @@ def _logprobs(ctx: ServingContext, body: ChatCompletionRequest, token_ids: list[
         return None
     formatter = ctx.logprobs.for_request(body)
     return ChoiceLogprobs(content=formatter.chat(token_ids, positions, body.top_logprobs or 0))
+
+
+def _prompt_logprobs(ctx: ServingContext, body: ChatCompletionRequest, token_ids: list[int],
+                     positions) -> list | None:
+    if body.prompt_logprobs is None or positions is None:
+        return None
+    return ctx.logprobs.for_request(body).prompt(token_ids, positions, body.prompt_logprobs)
 
 
 def _response(ctx: ServingContext, body: ChatCompletionRequest, num_prompt_tokens: int,

@@ -281,6 +281,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)   # vLLM's, as above
     response_format: Optional[ResponseFormat] = None
     tools: Optional[list[ChatTool]] = None
     tool_choice: Optional[Literal["none", "auto", "required"] | NamedToolChoice] = None
@@ -434,6 +435,8 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    # vLLM's: the templated prompt's positions (the first: null), prompt_logprobs asked
+    prompt_logprobs: Optional[list[Optional[dict[str, PromptLogprob]]]] = None
 
 
 class DeltaFunctionCall(_Response):

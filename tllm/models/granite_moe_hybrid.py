@@ -16,11 +16,12 @@ from torch import nn
 
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
 from tllm.distributed import comm
-from tllm.layers.linear import Linear, _copy_checked
+from tllm.layers.linear import Linear
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, StateSpec
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
 from tllm.layers.rotary import rotary_embedding
+from tllm.models.hybrid_weights import expected_by_name, load_by_name
 from tllm.models.registry import register_model
 
 
@@ -203,20 +204,8 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{type(self).__name__}")
-            module_name, param_name = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            if hasattr(module, "load_weight"):
-                module.load_weight(param_name, tensor)
-            else:
-                _copy_checked(params[name], tensor, name)
-            loaded.add(f"{name}#None")
+            loaded.add(load_by_name(self, params, name, tensor))
         return loaded
 
     def expected_weights(self) -> set[str]:
-        expected = {f"{name}#None" for name, _ in self.named_parameters()}
-        if self.tied:
-            expected.discard("lm_head.weight#None")
-        return expected
+        return expected_by_name(self, self.tied)

@@ -14,11 +14,12 @@ from torch import nn
 
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
 from tllm.distributed import comm
-from tllm.layers.linear import Linear, _copy_checked
+from tllm.layers.linear import Linear
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, StateSpec
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
 from tllm.models.nemotron_h_moe import NemotronHMoE, load_per_expert
+from tllm.models.hybrid_weights import expected_by_name, load_by_name
 from tllm.models.registry import register_model
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
@@ -181,20 +182,8 @@ class NemotronHForCausalLM(nn.Module):
             if stacked is not None:
                 loaded.add(f"{stacked}#None")
                 continue
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                 f"{type(self).__name__}")
-            module_name, param_name = name.rsplit(".", 1)
-            module = self.get_submodule(module_name)
-            if hasattr(module, "load_weight"):
-                module.load_weight(param_name, tensor)
-            else:
-                _copy_checked(params[name], tensor, name)
-            loaded.add(f"{name}#None")
+            loaded.add(load_by_name(self, params, name, tensor))
         return loaded
 
     def expected_weights(self) -> set[str]:
-        expected = {f"{name}#None" for name, _ in self.named_parameters()}
-        if self.tied:
-            expected.discard("lm_head.weight#None")
-        return expected
+        return expected_by_name(self, self.tied)

@@ -155,13 +155,17 @@ def test_bad_arguments(models):
 
 
 TRAINER = """
+import os
 import sys
 from pathlib import Path
-from tllm.distributed.weight_sync import leave_group, send, trainer_group
+from tllm.distributed.weight_sync import send, trainer_group
 from tllm.loader.hf import iter_weights, weight_files
 group = trainer_group("127.0.0.1", int(sys.argv[2]), world_size=2, group_name="rl")
 send(group, [t for _, t in iter_weights(weight_files(Path(sys.argv[1])))])
-leave_group(group)
+# The broadcasts have completed (the engine's tokens below check what arrived); tearing the
+# group down while the engine ranks still hold it raced gloo into an abort (exit -6) about
+# one run in five, so the trainer leaves without its teardown.
+os._exit(0)
 """
 
 

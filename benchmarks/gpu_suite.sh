@@ -7,7 +7,7 @@
 # Set-up, once, on this machine (the GPU image lacks the project's serving and test
 # packages; av, 35 MB, stays out: the carried tree must stay under 64 MiB):
 #   ../shared/gpu/wheels.sh pytest peft 'diffusers>=0.42' pillow hypothesis jsonschema \
-#       accelerate 'openai>=1.30' httpx
+#       accelerate 'openai>=1.30' httpx compressed-tensors sentence-transformers pytest-xdist
 # Then, with the device tool, carrying .whl:
 #   bash benchmarks/gpu_suite.sh [extra pytest args]
 # It prints pytest's summary line last; the log goes to $OUT/gpu_suite.log.
@@ -25,17 +25,46 @@ assert torch.cuda.is_available(), "the GPU suite needs a GPU"
 print("GPU:", torch.cuda.get_device_name(), "torch", torch.__version__)
 PY
 # (the CPU-only files of these folders stay out: the torch backend's batching, the int8 CPU
-# kernels, the input building, the sampler's CPU rules run in CI)
+# kernels, the input building, the sampler's CPU rules run in CI). The round-3 parity files
+# below build LLM(...) without a device, so on this machine they run the CUDA path (Triton
+# attention, CUDA graphs) against HF on the CPU: MLA, Mamba-2 state, sinks, MXFP4, chunked
+# attention, VLM encoders, pooling (non-causal attention), the deterministic mode.
 FILES=(
   $(ls tests/kernels/test_*.py | grep -v test_int8_cpu)
   tests/attention/test_triton_backend.py tests/attention/test_triton_engine.py
-  $(ls tests/runner/test_*.py | grep -v test_inputs) tests/lora
-  tests/layers/test_gguf_cuda.py tests/loader/test_awq_gptq_checkpoints.py
-  tests/models/test_gpu_architectures.py tests/sampling/test_beam_search.py
+  tests/attention/test_attention_sinks_backends.py tests/attention/test_non_causal.py
+  tests/attention/test_batch_invariant_attention.py tests/attention/test_chunked_attention.py
+  $(ls tests/runner/test_*.py | grep -v -e test_inputs -e test_kv_cache_budget) tests/lora
+  tests/layers/test_gguf_cuda.py tests/layers/test_batch_invariant.py
+  tests/layers/test_mamba2_mixer.py tests/layers/test_grouped_topk.py tests/layers/test_moe_layer.py
+  tests/loader/test_awq_gptq_checkpoints.py
+  tests/models/test_gpu_architectures.py tests/models/test_deepseek_parity.py
+  tests/models/test_nemotron_h_parity.py tests/models/test_granite_hybrid_parity.py
+  tests/models/test_hybrid_prefix_reuse.py tests/models/test_gpt_oss_parity.py
+  tests/models/test_llama4_parity.py tests/models/test_moe_parity.py
+  tests/multimodal tests/pooling/test_pooling_models.py tests/pooling/test_pooling_api.py
+  tests/llmapi/test_deterministic.py
+  tests/sampling/test_beam_search.py
   tests/guided/test_reasoning_and_drafts.py tests/kv_cache/test_sliding_window.py
-  tests/disagg/test_cuda_ipc.py tests/distributed/test_custom_allreduce.py
-  tests/visual_gen/test_ltx2_gpu.py
+  tests/visual_gen/test_ltx2_gpu.py tests/visual_gen/test_flux.py tests/visual_gen/test_wan.py
+  tests/visual_gen/test_visual_fp8.py
 )
+# These measure free GPU memory or start processes of their own: alone, after the rest.
+SERIAL=(
+  tests/runner/test_kv_cache_budget.py tests/llmapi/test_rollout.py
+  tests/disagg/test_cuda_ipc.py tests/distributed/test_custom_allreduce.py
+)
+# pytest-xdist (when the wheels have it): Triton's compiles are CPU work, so workers on the
+# host's cores share the one GPU; a file stays on one worker (module fixtures, graphs).
+PARALLEL=()
+python3 -c "import xdist" 2>/dev/null && PARALLEL=(-n "${GPU_SUITE_WORKERS:-8}" --dist loadfile)
 set -o pipefail
-timeout "${GPU_SUITE_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider "${FILES[@]}" "$@" \
-  2>&1 | tee "$OUT/gpu_suite.log" | tail -n 40
+LIMIT=${GPU_SUITE_TIMEOUT:-540}
+start=$(date +%s)
+timeout "$((LIMIT - 90))" python3 -m pytest -q -p no:cacheprovider "${PARALLEL[@]}" \
+  --durations=15 "${FILES[@]}" "$@" 2>&1 | tee "$OUT/gpu_suite.log" | tail -n 60
+left=$((LIMIT - ($(date +%s) - start)))
+timeout "$((left > 30 ? left : 30))" python3 -m pytest -q -p no:cacheprovider "${SERIAL[@]}" \
+  "$@" 2>&1 | tee "$OUT/gpu_suite_serial.log" | tail -n 25
+echo "summary: $(grep -E '(passed|failed|error)' "$OUT/gpu_suite.log" | tail -n 1)" \
+  "+ serial: $(grep -E '(passed|failed|error)' "$OUT/gpu_suite_serial.log" | tail -n 1)"

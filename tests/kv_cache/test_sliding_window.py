@@ -409,7 +409,8 @@ def test_parallel_ranks_keep_the_same_groups(tmp_path, tp, pp):
 
     def greedy(**parallel):
         kv = KvCacheConfig(tokens_per_block=BLOCK, max_tokens=1024)
-        with LLM(str(tmp_path), max_num_tokens=16, kv_cache_config=kv, **parallel) as llm:
+        with LLM(str(tmp_path), max_num_tokens=16, kv_cache_config=kv, device="cpu",
+                 **parallel) as llm:   # ranks over gloo, also on a machine with one GPU
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert llm.get_kv_cache_stats()["num_groups"] == 3
         return [o.outputs[0].token_ids for o in outs]

@@ -345,13 +345,16 @@ def test_tp2_on_gloo_equals_tp1(variant, checkpoints, source):
     """Groups of 32 stay whole in each rank's half of o_proj (32 inputs) and down_proj (64)."""
     path = checkpoints[variant]
     batch = prompts(source[1].config.vocab_size)
-    assert tllm_greedy(path, batch, tensor_parallel_size=2) == tllm_greedy(path, batch)
+    cpu = dict(device="cpu")   # two ranks over gloo, also where a GPU (or one) is visible
+    assert (tllm_greedy(path, batch, tensor_parallel_size=2, **cpu)
+            == tllm_greedy(path, batch, **cpu))
 
 
 @pytest.mark.slow
 def test_tp2_act_order_row_parallel_is_refused(checkpoints):
     with pytest.raises(Exception, match="act-order"):
-        tllm_greedy(checkpoints["gptq4_asym_v2_actorder"], [[5, 6, 7]], tensor_parallel_size=2)
+        tllm_greedy(checkpoints["gptq4_asym_v2_actorder"], [[5, 6, 7]], tensor_parallel_size=2,
+                    device="cpu")
 
 
 # ---- detection and refusal from the config alone ----

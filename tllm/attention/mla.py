@@ -24,7 +24,12 @@ from tllm.kernels.paged import from_cache, to_cache
 
 def write_latent_cache(entry: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
                        scale: float = 1.0) -> None:
-    """entry [T, 1, kv_lora_rank + rope] into its slots of the latent cache."""
+    """entry [T, 1, kv_lora_rank + rope] into its slots of the latent cache; a negative slot
+    (a padding row of a captured CUDA graph) writes nothing."""
+    if entry.is_cuda:   # the paged-KV write kernel skips negative slots; index_copy_ cannot
+        from tllm.kernels.triton.kv_cache import write_kv
+        write_kv(entry, entry, cache, cache, slot_mapping, scale, scale)
+        return
     flat = cache.view(-1, *cache.shape[2:])
     stored = to_cache(entry, cache, scale)
     if stored.element_size() == 1:  # index_copy_ has no float8 kernel: copy the bytes

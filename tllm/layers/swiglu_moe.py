@@ -81,7 +81,9 @@ class SwigluMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and the "
                              f"model's {num_experts} experts")
         self.router = Linear(config.hidden_size, num_experts, bias=True)
-        alpha, limit = config.swiglu_alpha, config.swiglu_limit
+        # transformers before 5.2x hard-codes these (its config has no fields for them)
+        alpha = getattr(config, "swiglu_alpha", 1.702)
+        limit = getattr(config, "swiglu_limit", 7.0)
         self.experts = FusedMoE(num_experts, config.hidden_size, config.intermediate_size,
                                 quant_config, f"{prefix}.experts",
                                 method=experts_method(quant_config, alpha, limit, prefix))

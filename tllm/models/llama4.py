@@ -35,10 +35,12 @@ def uses_rope(config, layer: int) -> bool:
 
 def is_chunked(config, layer: int) -> bool:
     """Whether layer `layer` attends within its chunk (the RoPE layers, with a chunk size)."""
+    if config.attention_chunk_size is None:   # older transformers still name such layers
+        return False
     types = getattr(config, "layer_types", None)
     if types is not None:
         return types[layer] == "chunked_attention"
-    return config.attention_chunk_size is not None and uses_rope(config, layer)
+    return uses_rope(config, layer)
 
 
 def temperature_scales(positions: torch.Tensor, floor_scale: float,

@@ -14,6 +14,8 @@ de-interleaved first, which turns it into the rotate-half rope the rotary table 
 scores are unchanged since q and k are permuted alike."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -34,8 +36,11 @@ def mla_softmax_scale(config) -> float:
     params = rope_parameters(config)
     if params["rope_type"] == "default":
         return scale
-    from transformers.modeling_rope_utils import yarn_apply_mscale
-    return float(yarn_apply_mscale(params, scale))
+    mscale_all_dim, factor = params.get("mscale_all_dim") or 0, params.get("factor", 1.0)
+    if mscale_all_dim and factor > 1:   # YaRN's mscale (older transformers lack a helper)
+        mscale = 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return float(scale)
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@
 # Set-up, once, on this machine (the GPU image lacks the project's serving and test
 # packages; av, 35 MB, stays out: the carried tree must stay under 64 MiB):
 #   ../shared/gpu/wheels.sh pytest peft 'diffusers>=0.42' pillow hypothesis jsonschema \
-#       accelerate 'openai>=1.30' httpx compressed-tensors sentence-transformers pytest-xdist
+#       accelerate 'openai>=1.30' httpx compressed-tensors sentence-transformers pytest-xdist \
+#       'grpcio>=1.85.1' 'protobuf>=7.35.1'
+#   rm -f .whl/scipy-* .whl/scikit_learn-* .whl/av-*   (the image has scipy and scikit-learn)
 # Then, with the device tool, carrying .whl:
 #   bash benchmarks/gpu_suite.sh [extra pytest args]
 # It prints pytest's summary line last; the log goes to $OUT/gpu_suite.log.
@@ -35,7 +37,7 @@ FILES=(
   tests/attention/test_attention_sinks_backends.py tests/attention/test_non_causal.py
   tests/attention/test_batch_invariant_attention.py tests/attention/test_chunked_attention.py
   $(ls tests/runner/test_*.py | grep -v -e test_inputs -e test_kv_cache_budget) tests/lora
-  tests/layers/test_gguf_cuda.py tests/layers/test_batch_invariant.py
+  tests/layers/test_gguf_cuda.py tests/layers/test_batch_invariant.py tests/layers/test_rotary.py
   tests/layers/test_mamba2_mixer.py tests/layers/test_grouped_topk.py tests/layers/test_moe_layer.py
   tests/loader/test_awq_gptq_checkpoints.py
   tests/models/test_gpu_architectures.py tests/models/test_deepseek_parity.py

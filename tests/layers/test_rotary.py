@@ -168,3 +168,30 @@ def test_bad_rope_settings_raise_value_error():
     phi3.rope_parameters["short_factor"] = phi3.rope_parameters["short_factor"][:-1]
     with pytest.raises(ValueError, match="short_factor needs 6"):
         rotary_embedding(phi3, HEAD_DIM, MAX_POSITION)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graph_capture_gathers_its_own_tables():
+    """A graph's warm-up and capture share one positions buffer: the captured rotation must
+    follow the positions of each replay, not the tables kept from the warm-up (DeepSeek's
+    MLA prefill went wrong under piecewise graphs that way)."""
+    from tllm.layers.rotary import RotaryEmbedding
+    device = torch.device("cuda")
+    rotary = RotaryEmbedding(torch.rand(8) * 0.5, 1.0, 64).to(device)
+    positions = torch.zeros(5, dtype=torch.long, device=device)
+    q, k = torch.randn(5, 2, 16, device=device), torch.randn(5, 1, 16, device=device)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        rotary(positions, q, k)            # the warm-up keeps tables for this buffer
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = rotary(positions, q, k)    # layer 0 of the piece
+        second = rotary(positions, q, k)   # a later layer, same positions
+    positions.copy_(torch.randint(1, 64, (5,), device=device))
+    graph.replay()
+    want = rotary(positions.clone(), q, k)
+    for got in (first, second):
+        torch.testing.assert_close(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1])

@@ -22,7 +22,17 @@ TINY = dict(vocab_size=384, hidden_size=64, intermediate_size=32, shared_interme
             eos_token_id=2, bos_token_id=1, pad_token_id=0)
 
 
+def _hf_norm_is_grouped() -> bool:
+    """transformers before 5.2x normalised the gated norm over all Mamba groups at once (a bug
+    since fixed); with one group, as the real checkpoints have, the two agree."""
+    import inspect
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf
+    return "group_size" in inspect.signature(hf.GraniteMoeHybridRMSNormGated).parameters
+
+
 def save_tiny(path, **extra):
+    if not _hf_norm_is_grouped():
+        extra.setdefault("mamba_n_groups", 1)
     config = transformers.GraniteMoeHybridConfig(**{**TINY, **extra})
     config.architectures = ["GraniteMoeHybridForCausalLM"]
     torch.manual_seed(0)

@@ -28,6 +28,8 @@ Partial rotary (`partial_rotary_factor`, GPT-NeoX's `rotary_pct`): only the firs
 rotary_dim = int(head_dim * factor) dims of each head rotate; the rest pass through."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -140,6 +142,24 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> tor
     return torch.cat((rot * cos + rot.roll(dim // 2, -1) * signed_sin, x[..., dim:]), dim=-1)
 
 
+def step_cached(module: nn.Module, positions: torch.Tensor, dtype: torch.dtype,
+                make: Callable[[], tuple]) -> tuple:
+    """`make()`'s rope tables, kept on `module` for the step: every layer gets the step's one
+    positions tensor, so they are gathered once per step, not once per layer. Never across
+    a CUDA graph capture: a graph's warm-up and capture share one positions buffer, so
+    tables kept from the warm-up would be read by the graph as constants (a replay would
+    rotate by the warm-up's positions), and tables made in one captured piece are not remade
+    by the others; under capture each layer gathers its own."""
+    capturing = positions.is_cuda and torch.cuda.is_current_stream_capturing()
+    cached = module.__dict__.get("_step_tables")
+    if not capturing and cached is not None and cached[0] is positions and cached[1] == dtype:
+        return cached[2]
+    tables = make()
+    if not capturing:
+        module.__dict__["_step_tables"] = (positions, dtype, tables)
+    return tables
+
+
 class RotaryEmbedding(nn.Module):
     """Applies RoPE to q [T, heads, D] and k [T, kv_heads, D] at the given positions, to the
     first `rotary_dim` dims of each head. `inv_freq`: [rotary_dim / 2] for every position,
@@ -160,14 +180,10 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, signed_sin), _rotate(k, cos, signed_sin)
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos and [-sin, sin] at these positions: gathered once per step (every layer gets
-        the step's one positions tensor), not once per layer."""
-        cached = self.__dict__.get("_step_tables")
-        if cached is not None and cached[0] is positions and cached[1] == dtype:
-            return cached[2]
-        cos = self.cos[positions].to(dtype).unsqueeze(1)
-        sin = self.sin[positions].to(dtype).unsqueeze(1)
-        half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        self.__dict__["_step_tables"] = (positions, dtype, (cos, signed_sin))
-        return cos, signed_sin
+        """cos and [-sin, sin] at these positions, once per step (step_cached)."""
+        def gather():
+            cos = self.cos[positions].to(dtype).unsqueeze(1)
+            sin = self.sin[positions].to(dtype).unsqueeze(1)
+            half = sin.shape[-1] // 2
+            return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return step_cached(self, positions, dtype, gather)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from tllm.attention.interface import KVCache, AttentionMetadata
-from tllm.layers.rotary import RotaryEmbedding, position_inverse_frequencies
+from tllm.layers.rotary import RotaryEmbedding, position_inverse_frequencies, step_cached
 from tllm.layers.linear import _copy_checked
 from tllm.models.llama import head_dim_of
 from tllm.models.qwen2 import Qwen2Attention, Qwen2DecoderLayer, Qwen2ForCausalLM
@@ -36,18 +36,15 @@ class MRotaryEmbedding(RotaryEmbedding):
 
     def _tables(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos and [-sin, sin] at positions [3, T] (temporal, height, width), each
-        dimension read at its section's position; gathered once per step."""
-        cached = self.__dict__.get("_step_tables")
-        if cached is not None and cached[0] is positions and cached[1] == dtype:
-            return cached[2]
-        dims = torch.arange(self.rotary_dim, device=positions.device)
-        rows = positions[self.section_of_dim]               # [D, T]
-        cos = self.cos[rows, dims[:, None]].T.to(dtype).unsqueeze(1)
-        sin = self.sin[rows, dims[:, None]].T.to(dtype).unsqueeze(1)
-        half = self.rotary_dim // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        self.__dict__["_step_tables"] = (positions, dtype, (cos, signed_sin))
-        return cos, signed_sin
+        dimension read at its section's position; gathered once per step (step_cached)."""
+        def gather():
+            dims = torch.arange(self.rotary_dim, device=positions.device)
+            rows = positions[self.section_of_dim]               # [D, T]
+            cos = self.cos[rows, dims[:, None]].T.to(dtype).unsqueeze(1)
+            sin = self.sin[rows, dims[:, None]].T.to(dtype).unsqueeze(1)
+            half = self.rotary_dim // 2
+            return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        return step_cached(self, positions, dtype, gather)
 
 
 class Qwen2_5_VLAttention(Qwen2Attention):

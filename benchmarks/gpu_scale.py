@@ -208,7 +208,7 @@ def part_engine(quantized: bool, args) -> dict:
 
 
 def summary() -> str:
-    lines = [" issue 32: H200, dummy:llama-3.1-8b ".center(78, "=")]
+    lines = [f" issue 32: {results['meta']['device']}, dummy:llama-3.1-8b ".center(78, "=")]
     for name in ("fp8", "bf16"):
         part = results.get(name) or {}
         for key, value in part.items():

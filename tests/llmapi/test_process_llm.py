@@ -172,7 +172,7 @@ def test_a_model_without_a_tokenizer_has_none_here(process_llm):
 def test_relay_sends_deltas_as_they_are_and_errors_that_pickle():
     import queue
     import threading
-    from tllm.llmapi.process_llm import _Relay
+    from tllm.llmapi.engine_process import _Relay
     from tllm.outputs import CompletionDelta
     sink, finished = queue.SimpleQueue(), queue.SimpleQueue()
     relay = _Relay("r1", 2, sink, finished)

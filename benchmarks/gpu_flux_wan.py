@@ -346,12 +346,12 @@ def main() -> int:
         raise SystemExit(f"--models: unknown {unknown}; choose from {sorted(FAMILIES)}")
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "dtype": args.dtype, "families": {}}
-    for name in names:
-        results["families"][name] = run_family(name, args, device)
     out = args.out or Path(os.environ.get("OUT") or "/tmp/gpu_flux_wan") / "gpu_flux_wan.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
-    print_table(results)
+    for name in names:  # saved after each family: a time limit keeps the first's figures
+        results["families"][name] = run_family(name, args, device)
+        out.write_text(json.dumps(results, indent=2))
+        print_table(results)
     return 0
 
 

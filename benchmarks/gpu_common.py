@@ -1,7 +1,7 @@
-"""Helpers the GPU benchmark scripts share (gpu_fastpath.py, gpu_fp8.py): a stream that
-writes to several (the console and the run's log), rounding up, the busy time of a set of
-possibly overlapping intervals (a profiler trace's kernels), and the watchdog that ends a
-run past its budget."""
+"""Helpers the GPU benchmark scripts share (gpu_fastpath.py, gpu_fp8.py, gpu_pooling.py): a
+stream that writes to several (the console and the run's log), rounding up, the busy time of
+a set of possibly overlapping intervals (a profiler trace's kernels), the watchdog that ends
+a run past its budget, and a profile of one call (wall time against GPU busy time)."""
 from __future__ import annotations
 
 import faulthandler
@@ -60,3 +60,38 @@ def start_watchdog(session, summary) -> None:
     timer = threading.Timer(session.end - time.perf_counter() + WATCHDOG_GRACE_S, fire)
     timer.daemon = True
     timer.start()
+
+
+def profile_call(fn, device) -> dict:
+    """One fn() under torch.profiler: its wall time, the GPU's busy time in it (the union of
+    kernels, copies and memsets), busy time per kernel category, the top kernels, and how
+    many kernels and CUDA runtime calls it made (launches, syncs)."""
+    import tempfile
+    from collections import Counter
+    from pathlib import Path
+
+    import torch
+    from gpu_fastpath import (_profiler, _trace_events, kernel_category, short_kernel_name,
+                              trace_summary)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        with _profiler(device) as prof:
+            sync()
+            started = time.perf_counter()
+            fn()
+            sync()
+            wall_ms = (time.perf_counter() - started) * 1e3
+        prof.export_chrome_trace(str(path))
+        trace = trace_summary(_trace_events(path))
+    categories: Counter = Counter()
+    for name, us in trace["per_name_us"].items():
+        categories[kernel_category(name)] += us / 1e3
+    top = trace["per_name_us"].most_common(6)
+    return {"wall_ms": wall_ms, "gpu_busy_ms": trace["busy_us"] / 1e3,
+            "gpu_busy_fraction": trace["busy_us"] / 1e3 / wall_ms if wall_ms else None,
+            "category_ms": dict(categories.most_common()),
+            "top_kernels": [{"name": short_kernel_name(name)[:120], "ms": us / 1e3,
+                             "calls": trace["per_name_count"][name]} for name, us in top],
+            "num_kernels": sum(trace["per_name_count"].values()),
+            "runtime_calls": dict(trace["runtime"].most_common(6))}

@@ -24,7 +24,15 @@ scheduler of our scheduler's config.
 --models flux or --models wan runs one family (e.g. one per call where a call's time is
 short: each builds its random weights on the GPU, then times both sides).
 
-Prints a markdown table last; writes the numbers as JSON to --out (or $OUT/gpu_flux_wan.json)."""
+--parts picks what runs (default step,pipeline: the above); `teacache` and `fp8`
+(gpu_flux_wan_opts.py) time our pipeline alone with TeaCache at its usual thresholds and
+with `quantization="fp8"`, speed-up and PSNR against our uncached BF16 output of the same
+seed; diffusers is built only for step and pipeline:
+
+    python benchmarks/gpu_flux_wan.py --parts teacache,fp8                   # issue 39
+
+Prints a markdown table last; writes the numbers as JSON to --out (or $OUT/gpu_flux_wan.json,
+default /tmp/gpu_flux_wan/)."""
 from __future__ import annotations
 
 import argparse
@@ -38,14 +46,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
 
+from gpu_flux_wan_opts import (FLUX_GUIDANCE, NEGATIVE, PROMPT, WAN_GUIDANCE,  # noqa: E402
+                               print_opts_table, run_opts)
 from tllm.visual_gen import VisualGen, VisualGenParams
-
-PROMPT = "A red fox runs through fresh snow in a pine forest at sunrise, highly detailed"
-NEGATIVE = "blurry, low quality, static"
-FLUX_GUIDANCE, WAN_GUIDANCE = 3.5, 5.0
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,9 +70,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--wan-steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--skip-pipeline", action="store_true")
+    p.add_argument("--parts", default="step,pipeline",
+                   help="comma-separated: step, pipeline, teacache, fp8")
+    p.add_argument("--skip-pipeline", action="store_true", help="--parts without pipeline")
+    p.add_argument("--flux-teacache", default="0.25,0.4,0.6", help="TeaCache thresholds")
+    p.add_argument("--wan-teacache", default="0.2", help="TeaCache thresholds")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
+    args.parts = {x.strip() for x in args.parts.split(",") if x.strip()} - (
+        {"pipeline"} if args.skip_pipeline else set())
+    if args.parts - {"step", "pipeline", "teacache", "fp8"}:
+        p.error(f"--parts: unknown {sorted(args.parts)}")
+    args.flux_teacache = [float(x) for x in args.flux_teacache.split(",")]
+    args.wan_teacache = [float(x) for x in args.wan_teacache.split(",")]
     if args.tiny:
         from tests.visual_gen.tiny_flux import save_tiny_flux
         from tests.visual_gen.tiny_wan import save_tiny_wan
@@ -281,33 +298,43 @@ def run_family(name: str, args, device) -> dict:
     start = time.perf_counter()
     gen = VisualGen(getattr(args, model_arg), dtype=args.dtype, device=args.device,
                     show_progress=False)
-    pipe = reference(gen.pipeline)
     result = {"model": getattr(args, model_arg), "build_s": time.perf_counter() - start}
-    result["step"] = step(gen, pipe, args, device)
-    print(json.dumps({name: result["step"]}), file=sys.stderr)
-    if not args.skip_pipeline:
-        result["pipeline"] = pipeline(gen, pipe, args, device)
-        print(json.dumps({name: result["pipeline"]}), file=sys.stderr)
-    del gen, pipe
+    if args.parts & {"step", "pipeline"}:
+        pipe = reference(gen.pipeline)
+        if "step" in args.parts:
+            result["step"] = step(gen, pipe, args, device)
+            print(json.dumps({name: result["step"]}), file=sys.stderr)
+        if "pipeline" in args.parts:
+            result["pipeline"] = pipeline(gen, pipe, args, device)
+            print(json.dumps({name: result["pipeline"]}), file=sys.stderr)
+        del pipe   # it holds views of our weights: fp8 below must free them
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["opts"] = run_opts(gen, name, args, device)
+    del gen
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return result
 
 
 def print_table(results: dict) -> None:
-    print(f"\n| {results['device']}, {results['dtype']} | size | ours s | diffusers s | "
-          f"speed-up | rel. error |\n|---|---|---|---|---|---|")
+    if any("step" in f or "pipeline" in f for f in results["families"].values()):
+        print(f"\n| {results['device']}, {results['dtype']} | size | ours s | diffusers s | "
+              f"speed-up | rel. error |\n|---|---|---|---|---|---|")
     for name, family in results["families"].items():
         label = FAMILIES[name][4]
-        step = family["step"]
-        what = "one step" if name == "flux" else "one CFG step"
-        print(f"| {label}: transformer, {what} | {step['size']} | {step['ours_s']:.3f} | "
-              f"{step['diffusers_s']:.3f} | {step['speedup']:.2f}x | {step['rel_error']:.2e} |")
+        if "step" in family:
+            step = family["step"]
+            what = "one step" if name == "flux" else "one CFG step"
+            print(f"| {label}: transformer, {what} | {step['size']} | {step['ours_s']:.3f} | "
+                  f"{step['diffusers_s']:.3f} | {step['speedup']:.2f}x | "
+                  f"{step['rel_error']:.2e} |")
         if "pipeline" in family:
             pipe = family["pipeline"]
             print(f"| {label}: pipeline, {pipe['steps']} steps + decode | {pipe['size']} | "
                   f"{pipe['ours_s']:.2f} | {pipe['diffusers_s']:.2f} | {pipe['speedup']:.2f}x "
                   f"| {pipe['latents_rel_error']:.2e} |")
+    print_opts_table(results, {name: family[4] for name, family in FAMILIES.items()})
 
 
 def main() -> int:
@@ -319,13 +346,12 @@ def main() -> int:
         raise SystemExit(f"--models: unknown {unknown}; choose from {sorted(FAMILIES)}")
     results = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "dtype": args.dtype, "families": {}}
-    for name in names:
+    out = args.out or Path(os.environ.get("OUT") or "/tmp/gpu_flux_wan") / "gpu_flux_wan.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for name in names:  # saved after each family: a time limit keeps the first's figures
         results["families"][name] = run_family(name, args, device)
-    out = args.out or (Path(os.environ["OUT"]) / "gpu_flux_wan.json" if "OUT" in os.environ
-                       else None)
-    if out is not None:
         out.write_text(json.dumps(results, indent=2))
-    print_table(results)
+        print_table(results)
     return 0
 
 

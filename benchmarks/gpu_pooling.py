@@ -7,9 +7,16 @@ random models saved in-process with a sentence-transformers layout (as tests/poo
 
 Both run in bf16; the two sides' embeddings must agree (mean and minimum cosine printed;
 `agree` is min cosine > 0.999). sentence-transformers runs first and is freed before the
-engine takes its memory share. Results go to $OUT/pooling.json.
+engine takes its memory share. tllm runs once per step token budget (--budgets: the
+engine's max_num_tokens; the first is the earlier runs' 16,384, the others let one step
+take 64 or 128 of the 512-token texts). Unless --no-profile, one `LLM.embed` call at the
+first budget (on token ids: no tokenizer) and one sentence-transformers `encode` run under
+torch.profiler: wall time against the GPU's busy time, kernels by category, and for tllm the
+engine steps and the host time spent launching each (the executor's `_launch`), so the
+figures say whether the gap is the host's or the kernels'. Results go to $OUT/pooling.json.
 
-    python benchmarks/gpu_pooling.py [--models bert,qwen3] [--budget 280]
+    python benchmarks/gpu_pooling.py [--models bert,qwen3] [--budgets 16384,32768,65536]
+        [--budget 280] [--no-profile]
     python benchmarks/gpu_pooling.py --tiny      # the plumbing on the CPU, tiny models
 """
 from __future__ import annotations
@@ -30,7 +37,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests" / "pooling"))
+sys.path.insert(0, str(HERE))
 
+from gpu_common import profile_call  # noqa: E402
 from tiny_models import (WORDS, add_sentence_transformers_layout, save_bert,  # noqa: E402
                          save_qwen3)
 
@@ -94,31 +103,66 @@ def timed(fn, budget_s: float, max_repeats: int = 5) -> tuple[list, float, int]:
 
 
 def run_sentence_transformers(path: Path, texts: list[str], device: str, dtype: torch.dtype,
-                              budget_s: float) -> tuple[np.ndarray, dict]:
+                              budget_s: float, profile: bool) -> tuple[np.ndarray, dict]:
     from sentence_transformers import SentenceTransformer
     model = SentenceTransformer(str(path), device=device).to(dtype)
     encode = lambda: model.encode(texts, batch_size=len(texts),  # noqa: E731
                                   convert_to_numpy=False, convert_to_tensor=True)
     out, seconds, repeats = timed(encode, budget_s)
     embeddings = out.float().cpu().numpy()
+    result = {"seconds_per_batch": seconds, "repeats": repeats,
+              "embeddings_per_s": len(texts) / seconds}
+    if profile:
+        result["profile"] = profile_call(encode, torch.device(device))
     del model, out
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return embeddings, {"seconds_per_batch": seconds, "repeats": repeats,
-                        "embeddings_per_s": len(texts) / seconds}
+    return embeddings, result
 
 
-def run_engine(path: Path, texts: list[str], args, budget_s: float) -> tuple[np.ndarray, dict]:
+def run_engine(path: Path, texts: list[str], args, budget_s: float, max_num_tokens: int,
+               profile: bool) -> tuple[np.ndarray, dict]:
     from tllm import LLM
     kwargs = {"dtype": "float32", "device": "cpu"} if args.tiny else {"dtype": "bfloat16"}
-    with LLM(str(path), max_batch_size=len(texts), max_num_tokens=args.max_num_tokens,
+    with LLM(str(path), max_batch_size=len(texts), max_num_tokens=max_num_tokens,
              max_seq_len=args.tokens, **kwargs) as llm:
         embed = lambda: llm.embed(texts)  # noqa: E731
         outputs, seconds, repeats = timed(embed, budget_s)
+        result = {"max_num_tokens": max_num_tokens, "seconds_per_batch": seconds,
+                  "repeats": repeats, "embeddings_per_s": len(texts) / seconds}
+        if profile:
+            result["profile"] = engine_profile(llm, path, texts)
     embeddings = np.array([o.embedding for o in outputs], dtype=np.float32)
-    return embeddings, {"seconds_per_batch": seconds, "repeats": repeats,
-                        "embeddings_per_s": len(texts) / seconds}
+    return embeddings, result
+
+
+def engine_profile(llm, path: Path, texts: list[str]) -> dict:
+    """One embed call on token ids under the profiler, the executor's launch of each step
+    timed on the host; and the same call unprofiled (its cost without the tokenizer)."""
+    from transformers import AutoTokenizer
+    ids = AutoTokenizer.from_pretrained(path)(texts)["input_ids"]
+    _, ids_seconds, _ = timed(lambda: llm.embed(ids), budget_s=5.0, max_repeats=3)
+    executor = llm._engine.executor
+    launches: list[float] = []
+    real = executor._launch
+
+    def timed_launch(batch) -> None:
+        started = time.perf_counter()
+        real(batch)
+        launches.append(time.perf_counter() - started)
+    first_step = executor.num_steps
+    executor._launch = timed_launch   # the executor thread looks it up on each step
+    try:
+        profile = profile_call(lambda: llm.embed(ids), llm._engine.device)
+    finally:
+        executor._launch = real
+    steps = executor.num_steps - first_step
+    profile.update({"embed_ids_seconds": ids_seconds, "steps": steps,
+                    "launch_host_ms_total": sum(launches) * 1e3,
+                    "launch_host_ms_per_step": sum(launches) * 1e3 / max(steps, 1),
+                    "gpu_busy_ms_per_step": profile["gpu_busy_ms"] / max(steps, 1)})
+    return profile
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -136,35 +180,70 @@ def part_model(name: str, args, budget_s: float) -> dict:
     device = "cpu" if args.tiny else "cuda"
     dtype = torch.float32 if args.tiny else torch.bfloat16
     left = budget_s - (time.perf_counter() - t0)
-    st_emb, st = run_sentence_transformers(path, texts, device, dtype, left * 0.3)
+    st_emb, st = run_sentence_transformers(path, texts, device, dtype, left * 0.25,
+                                           args.profile)
     print(f"[{name}] sentence-transformers {st['embeddings_per_s']:.1f} emb/s", flush=True)
-    left = budget_s - (time.perf_counter() - t0)
-    ours_emb, ours = run_engine(path, texts, args, left * 0.5)
-    cos = cosines(ours_emb, st_emb)
-    result = {"sentence_transformers": st, "tllm": ours,
-              "speedup": ours["embeddings_per_s"] / st["embeddings_per_s"],
-              "cosine_mean": float(cos.mean()), "cosine_min": float(cos.min()),
-              "agree": bool(cos.min() > AGREE_COSINE)}
-    print(f"[{name}] tllm {ours['embeddings_per_s']:.1f} emb/s ({result['speedup']:.2f}x); "
-          f"cosine mean {result['cosine_mean']:.6f} min {result['cosine_min']:.6f} "
-          f"agree={result['agree']}", flush=True)
+    result = {"sentence_transformers": st, "tllm": {}}
+    for i, max_num_tokens in enumerate(args.budgets):
+        left = budget_s - (time.perf_counter() - t0)
+        try:
+            ours_emb, ours = run_engine(path, texts, args, left * 0.6 / (len(args.budgets) - i),
+                                        max_num_tokens, args.profile and i == 0)
+        except Exception as exc:  # a larger budget may not fit: the others still count
+            result["tllm"][max_num_tokens] = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{name}] budget {max_num_tokens} failed: {exc}", flush=True)
+            continue
+        cos = cosines(ours_emb, st_emb)
+        ours.update(speedup=ours["embeddings_per_s"] / st["embeddings_per_s"],
+                    cosine_mean=float(cos.mean()), cosine_min=float(cos.min()),
+                    agree=bool(cos.min() > AGREE_COSINE))
+        result["tllm"][max_num_tokens] = ours
+        print(f"[{name}] tllm, max_num_tokens {max_num_tokens}: {ours['embeddings_per_s']:.1f} "
+              f"emb/s ({ours['speedup']:.2f}x); cosine mean {ours['cosine_mean']:.6f} min "
+              f"{ours['cosine_min']:.6f} agree={ours['agree']}", flush=True)
     return result
+
+
+def profile_lines(name: str, r: dict) -> list[str]:
+    """Where one batch's time goes, tllm (first budget) against sentence-transformers."""
+    lines = []
+    ours = next((v["profile"] for v in r["tllm"].values() if "profile" in v), None)
+    theirs = r["sentence_transformers"].get("profile")
+    for side, p in (("tllm", ours), ("ST", theirs)):
+        if p is None:
+            continue
+        cats = ", ".join(f"{k.split(' ')[0]} {v:.1f}" for k, v in p["category_ms"].items())
+        line = (f"{name:<7}{side:<5} wall {p['wall_ms']:.1f} ms, GPU busy {p['gpu_busy_ms']:.1f}"
+                f" ms ({cats}), {p['num_kernels']} kernels")
+        if side == "tllm":
+            line += (f"; {p['steps']} steps, host launch {p['launch_host_ms_per_step']:.1f} ms"
+                     f" a step, GPU {p['gpu_busy_ms_per_step']:.1f} ms a step; unprofiled on"
+                     f" ids {p['embed_ids_seconds'] * 1e3:.1f} ms")
+        lines.append(line)
+    return lines
 
 
 def summary(results: dict) -> str:
     lines = [f"pooling: batch {results['meta']['batch']} x {results['meta']['tokens']} tokens "
              f"on {results['meta']['device']}",
-             f"{'model':<7}{'tllm emb/s':>12}{'ST emb/s':>10}{'speedup':>9}{'cos min':>10}"]
+             f"{'model':<7}{'budget':>8}{'tllm emb/s':>12}{'ST emb/s':>10}{'speedup':>9}"
+             f"{'cos min':>10}"]
+    profiles = []
     for name, r in results.items():
         if name == "meta":
             continue
         if "error" in r:
             lines.append(f"{name:<7} error: {r['error'][:200]}")
             continue
-        lines.append(f"{name:<7}{r['tllm']['embeddings_per_s']:>12.1f}"
-                     f"{r['sentence_transformers']['embeddings_per_s']:>10.1f}"
-                     f"{r['speedup']:>8.2f}x{r['cosine_min']:>10.5f}")
-    return "\n".join(lines)
+        st = r["sentence_transformers"]["embeddings_per_s"]
+        for budget, ours in r["tllm"].items():
+            if "error" in ours:
+                lines.append(f"{name:<7}{budget:>8} error: {ours['error'][:160]}")
+                continue
+            lines.append(f"{name:<7}{budget:>8}{ours['embeddings_per_s']:>12.1f}{st:>10.1f}"
+                         f"{ours['speedup']:>8.2f}x{ours['cosine_min']:>10.5f}")
+        profiles += profile_lines(name, r)
+    return "\n".join(lines + profiles)
 
 
 def main() -> int:
@@ -173,14 +252,16 @@ def main() -> int:
     parser.add_argument("--models", default="bert,qwen3")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--max-num-tokens", type=int, default=16384,
-                        help="the engine's token budget per step")
+    parser.add_argument("--budgets", default="16384,32768,65536",
+                        help="the engine's token budgets per step (max_num_tokens), one run each")
     parser.add_argument("--budget", type=float, default=280.0, help="seconds for all models")
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--tiny", action="store_true")
     args = parser.parse_args()
+    args.budgets = [int(b) for b in args.budgets.split(",")]
     if args.tiny:
-        args.batch, args.tokens, args.max_num_tokens = 8, 64, 128
-        args.budget = min(args.budget, 20.0)
+        args.batch, args.tokens, args.budgets = 8, 64, [128, 256]
+        args.budget = min(args.budget, 30.0)
     out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_pooling")
     out_dir.mkdir(parents=True, exist_ok=True)
     names = args.models.split(",")

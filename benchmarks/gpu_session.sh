@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh window   # spec replay, guided (carry .smol/tok), LoRA, INT4
 #   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
 #   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
+#   bash benchmarks/gpu_session.sh next     # issues 35, 36: deterministic mode; pooling budgets
+#   NEXT_CALL=2 bash benchmarks/gpu_session.sh next  # issue 39: TeaCache, FP8 (second call)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -134,8 +136,26 @@ case $section in
     export PYTHONUNBUFFERED=1
     step gpu_vlm 540 python3 benchmarks/gpu_vlm.py
     ;;
+  next)  # what issues 35, 36 and 39 still lack, by value, in two calls of ~560 s each
+    # (carry .whl built with ../shared/gpu/wheels.sh pytest sentence-transformers pillow):
+    #   call 1 (default): deterministic mode bitwise over random compositions and its cost,
+    #     on vs off (35); embeddings at larger step budgets and one step profiled (36)
+    #   call 2 (NEXT_CALL=2): FLUX.1-dev / Wan 2.2 5B with TeaCache and FP8, speed-up and
+    #     PSNR against our uncached BF16 (39); then ours vs diffusers again on this card
+    export PYTHONUNBUFFERED=1
+    if [ "${NEXT_CALL:-1}" = 1 ]; then
+      step gpu_deterministic 370 python3 benchmarks/gpu_deterministic.py --budget 320 \
+        --load-limit 60
+      step gpu_pooling2 180 python3 benchmarks/gpu_pooling.py --budget 150
+    else
+      step flux_wan_opts 300 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
+        --out "$OUT/flux_wan_opts.json"
+      step flux_wan 240 python3 benchmarks/gpu_flux_wan.py --parts step,pipeline \
+        --out "$OUT/flux_wan.json"
+    fi
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|next|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -4,7 +4,8 @@ batch with chunked prefill (24-token steps, prompts up to 60 tokens); 3 requests
 state slots are reused (the DeltaNet decay is slowed so that a state left in a slot would
 change the tokens); requests finishing at different steps; prompts sharing prefixes (block
 reuse is on by default: a hit restores the state saved at its block, or is not taken);
-preemption with recompute under a small KV cache; a dense-MLP layer (`mlp_only_layers`)."""
+preemption with recompute under a small KV cache; a dense-MLP layer (`mlp_only_layers`);
+both checkpoint layouts of the experts; the dummy preset's state beside its KV."""
 from __future__ import annotations
 
 import pytest
@@ -86,3 +87,37 @@ def test_preemption_with_recompute_and_dense_layer(tmp_path):
         want, want_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
         assert output.outputs[0].token_ids == want
         check_logprobs(output.outputs[0].logprobs, want_logprobs, want)
+
+
+def test_stacked_and_per_expert_checkpoints_load_alike(tmp_path):
+    """transformers 5's in-memory layout (stacked experts) and its saved one (per expert)
+    fill every parameter, the same way; the MTP head's tensors are skipped."""
+    from safetensors.torch import load_file
+
+    from tllm.attention.torch_ref import TorchAttentionBackend
+    from tllm.models.qwen3_next import Qwen3NextForCausalLM
+    hf_model = save_tiny(tmp_path, seed=2)
+    models = []
+    for weights in (hf_model.state_dict(), load_file(tmp_path / "model.safetensors")):
+        model = Qwen3NextForCausalLM(hf_model.config, TorchAttentionBackend, 256)
+        mtp = {"mtp.fc.weight": torch.zeros(2, 2)}
+        assert model.load_weights({**weights, **mtp}.items()) == model.expected_weights()
+        models.append(model)
+    stacked, per_expert = (dict(m.named_parameters()) for m in models)
+    assert any(".experts." in name for name in stacked)
+    for name, param in stacked.items():
+        assert torch.equal(param, per_expert[name]), name
+
+
+def test_dummy_preset_state_beside_kv():
+    """Qwen3-Next-80B-A3B's width (24 layers): 18 DeltaNet layers' state per request (fixed)
+    against 6 attention layers' KV at 8k tokens."""
+    from tllm.layers.gated_deltanet import DeltaNetStateSpec
+    from tllm.loader.dummy import dummy_config
+    from tllm.models.qwen3_next import LINEAR, deltanet_dims, layer_kinds
+    config = dummy_config("qwen3-next-80b-a3b-24l")
+    kinds = layer_kinds(config)
+    assert (kinds.count(LINEAR), len(kinds)) == (18, 24)
+    state = DeltaNetStateSpec(deltanet_dims(config), 18).bytes_per_request(torch.bfloat16)
+    kv_8k = 8192 * 6 * 2 * config.num_key_value_heads * config.head_dim * 2
+    assert round(state / 2**20, 2) == 36.84 and kv_8k == 96 * 2**20

@@ -243,9 +243,9 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         args = (self.dt_bias, A)
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        segments = list(segments(batch))
-        prefill = [(s, n, slot) for s, n, slot in segments if n > 1]
-        decode = [(s, slot) for s, n, slot in segments if n == 1]
+        parts = list(segments(batch))
+        prefill = [(s, n, slot) for s, n, slot in parts if n > 1]
+        decode = [(s, slot) for s, n, slot in parts if n == 1]
         if prefill:
             rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(x.device)
             lens = torch.tensor([0] + [n for _, n, _ in prefill])

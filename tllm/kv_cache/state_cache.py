@@ -1,5 +1,6 @@
 """The per-request state of state-space layers (Mamba-2: a conv state and an SSM state per
-layer), a cache of its own kind beside the paged KV cache.
+layer; gated DeltaNet: a conv state and the recurrent state, held alike), a cache of its own
+kind beside the paged KV cache.
 
 Design. Unlike KV, a request's state has a fixed size whatever its length, and one step
 overwrites it: it is a slot, not a list of blocks.
@@ -31,7 +32,7 @@ import logging
 import torch
 
 from tllm.kv_cache.state_checkpoints import StateCheckpoints
-from tllm.layers.mamba2 import MambaBatch, MambaLayerState, StateSpec
+from tllm.layers.mamba2 import MambaBatch, StateSpec
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ class StateCache:
     def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.spec = spec
-        self.layers = [MambaLayerState.empty(spec.dims, num_slots, dtype, device,
-                                             spec.ssm_dtype) for _ in range(spec.num_layers)]
+        self.layers = [spec.empty_layer(num_slots, dtype, device)
+                       for _ in range(spec.num_layers)]
         logger.info("state cache: %d layers x %d slots, %.2f MiB per request", spec.num_layers,
                     num_slots, spec.bytes_per_request(dtype) / 2**20)
         self.checkpoints: StateCheckpoints | None = None   # with prefix reuse on

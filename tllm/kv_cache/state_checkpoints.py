@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from tllm.kv_cache.block_pool import BlockPool
-from tllm.layers.mamba2 import MambaBatch, MambaLayerState
+from tllm.layers.mamba2 import MambaBatch
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
 
 
@@ -36,8 +36,7 @@ class StateCheckpoints(ResourceManager):
         self.pool = BlockPool(num_rows)
         spec = cache.spec
         for layer in cache.layers:
-            layer.saved = MambaLayerState.empty(spec.dims, num_rows, layer.conv.dtype,
-                                                layer.conv.device, spec.ssm_dtype)
+            layer.saved = spec.empty_layer(num_rows, layer.conv.dtype, layer.conv.device)
         self.kv_cache = None
         self.slots = None   # the runner's SlotAssigner (slot -> request after a step)
         self._pending: dict[int, tuple[int, int]] = {}  # slot -> (boundary, row) this step

@@ -66,7 +66,8 @@ class MambaLayerState:
 @dataclass(frozen=True)
 class StateSpec:
     """What a model's per-request state holds on this rank: `num_layers` Mamba-2 layers of
-    one geometry; the SSM state in `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype)."""
+    one geometry; the SSM state in `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype). The
+    state cache reads only `num_layers`, `bytes_per_request` and `empty_layer`."""
     dims: Mamba2Dims
     num_layers: int
     ssm_dtype: torch.dtype = torch.float32
@@ -77,6 +78,12 @@ class StateSpec:
         ssm = d.num_heads * d.head_dim * d.state_size * torch.empty(
             (), dtype=self.ssm_dtype).itemsize
         return self.num_layers * (conv + ssm)
+
+    def empty_layer(self, num_rows: int, dtype: torch.dtype,
+                    device: torch.device | str) -> MambaLayerState:
+        """One layer's zeroed state for `num_rows` rows (slots or checkpoints); a spec of
+        another state-space layer (gated_deltanet.py's) answers with its own shapes."""
+        return MambaLayerState.empty(self.dims, num_rows, dtype, device, self.ssm_dtype)
 
 
 @dataclass(frozen=True)
@@ -171,45 +178,29 @@ class Mamba2Mixer(nn.Module):
     def forward(self, hidden: torch.Tensor, batch: MambaBatch,
                 state: MambaLayerState) -> torch.Tensor:
         d = self.dims
-        _reset_new_requests(batch, state)
+        reset_new_requests(batch, state)
         gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
         use_triton = self._uses_triton(hidden)
         passes = batch.passes()
         conv = self._conv_triton if use_triton else self._conv
-        xbc = _run_passes(lambda sub, t: conv(t, sub, state), (xbc,), passes,
-                          lambda saves: _save(saves, state, conv=True))
+        xbc = run_passes(lambda sub, t: conv(t, sub, state), (xbc,), passes,
+                          lambda saves: save_states(saves, state, conv=True))
         x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
                              d.num_groups * d.state_size], dim=-1)
         scan = self._scan_triton if use_triton else self._scan
         inputs = (x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
                   B.unflatten(-1, (d.num_groups, d.state_size)),
                   C.unflatten(-1, (d.num_groups, d.state_size)))
-        y = _run_passes(lambda sub, *t: scan(*t, sub, state), inputs, passes,
-                        lambda saves: _save(saves, state, conv=False))
+        y = run_passes(lambda sub, *t: scan(*t, sub, state), inputs, passes,
+                        lambda saves: save_states(saves, state, conv=False))
         y = mamba_ref.gated_rms_norm_ref(y.flatten(-2).to(hidden.dtype), gate,
                                          self.norm.weight, d.inner_size // d.num_groups, d.eps)
         return self.out_proj(y)
 
     def _conv(self, xbc: torch.Tensor, batch: MambaBatch,
               state: MambaLayerState) -> torch.Tensor:
-        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
-        out = torch.empty_like(xbc)
-        decode_rows, decode_slots = [], []
-        for start, length, slot in _segments(batch):
-            if length == 1:
-                decode_rows.append(start)
-                decode_slots.append(slot)
-                continue
-            part, state.conv[slot] = mamba_ref.causal_conv1d_ref(
-                xbc[start:start + length], state.conv[slot], weight, bias)
-            out[start:start + length] = part
-        if decode_rows:
-            slots = torch.tensor(decode_slots, device=xbc.device)
-            conv_state = state.conv[slots]
-            out[decode_rows] = mamba_ref.causal_conv1d_step_ref(
-                xbc[decode_rows], conv_state, weight, bias)
-            state.conv[slots] = conv_state
-        return out
+        return conv_segments(xbc, batch, state.conv, self.conv1d.weight[:, 0],
+                             self.conv1d.bias)
 
     def _conv_triton(self, xbc: torch.Tensor, batch: MambaBatch,
                      state: MambaLayerState) -> torch.Tensor:
@@ -226,7 +217,7 @@ class Mamba2Mixer(nn.Module):
         dt = mamba_ref.discretize_dt(dt, self.dt_bias, self.dims.dt_limit)
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         decode_rows, decode_slots = [], []
-        for start, length, slot in _segments(batch):
+        for start, length, slot in segments(batch):
             if length == 1:
                 decode_rows.append(start)
                 decode_slots.append(slot)
@@ -252,9 +243,9 @@ class Mamba2Mixer(nn.Module):
         A = -torch.exp(self.A_log.float())
         args = (self.dt_bias, A)
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-        segments = list(_segments(batch))
-        prefill = [(s, n, slot) for s, n, slot in segments if n > 1]
-        decode = [(s, slot) for s, n, slot in segments if n == 1]
+        parts = list(segments(batch))
+        prefill = [(s, n, slot) for s, n, slot in parts if n > 1]
+        decode = [(s, slot) for s, n, slot in parts if n == 1]
         if prefill:
             rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(x.device)
             lens = torch.tensor([0] + [n for _, n, _ in prefill])
@@ -270,7 +261,30 @@ class Mamba2Mixer(nn.Module):
         return y
 
 
-def _run_passes(fn, inputs: tuple[torch.Tensor, ...], passes, save) -> torch.Tensor:
+def conv_segments(x: torch.Tensor, batch: MambaBatch, conv_state: torch.Tensor,
+                  weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise conv + SiLU over each request's segment, from and into its
+    slot's row of `conv_state` [slots, D, K-1]: prefill segments one by one, one-token
+    segments (decode) together. Gated DeltaNet's conv runs through here too."""
+    out = torch.empty_like(x)
+    decode_rows, decode_slots = [], []
+    for start, length, slot in segments(batch):
+        if length == 1:
+            decode_rows.append(start)
+            decode_slots.append(slot)
+            continue
+        part, conv_state[slot] = mamba_ref.causal_conv1d_ref(
+            x[start:start + length], conv_state[slot], weight, bias)
+        out[start:start + length] = part
+    if decode_rows:
+        slots = torch.tensor(decode_slots, device=x.device)
+        rows = conv_state[slots]
+        out[decode_rows] = mamba_ref.causal_conv1d_step_ref(x[decode_rows], rows, weight, bias)
+        conv_state[slots] = rows
+    return out
+
+
+def run_passes(fn, inputs: tuple[torch.Tensor, ...], passes, save) -> torch.Tensor:
     """fn(sub-batch, *inputs' rows) over each pass (MambaBatch.passes), `save(saves)` after
     each; the outputs put back in token order."""
     if len(passes) == 1:
@@ -289,7 +303,7 @@ def _run_passes(fn, inputs: tuple[torch.Tensor, ...], passes, save) -> torch.Ten
     return out
 
 
-def _save(saves: list[tuple[int, int]], state: MambaLayerState, conv: bool) -> None:
+def save_states(saves: list[tuple[int, int]], state: MambaLayerState, conv: bool) -> None:
     """Copy slots' conv (or SSM) state into checkpoint rows (`saves`: (slot, row) pairs)."""
     if saves:
         source, saved = ((state.conv, state.saved.conv) if conv
@@ -299,7 +313,7 @@ def _save(saves: list[tuple[int, int]], state: MambaLayerState, conv: bool) -> N
         saved.index_copy_(0, rows, source[slots])
 
 
-def _reset_new_requests(batch: MambaBatch, state: MambaLayerState) -> None:
+def reset_new_requests(batch: MambaBatch, state: MambaLayerState) -> None:
     """A request at position 0 starts from zero state, whatever its slot held before."""
     fresh = [slot for slot, start in zip(batch.slots, batch.starts) if start == 0]
     if fresh:
@@ -308,7 +322,7 @@ def _reset_new_requests(batch: MambaBatch, state: MambaLayerState) -> None:
         state.ssm.index_fill_(0, rows, 0)
 
 
-def _segments(batch: MambaBatch):
+def segments(batch: MambaBatch):
     """(first token row, number of tokens, slot) per request."""
     start = 0
     for length, slot in zip(batch.seq_lens, batch.slots):

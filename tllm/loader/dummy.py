@@ -119,6 +119,18 @@ PRESETS: dict[str, tuple[str, dict]] = {
         mamba_head_dim=64, n_groups=8, ssm_state_size=128, conv_kernel=4, chunk_size=128,
         mlp_hidden_act="relu2", vocab_size=131072, max_position_embeddings=8192,
         layer_norm_epsilon=1e-5, tie_word_embeddings=False, dtype="bfloat16")),
+    # Qwen3-Next-80B-A3B's width with 24 of its 48 layers (~40B parameters, ~80 GB in bf16):
+    # three gated DeltaNet layers to one gated attention layer, 512 experts (top-10) + shared
+    "qwen3-next-80b-a3b-24l": ("qwen3_next", dict(
+        architectures=["Qwen3NextForCausalLM"], hidden_size=2048, intermediate_size=5120,
+        num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=512,
+        num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        norm_topk_prob=True, vocab_size=151936, max_position_embeddings=262144,
+        rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000000.0,
+                                            "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False, dtype="bfloat16")),
 }
 
 

@@ -40,6 +40,7 @@ _MODULES = {
                     "tllm.models.modernbert"),
     "NemotronHForCausalLM": "tllm.models.nemotron_h",
     "GraniteMoeHybridForCausalLM": "tllm.models.granite_moe_hybrid",
+    "Qwen3NextForCausalLM": "tllm.models.qwen3_next",
 }
 _CLASSES: dict[str, type[nn.Module]] = {}
 

@@ -1,0 +1,170 @@
+"""The gated DeltaNet mixer (Qwen3-Next's `linear_attention` layers) over a flattened batch
+of requests, each reading and writing its own state slot: in_proj_qkvz / in_proj_ba ->
+causal depthwise conv1d over q, k, v -> gated delta rule -> per-head RMSNorm gated by
+SiLU(z) -> out_proj. A request's segment of more than one token runs the chunked form from
+its slot's state (so chunked prefill composes); one-token segments (decode) take the
+single-step form together.
+
+It shares the Mamba-2 mixer's machinery (layers/mamba2.py): the same MambaBatch (slots,
+starts, checkpoint saves split into passes), the same conv, and the same per-layer state
+container, whose `ssm` tensor holds the recurrent state [slots, Hv, Dk, Dv] here, so the
+state cache and its prefix-reuse checkpoints treat both kinds alike. Torch on every device
+for now (no Triton kernels yet)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tllm.kernels import gated_delta_ref
+from tllm.layers.linear import Linear
+from tllm.layers.mamba2 import (MambaBatch, MambaLayerState, conv_segments,
+                                reset_new_requests, run_passes, save_states, segments)
+
+
+@dataclass(frozen=True)
+class GatedDeltaNetDims:
+    """The layer's geometry, read from the model config."""
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int
+    eps: float
+    chunk_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({self.num_v_heads}) must be a multiple "
+                             f"of linear_num_key_heads ({self.num_k_heads})")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels through the conv: q, k and v side by side."""
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class DeltaNetStateSpec:
+    """What a model's per-request state holds on this rank: `num_layers` gated DeltaNet
+    layers (a conv state and a recurrent state each, the latter in `state_dtype`)."""
+    dims: GatedDeltaNetDims
+    num_layers: int
+    state_dtype: torch.dtype = torch.float32
+
+    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
+        d = self.dims
+        conv = d.conv_dim * (d.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).itemsize
+        recurrent = d.num_v_heads * d.head_k_dim * d.head_v_dim * torch.empty(
+            (), dtype=self.state_dtype).itemsize
+        return self.num_layers * (conv + recurrent)
+
+    def empty_layer(self, num_rows: int, dtype: torch.dtype,
+                    device: torch.device | str) -> MambaLayerState:
+        d = self.dims
+        conv = torch.zeros(num_rows, d.conv_dim, d.conv_kernel - 1, dtype=dtype, device=device)
+        recurrent = torch.zeros(num_rows, d.num_v_heads, d.head_k_dim, d.head_v_dim,
+                                dtype=self.state_dtype, device=device)
+        return MambaLayerState(conv, recurrent)
+
+
+class GatedDeltaNet(nn.Module):
+    """Parameter names follow the HF checkpoint (in_proj_qkvz, in_proj_ba, conv1d, dt_bias,
+    A_log, norm, out_proj) so weights load by name."""
+
+    def __init__(self, dims: GatedDeltaNetDims) -> None:
+        super().__init__()
+        self.dims = d = dims
+        self.in_proj_qkvz = Linear(d.hidden_size, 2 * d.key_dim + 2 * d.value_dim)
+        self.in_proj_ba = Linear(d.hidden_size, 2 * d.num_v_heads)
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(d.conv_dim, 1, d.conv_kernel),
+                                          requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(d.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(d.num_v_heads), requires_grad=False)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.empty(d.head_v_dim), requires_grad=False)
+        self.out_proj = Linear(d.value_dim, d.hidden_size)
+
+    def forward(self, hidden: torch.Tensor, batch: MambaBatch,
+                state: MambaLayerState) -> torch.Tensor:
+        d = self.dims
+        reset_new_requests(batch, state)
+        qkv, z, b, a = self._project(hidden)
+        passes = batch.passes()
+        qkv = run_passes(
+            lambda sub, t: conv_segments(t, sub, state.conv, self.conv1d.weight[:, 0], None),
+            (qkv,), passes, lambda saves: save_states(saves, state, conv=True))
+        q, k, v = qkv.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+        inputs = (*self._queries_keys(q, k), v.unflatten(-1, (d.num_v_heads, d.head_v_dim)),
+                  -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()),
+                  b.float().sigmoid())
+        y = run_passes(lambda sub, *t: self._delta_rule(*t, sub, state), inputs, passes,
+                       lambda saves: save_states(saves, state, conv=False))
+        y = gated_rms_norm(y, z, self.norm.weight, d.eps).to(hidden.dtype)
+        return self.out_proj(y.flatten(-2))
+
+    def _project(self, hidden: torch.Tensor):
+        """(q|k|v [T, conv_dim], z [T, Hv, Dv], b, a [T, Hv]). The checkpoint groups the
+        projections' rows by key head: [q, k, v, z] and [b, a] of each key head in turn."""
+        d = self.dims
+        per_k = d.num_v_heads // d.num_k_heads
+        qkvz = self.in_proj_qkvz(hidden).unflatten(-1, (d.num_k_heads, -1))
+        q, k, v, z = qkvz.split([d.head_k_dim, d.head_k_dim, per_k * d.head_v_dim,
+                                 per_k * d.head_v_dim], dim=-1)
+        b, a = self.in_proj_ba(hidden).unflatten(-1, (d.num_k_heads, -1)).split(
+            [per_k, per_k], dim=-1)
+        qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], dim=-1)
+        return qkv, z.reshape(-1, d.num_v_heads, d.head_v_dim), b.flatten(1), a.flatten(1)
+
+    def _queries_keys(self, q: torch.Tensor, k: torch.Tensor):
+        """L2-normalised q and k, repeated to the value heads (each key head serves
+        consecutive value heads), q scaled by head_k_dim^-0.5; float32."""
+        d = self.dims
+        per_k = d.num_v_heads // d.num_k_heads
+        q, k = (gated_delta_ref.l2_normalize(t.float().unflatten(-1, (d.num_k_heads, -1)))
+                .repeat_interleave(per_k, dim=1) for t in (q, k))
+        return q * d.head_k_dim ** -0.5, k
+
+    def _delta_rule(self, q, k, v, g, beta, batch: MambaBatch,
+                    state: MambaLayerState) -> torch.Tensor:
+        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        decode_rows, decode_slots = [], []
+        for start, length, slot in segments(batch):
+            if length == 1:
+                decode_rows.append(start)
+                decode_slots.append(slot)
+                continue
+            part = slice(start, start + length)
+            out[part], final = gated_delta_ref.gated_delta_chunked_ref(
+                q[part], k[part], v[part], g[part], beta[part], state.ssm[slot],
+                self.dims.chunk_size)
+            state.ssm[slot] = final
+        if decode_rows:
+            slots = torch.tensor(decode_slots, device=v.device)
+            recurrent = state.ssm[slots].float()
+            out[decode_rows] = gated_delta_ref.gated_delta_step_ref(
+                q[decode_rows], k[decode_rows], v[decode_rows], g[decode_rows],
+                beta[decode_rows], recurrent)
+            state.ssm[slots] = recurrent.to(state.ssm.dtype)
+        return out
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """weight * rmsnorm(x) * silu(gate) over the last dim, the norm before the gate (Mamba's
+    gates first), float32 inside, in `gate`'s dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return ((weight * h.to(gate.dtype)).float() * F.silu(gate.float())).to(gate.dtype)

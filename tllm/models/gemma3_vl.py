@@ -12,9 +12,9 @@ from typing import Iterable
 
 import torch
 
-from tllm.layers.linear import _copy_checked
 from tllm.models.gemma3 import Gemma3ForCausalLM
 from tllm.models.registry import register_model
+from tllm.models.vision_language import build_vision_tower, load_vision_language_weights
 
 
 @register_model("Gemma3ForConditionalGeneration")
@@ -24,14 +24,12 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     bidirectional_images = True
 
     def __init__(self, config, backend_cls, max_position: int, quant_config=None) -> None:
-        from transformers import AutoModel
         from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
         text = config.get_text_config()
         text.tie_word_embeddings = config.tie_word_embeddings
         super().__init__(text, backend_cls, max_position, quant_config)
         self.hf_config = config
-        config.vision_config._attn_implementation = "sdpa"
-        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.vision_tower = build_vision_tower(config)
         self.multi_modal_projector = Gemma3MultiModalProjector(config)
 
     # ---- images ----
@@ -68,25 +66,5 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     # ---- weights ----
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """transformers 5's names (model.vision_tower.*, model.multi_modal_projector.*,
-        model.language_model.*, lm_head.*) or the older ones (vision_tower.*,
-        multi_modal_projector.*, language_model.model.*)."""
-        tower = {f"vision_tower.{n}": p for n, p in self.vision_tower.named_parameters()}
-        tower.update({f"multi_modal_projector.{n}": p
-                      for n, p in self.multi_modal_projector.named_parameters()})
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                name = name.removeprefix("model.")
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    if name not in tower:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                         f"{type(self).__name__}")
-                    _copy_checked(tower[name], tensor, name)
-                    loaded.add(f"{name}#None")
-                    continue
-                yield name.removeprefix("language_model.").removeprefix("model."), tensor
-
-        loaded |= super().load_weights(text_weights())
-        return loaded
+        """Either checkpoint layout (see load_vision_language_weights)."""
+        return load_vision_language_weights(self, weights, super().load_weights)

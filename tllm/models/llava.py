@@ -7,9 +7,9 @@ from typing import Iterable
 
 import torch
 
-from tllm.layers.linear import _copy_checked
 from tllm.models.llama import LlamaForCausalLM
 from tllm.models.registry import register_model
+from tllm.models.vision_language import build_vision_tower, load_vision_language_weights
 
 TEXT_MODEL_TYPES = ("llama", "mistral")
 
@@ -20,20 +20,23 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     is_multimodal = True
 
     def __init__(self, config, backend_cls, max_position: int, quant_config=None) -> None:
-        from transformers import AutoModel
-        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
         text = config.get_text_config()
         if text.model_type not in TEXT_MODEL_TYPES:
-            raise ValueError(f"LLaVA with a {text.model_type!r} decoder is not supported "
-                             f"(decoders: {', '.join(TEXT_MODEL_TYPES)})")
+            raise ValueError(f"{type(self).__name__} with a {text.model_type!r} decoder is not "
+                             f"supported (decoders: {', '.join(TEXT_MODEL_TYPES)})")
         if not isinstance(config.vision_feature_layer, int):
-            raise ValueError("LLaVA with several vision feature layers is not supported")
+            raise ValueError(f"{type(self).__name__} with several vision feature layers is "
+                             "not supported")
         text.tie_word_embeddings = config.tie_word_embeddings
         super().__init__(text, backend_cls, max_position, quant_config)
         self.hf_config = config
-        config.vision_config._attn_implementation = "sdpa"
-        self.vision_tower = AutoModel.from_config(config.vision_config)
-        self.multi_modal_projector = LlavaMultiModalProjector(config)
+        self.vision_tower = build_vision_tower(config)
+        self.multi_modal_projector = self.make_projector(config)
+
+    @staticmethod
+    def make_projector(config) -> torch.nn.Module:
+        from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
+        return LlavaMultiModalProjector(config)
 
     # ---- images ----
 
@@ -62,27 +65,5 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     # ---- weights ----
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Checkpoint names of either layout: transformers 5's (model.vision_tower.*,
-        model.multi_modal_projector.*, model.language_model.*) or the older one
-        (vision_tower.*, multi_modal_projector.*, language_model.model.*,
-        language_model.lm_head.*)."""
-        tower = {f"vision_tower.{n}": p for n, p in self.vision_tower.named_parameters()}
-        tower.update({f"multi_modal_projector.{n}": p
-                      for n, p in self.multi_modal_projector.named_parameters()})
-        loaded: set[str] = set()
-
-        def text_weights():
-            for name, tensor in weights:
-                name = name.removeprefix("model.")
-                if name.startswith(("vision_tower.", "multi_modal_projector.")):
-                    if name not in tower:
-                        raise ValueError(f"checkpoint tensor {name!r} has no place in "
-                                         f"{type(self).__name__}")
-                    _copy_checked(tower[name], tensor, name)
-                    loaded.add(f"{name}#None")
-                    continue
-                name = name.removeprefix("language_model.").removeprefix("model.")
-                yield name, tensor
-
-        loaded |= super().load_weights(text_weights())
-        return loaded
+        """Either checkpoint layout (see load_vision_language_weights)."""
+        return load_vision_language_weights(self, weights, super().load_weights)

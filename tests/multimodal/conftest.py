@@ -22,17 +22,19 @@ CHAT_TEMPLATE = (
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(special: list[str] = SPECIAL, chat_template: str = CHAT_TEMPLATE,
+                   pad_token: str = "<|endoftext|>"):
+    """A byte-level BPE tokenizer with these special tokens (Qwen's by default)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL,
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(CORPUS, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<|endoftext|>")
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad_token)
+    tokenizer.chat_template = chat_template
     return tokenizer
 
 

@@ -2,7 +2,8 @@
 from the model folder (AutoImageProcessor) gives the pixel values, the model class splits
 them per image and says how many placeholder tokens each takes; each image's one
 placeholder token in the tokenized prompt is repeated that many times (what transformers'
-processors do to the text: the placeholder is a special token, so tokenizing is the same);
+processors do to the text: the placeholder is a special token, so tokenizing is the same),
+or replaced by the ids the model class lays out (`placeholder_layout`: Mistral 3's rows);
 for M-RoPE the model class gives the prompt's positions; each image gets a content hash
 (of its processed pixels). transformers' AutoProcessor is not used: for Qwen2.5-VL it
 needs a video processor, which needs torchvision, even for images."""
@@ -60,12 +61,19 @@ class MultimodalProcessor:
                              f"{len(pil)} images", param)
         if not pil:
             return token_ids, MultimodalInputs()
+        # Mistral 3 resizes to its merged patch size, not the processor file's patch size
+        options = getattr(self.model_cls, "image_processor_kwargs", lambda config: {})
         try:
-            processed = self.image_processor(images=pil, return_tensors="pt")
+            processed = self.image_processor(images=pil, return_tensors="pt",
+                                             **options(self.hf_config))
         except (ValueError, TypeError, IndexError) as exc:
             raise MediaError(f"the image processor refused the images: {exc}", param) from None
-        parts = self.model_cls.split_items(processed, self.hf_config)
-        token_ids, items = _expand(token_ids, offsets, parts, self.image_token_id)
+        parts = [(data, [self.image_token_id] * count) for data, count
+                 in self.model_cls.split_items(processed, self.hf_config)]
+        layout = getattr(self.model_cls, "placeholder_layout", None)
+        if layout is not None:  # Mistral 3: rows of image tokens end in break tokens
+            parts = [layout(data, self.hf_config, self.tokenizer) for data, _ in parts]
+        token_ids, items = _expand(token_ids, offsets, parts)
         mm = MultimodalInputs(items,
                               whole_items=getattr(self.model_cls, "bidirectional_images", False))
         if getattr(self.model_cls, "uses_mrope", False):
@@ -74,16 +82,18 @@ class MultimodalProcessor:
         return token_ids, mm
 
 
-def _expand(token_ids: list[int], offsets: list[int], parts: list[tuple[dict, int]],
-            image_token_id: int) -> tuple[list[int], list[MultimodalItem]]:
-    """Each image's placeholder repeated to its number of embeddings, and the items."""
+def _expand(token_ids: list[int], offsets: list[int], parts: list[tuple[dict, list[int]]]
+            ) -> tuple[list[int], list[MultimodalItem]]:
+    """Each image's placeholder replaced by its (data, placeholder ids)'s ids, one per
+    embedding, and the items."""
     expanded: list[int] = []
     items = []
     previous = 0
-    for offset, (data, length) in zip(offsets, parts):
+    for offset, (data, placeholder_ids) in zip(offsets, parts):
         expanded.extend(token_ids[previous:offset])
-        items.append(MultimodalItem("image", content_hash(data), len(expanded), length, data))
-        expanded.extend([image_token_id] * length)
+        items.append(MultimodalItem("image", content_hash(data), len(expanded),
+                                    len(placeholder_ids), data))
+        expanded.extend(placeholder_ids)
         previous = offset + 1
     expanded.extend(token_ids[previous:])
     return expanded, items

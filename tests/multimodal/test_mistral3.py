@@ -1,0 +1,177 @@
+"""Mistral 3 with images (tiny, random, fp32; Pixtral tower, patch merger, Mistral decoder):
+greedy tokens equal HF transformers' Mistral3ForConditionalGeneration for prompts with 0, 1
+and 2 images of different sizes in one continuous batch with text-only requests, with
+prefill chunks cutting through the images and prefix reuse on and off; the same image
+reuses cached blocks, a different image does not; the prompt's image layout ([IMG] rows
+ending in [IMG_BREAK], the last in [IMG_END]) is PixtralProcessor's."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multimodal.conftest import make_image, tiny_tokenizer
+from tests.multimodal.test_gemma3_vl import NUM_NEW, as_inputs, make_llm, params
+
+IMG, BREAK, END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
+SPECIAL = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", IMG, BREAK, END]
+CHAT_TEMPLATE = (  # Mistral's turns, with an image part written as [IMG]
+    "<s>{% for m in messages %}{% if m['role'] == 'user' %}[INST]"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for p in m['content'] %}{% if p['type'] == 'image' %}[IMG]"
+    "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "[/INST]{% else %}{{ m['content'] }}</s>{% endif %}{% endfor %}")
+PATCH, MERGE, LONGEST_EDGE = 7, 2, 56   # an image token covers 14 x 14 pixels
+
+
+class PixtralReference:
+    """HF inputs as PixtralProcessor makes them (each [IMG] of the text written out as its
+    image's rows; the image processor called with the merged patch size), built here
+    because that processor's module needs torchvision."""
+
+    def __init__(self, image_processor, tokenizer) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+
+    def __call__(self, text: str, images: list) -> dict:
+        inputs = {}
+        if images:
+            side = PATCH * MERGE
+            inputs = dict(self.image_processor(
+                images=images, return_tensors="pt", patch_size={"height": side, "width": side}))
+            for height, width in inputs["image_sizes"].tolist():
+                rows = [["<placeholder>"] * (width // side) + [BREAK]] * (height // side)
+                layout = [token for row in rows for token in row]
+                layout[-1] = END
+                text = text.replace(IMG, "".join(layout), 1)
+            text = text.replace("<placeholder>", IMG)
+        tokens = self.tokenizer(text, return_tensors="pt")
+        inputs.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
+        return inputs
+
+
+def tiny_mistral3_config(tokenizer):
+    from transformers import Mistral3Config
+    text = dict(model_type="mistral", vocab_size=len(tokenizer), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                sliding_window=None, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=2, image_size=LONGEST_EDGE,
+                  patch_size=PATCH)
+    return Mistral3Config(text_config=text, vision_config=vision,
+                          image_token_index=tokenizer.convert_tokens_to_ids(IMG),
+                          spatial_merge_size=MERGE, vision_feature_layer=-1,
+                          tie_word_embeddings=False,
+                          architectures=["Mistral3ForConditionalGeneration"])
+
+
+@pytest.fixture(scope="module")
+def tiny_mistral3(tmp_path_factory):
+    """(folder, HF model, PixtralReference) of a tiny random Mistral 3."""
+    from transformers import Mistral3ForConditionalGeneration
+    from transformers.models.pixtral.image_processing_pil_pixtral import (
+        PixtralImageProcessorPil)
+    path = tmp_path_factory.mktemp("tiny_mistral3")
+    tokenizer = tiny_tokenizer(SPECIAL, CHAT_TEMPLATE, pad_token="<pad>")
+    images = PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
+                                      patch_size={"height": PATCH, "width": PATCH})
+    torch.manual_seed(0)
+    model = Mistral3ForConditionalGeneration(tiny_mistral3_config(tokenizer)).eval()
+    with torch.no_grad():  # HF initialises the RMS norms at 1: make them count
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.3)
+    model.save_pretrained(path)
+    images.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path, model, PixtralReference(images, tokenizer)
+
+
+def hf_greedy(model, reference, text: str, images: list) -> list[int]:
+    inputs = reference(text, images)
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NUM_NEW, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def prompts_with_images():
+    """Images of 2 x 2, 3 x 4 and 3 x 3 tokens (6, 15 and 12 with their breaks)."""
+    return [(f"<s>[INST]{IMG}describe the picture[/INST]", [make_image(28, 28, 1)]),
+            ("<s>[INST]what is in this image?[/INST]", []),
+            (f"<s>[INST]compare {IMG} and {IMG} now[/INST]",
+             [make_image(56, 84, 2), make_image(40, 30, 3)]),
+            ("the quick brown fox jumps over the lazy dog", [])]
+
+
+@pytest.mark.parametrize("enable_block_reuse,max_num_tokens", [(True, 128), (False, 128),
+                                                               (True, 8)])
+def test_greedy_matches_hf_in_continuous_batch(tiny_mistral3, enable_block_reuse,
+                                               max_num_tokens):
+    """max_num_tokens=8: prefill chunks cut through the images' rows."""
+    path, hf_model, reference = tiny_mistral3
+    cases = prompts_with_images()
+    with make_llm(path, enable_block_reuse, max_num_tokens) as llm:
+        outputs = llm.generate(as_inputs(cases), params(), use_tqdm=False)
+    for (text, images), output in zip(cases, outputs):
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, reference, text, images)
+
+
+@pytest.mark.parametrize("text", [f"{IMG}describe the picture in a few words",
+                                  f"a red square and a blue circle, {IMG}"])
+def test_same_image_reuses_blocks_a_different_one_never(tiny_mistral3, text):
+    path, hf_model, reference = tiny_mistral3
+    first, other = make_image(42, 56, 7), make_image(42, 56, 8)
+    with make_llm(path) as llm:
+        def run(image):
+            before = llm.get_kv_cache_stats()["blocks_reused"]
+            out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}},
+                               params(), use_tqdm=False)
+            return out.outputs[0].token_ids, llm.get_kv_cache_stats()["blocks_reused"] - before
+
+        tokens, reused = run(first)
+        assert reused == 0 and tokens == hf_greedy(hf_model, reference, text, [first])
+        again, reused = run(first.copy())          # the same pixels, another object
+        assert again == tokens and reused > 0
+        different, reused = run(other)
+        assert different == hf_greedy(hf_model, reference, text, [other])
+        if text.startswith(IMG):
+            assert reused == 0   # every block holds or follows the image
+
+
+def test_prompt_tokens_equal_pixtral_layout(tiny_mistral3):
+    from tllm.multimodal.processing import MultimodalProcessor
+    from tllm.tokenizer import Tokenizer
+    path, hf_model, reference = tiny_mistral3
+    ours = MultimodalProcessor(reference.image_processor, Tokenizer(reference.tokenizer),
+                               hf_model.config, max_images=4)
+    text, images = prompts_with_images()[2]
+    token_ids, mm = ours.process(text, images)
+    assert token_ids == reference(text, images)["input_ids"][0].tolist()
+    assert [item.length for item in mm.items] == [15, 12]
+    end = reference.tokenizer.convert_tokens_to_ids(END)
+    assert [token_ids[item.end - 1] for item in mm.items] == [end, end]
+
+
+def test_tokenizer_without_break_token_is_refused(tiny_mistral3):
+    from tllm.models.mistral3 import Mistral3ForConditionalGeneration
+    from tllm.tokenizer import Tokenizer
+    config = tiny_mistral3[1].config
+    data = {"image_sizes": torch.tensor([[28, 28]])}
+    with pytest.raises(ValueError, match="IMG_BREAK"):
+        Mistral3ForConditionalGeneration.placeholder_layout(data, config,
+                                                            Tokenizer(tiny_tokenizer()))
+
+
+def test_chat_with_image_url_equals_hf(tiny_mistral3):
+    import base64
+    import io
+    path, hf_model, reference = tiny_mistral3
+    image = make_image(42, 56, 4)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "what is in this image?"}]}]
+    with make_llm(path) as llm:
+        chat = llm.chat(messages, params(), use_tqdm=False)
+    text = f"<s>[INST]{IMG}what is in this image?[/INST]"
+    assert chat.outputs[0].token_ids == hf_greedy(hf_model, reference, text, [image])

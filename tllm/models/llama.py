@@ -342,7 +342,7 @@ class LlamaForCausalLM(nn.Module):
         expected = set()
         for module_name, module in self.named_modules():
             for param_name, _ in module.named_parameters(recurse=False):
-                full = f"{module_name}.{param_name}"
+                full = f"{module_name}.{param_name}" if module_name else param_name
                 shards = len(module.output_sizes) if isinstance(module, MergedLinear) else 0
                 expected.update({f"{full}#{i}" for i in range(shards)} or {f"{full}#None"})
         if self.tied and self.is_first_stage:

@@ -9,21 +9,21 @@ import torch
 
 from tllm.models.llama import LlamaForCausalLM
 from tllm.models.registry import register_model
-from tllm.models.vision_language import build_vision_tower, load_vision_language_weights
-
-TEXT_MODEL_TYPES = ("llama", "mistral")
+from tllm.models.vision_language import (build_vision_tower, load_vision_language_weights,
+                                         tower_features)
 
 
 @register_model("LlavaForConditionalGeneration")
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     """Built from the composite HF config; `self.config` is its text config."""
     is_multimodal = True
+    text_model_types = ("llama", "mistral")
 
     def __init__(self, config, backend_cls, max_position: int, quant_config=None) -> None:
         text = config.get_text_config()
-        if text.model_type not in TEXT_MODEL_TYPES:
+        if text.model_type not in self.text_model_types:
             raise ValueError(f"{type(self).__name__} with a {text.model_type!r} decoder is not "
-                             f"supported (decoders: {', '.join(TEXT_MODEL_TYPES)})")
+                             f"supported (decoders: {', '.join(self.text_model_types)})")
         if not isinstance(config.vision_feature_layer, int):
             raise ValueError(f"{type(self).__name__} with several vision feature layers is "
                              "not supported")
@@ -42,13 +42,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def encode(self, items) -> list[torch.Tensor]:
         """Each image's projected patch features [length, hidden], all images at once."""
-        config = self.hf_config
         pixels = torch.cat([item.data["pixel_values"] for item in items]).to(
             self.embed_tokens.weight.device, self.vision_tower.dtype)
-        out = self.vision_tower(pixels, output_hidden_states=True, return_dict=True)
-        features = out.hidden_states[config.vision_feature_layer]
-        if config.vision_feature_select_strategy == "default":
-            features = features[:, 1:]    # the CLS token's
+        features = tower_features(self.vision_tower, pixels, self.hf_config)
         return list(self.multi_modal_projector(features))
 
     @staticmethod

@@ -14,6 +14,7 @@ _MODULES = {
     "Qwen3VLForConditionalGeneration": "tllm.models.qwen3_vl",
     "Qwen3VLMoeForConditionalGeneration": "tllm.models.qwen3_vl_moe",
     "LlavaForConditionalGeneration": "tllm.models.llava",
+    "LlavaOnevisionForConditionalGeneration": "tllm.models.llava_onevision",
     "Mistral3ForConditionalGeneration": "tllm.models.mistral3",
     "Qwen3ForCausalLM": "tllm.models.qwen3",
     "MixtralForCausalLM": "tllm.models.mixtral",

@@ -22,18 +22,28 @@ def build_vision_tower(config) -> nn.Module:
     return AutoModel.from_config(config.vision_config)
 
 
+def tower_features(tower: nn.Module, pixels: torch.Tensor, hf_config) -> torch.Tensor:
+    """The patch features [images, patches, hidden] of the config's `vision_feature_layer`,
+    without the CLS token's under the "default" `vision_feature_select_strategy`."""
+    out = tower(pixels, output_hidden_states=True, return_dict=True)
+    features = out.hidden_states[hf_config.vision_feature_layer]
+    if hf_config.vision_feature_select_strategy == "default":
+        features = features[:, 1:]
+    return features
+
+
 def load_vision_language_weights(
         model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-        load_text: Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]],
-        extra: dict[str, nn.Parameter] | None = None) -> set[str]:
+        load_text: Callable[[Iterable[tuple[str, torch.Tensor]]], set[str]]) -> set[str]:
     """Checkpoint names of transformers 5 (model.vision_tower.*, model.multi_modal_projector.*,
     model.language_model.*, lm_head.*) or the older layout (vision_tower.*,
-    multi_modal_projector.*, language_model.model.*, language_model.lm_head.*). `extra`:
-    more parameters by checkpoint name (LLaVA-OneVision's image_newline)."""
+    multi_modal_projector.*, language_model.model.*, language_model.lm_head.*). The
+    model's own parameters (not its modules': LLaVA-OneVision's image_newline) load here
+    too."""
     params = {f"vision_tower.{n}": p for n, p in model.vision_tower.named_parameters()}
     params.update({f"multi_modal_projector.{n}": p
                    for n, p in model.multi_modal_projector.named_parameters()})
-    params.update(extra or {})
+    params.update(model.named_parameters(recurse=False))
     loaded: set[str] = set()
 
     def text_weights():

@@ -140,3 +140,25 @@ def make_image(height: int, width: int, seed: int):
     from PIL import Image
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def image_data_url(image) -> str:
+    """The image as a PNG data: URL (an OpenAI image_url)."""
+    import base64
+    import io
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def reuse_runs(llm, text: str, images: list, params) -> list[tuple[list[int], int]]:
+    """(greedy tokens, KV blocks reused) of `text` with each image in turn, one request
+    after another on `llm`."""
+    runs = []
+    for image in images:
+        before = llm.get_kv_cache_stats()["blocks_reused"]
+        out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}}, params,
+                           use_tqdm=False)
+        runs.append((out.outputs[0].token_ids,
+                     llm.get_kv_cache_stats()["blocks_reused"] - before))
+    return runs

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multimodal.conftest import CORPUS, make_image
+from tests.multimodal.conftest import CORPUS, image_data_url, make_image, reuse_runs
 from tllm import LLM, KvCacheConfig, SamplingParams
 
 NUM_NEW = 8
@@ -136,21 +136,14 @@ REUSE_CASES = [(f"{BOI}describe the picture in a few words", None),
 def test_same_image_reuses_blocks_a_different_one_never(tiny_gemma3_vl, text, blocks):
     path, hf_model, processor = tiny_gemma3_vl
     first, other = make_image(28, 28, 7), make_image(28, 28, 8)
-    with make_llm(path) as llm:
-        def run(image):
-            before = llm.get_kv_cache_stats()["blocks_reused"]
-            out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}},
-                               params(), use_tqdm=False)
-            return out.outputs[0].token_ids, llm.get_kv_cache_stats()["blocks_reused"] - before
-
-        tokens, reused = run(first)
-        assert reused == 0 and tokens == hf_greedy(hf_model, processor, text, [first])
-        again, reused = run(first.copy())          # the same pixels, another object
-        assert again == tokens and reused > 0 and blocks in (None, reused)
-        different, reused = run(other)
-        assert different == hf_greedy(hf_model, processor, text, [other])
-        if text.startswith(BOI):
-            assert reused == 0   # every block holds or follows the image
+    with make_llm(path) as llm:   # the repeat: the same pixels, another object
+        runs = reuse_runs(llm, text, [first, first.copy(), other], params())
+    (tokens, reused), (again, reused_again), (different, reused_other) = runs
+    assert reused == 0 and tokens == hf_greedy(hf_model, processor, text, [first])
+    assert again == tokens and reused_again > 0 and blocks in (None, reused_again)
+    assert different == hf_greedy(hf_model, processor, text, [other])
+    if text.startswith(BOI):
+        assert reused_other == 0   # every block holds or follows the image
 
 
 def test_prompt_tokens_equal_gemma3_processor(tiny_gemma3_vl):
@@ -175,13 +168,9 @@ def test_pan_and_scan_crops_are_refused(tiny_gemma3_vl):
 
 
 def test_chat_with_image_url_equals_hf(tiny_gemma3_vl):
-    import base64
-    import io
     path, hf_model, processor = tiny_gemma3_vl
     image = make_image(42, 56, 4)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    url = image_data_url(image)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": "what is in this image?"}]}]
     with make_llm(path) as llm:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multimodal.conftest import make_image, tiny_tokenizer
-from tests.multimodal.test_gemma3_vl import NUM_NEW, as_inputs, make_llm, params
+from tests.multimodal.conftest import make_image, reuse_runs, tiny_tokenizer
+from tests.multimodal.test_gemma3_vl import as_inputs, hf_greedy, make_llm, params
 
 TILE, PATCH = 28, 14          # 2 x 2 patches a tile
 PINPOINTS = [[28, 28], [28, 56], [56, 28], [56, 56], [28, 84], [84, 28]]
@@ -68,13 +68,6 @@ def tiny_onevision(tmp_path_factory):
     return path, model, processor
 
 
-def hf_greedy(model, processor, text: str, images: list) -> list[int]:
-    inputs = processor(text=[text], images=images or None, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NUM_NEW, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 def prompts_with_images():
     """A square image (a 1 x 1 grid after its base tile), a wide one (1 x 3, its padding
     rows cropped) and a larger one (2 x 2); the last two are pooled (anyres_max_2)."""
@@ -102,21 +95,14 @@ def test_greedy_matches_hf_in_continuous_batch(tiny_onevision, enable_block_reus
 def test_same_image_reuses_blocks_a_different_one_never(tiny_onevision, text):
     path, hf_model, processor = tiny_onevision
     first, other = make_image(42, 56, 7), make_image(42, 56, 8)
-    with make_llm(path) as llm:
-        def run(image):
-            before = llm.get_kv_cache_stats()["blocks_reused"]
-            out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}},
-                               params(), use_tqdm=False)
-            return out.outputs[0].token_ids, llm.get_kv_cache_stats()["blocks_reused"] - before
-
-        tokens, reused = run(first)
-        assert reused == 0 and tokens == hf_greedy(hf_model, processor, text, [first])
-        again, reused = run(first.copy())          # the same pixels, another object
-        assert again == tokens and reused > 0
-        different, reused = run(other)
-        assert different == hf_greedy(hf_model, processor, text, [other])
-        if text.startswith("<image>"):
-            assert reused == 0   # every block holds or follows the image
+    with make_llm(path) as llm:   # the repeat: the same pixels, another object
+        runs = reuse_runs(llm, text, [first, first.copy(), other], params())
+    (tokens, reused), (again, reused_again), (different, reused_other) = runs
+    assert reused == 0 and tokens == hf_greedy(hf_model, processor, text, [first])
+    assert again == tokens and reused_again > 0
+    assert different == hf_greedy(hf_model, processor, text, [other])
+    if text.startswith("<image>"):
+        assert reused_other == 0   # every block holds or follows the image
 
 
 def test_prompt_tokens_equal_onevision_processor(tiny_onevision):

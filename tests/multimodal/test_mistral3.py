@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multimodal.conftest import make_image, tiny_tokenizer
+from tests.multimodal.conftest import image_data_url, make_image, reuse_runs, tiny_tokenizer
 from tests.multimodal.test_gemma3_vl import NUM_NEW, as_inputs, make_llm, params
 
 IMG, BREAK, END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
@@ -120,21 +120,14 @@ def test_greedy_matches_hf_in_continuous_batch(tiny_mistral3, enable_block_reuse
 def test_same_image_reuses_blocks_a_different_one_never(tiny_mistral3, text):
     path, hf_model, reference = tiny_mistral3
     first, other = make_image(42, 56, 7), make_image(42, 56, 8)
-    with make_llm(path) as llm:
-        def run(image):
-            before = llm.get_kv_cache_stats()["blocks_reused"]
-            out = llm.generate({"prompt": text, "multi_modal_data": {"image": [image]}},
-                               params(), use_tqdm=False)
-            return out.outputs[0].token_ids, llm.get_kv_cache_stats()["blocks_reused"] - before
-
-        tokens, reused = run(first)
-        assert reused == 0 and tokens == hf_greedy(hf_model, reference, text, [first])
-        again, reused = run(first.copy())          # the same pixels, another object
-        assert again == tokens and reused > 0
-        different, reused = run(other)
-        assert different == hf_greedy(hf_model, reference, text, [other])
-        if text.startswith(IMG):
-            assert reused == 0   # every block holds or follows the image
+    with make_llm(path) as llm:   # the repeat: the same pixels, another object
+        runs = reuse_runs(llm, text, [first, first.copy(), other], params())
+    (tokens, reused), (again, reused_again), (different, reused_other) = runs
+    assert reused == 0 and tokens == hf_greedy(hf_model, reference, text, [first])
+    assert again == tokens and reused_again > 0
+    assert different == hf_greedy(hf_model, reference, text, [other])
+    if text.startswith(IMG):
+        assert reused_other == 0   # every block holds or follows the image
 
 
 def test_prompt_tokens_equal_pixtral_layout(tiny_mistral3):
@@ -162,13 +155,9 @@ def test_tokenizer_without_break_token_is_refused(tiny_mistral3):
 
 
 def test_chat_with_image_url_equals_hf(tiny_mistral3):
-    import base64
-    import io
     path, hf_model, reference = tiny_mistral3
     image = make_image(42, 56, 4)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    url = image_data_url(image)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                              {"type": "text", "text": "what is in this image?"}]}]
     with make_llm(path) as llm:

@@ -67,13 +67,15 @@ class LlavaOnevisionForConditionalGeneration(LlavaForConditionalGeneration):
     @staticmethod
     def split_items(processed: dict, hf_config) -> list[tuple[dict, int]]:
         """One (pixel_values [tiles, 3, S, S] without the batch's padding tiles,
-        image_sizes [1, 2], packed length) per image. An image alone in its prompt's batch
-        entry is tiled; one of several is its base tile only (the processor's rule)."""
+        image_sizes [1, 2], packed length) per image. The image processor tiles an image
+        alone in its batch entry (all of a flat list, as the prompt's images come) and
+        keeps only the base tile of one of several."""
         from transformers.models.llava_onevision.modeling_llava_onevision import (
             image_size_to_num_patches)
         vision = hf_config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
-        tiled = [n == 1 for n in processed["batch_num_images"].tolist() for _ in range(n)]
+        counts = processed.get("batch_num_images", [1] * len(processed["pixel_values"]))
+        tiled = [n == 1 for n in torch.as_tensor(counts).tolist() for _ in range(n)]
         parts = []
         for pixels, size, is_tiled in zip(processed["pixel_values"], processed["image_sizes"],
                                           tiled):

@@ -162,3 +162,14 @@ def reuse_runs(llm, text: str, images: list, params) -> list[tuple[list[int], in
         runs.append((out.outputs[0].token_ids,
                      llm.get_kv_cache_stats()["blocks_reused"] - before))
     return runs
+
+
+def older_checkpoint_name(name: str) -> str:
+    """A transformers 5 checkpoint name of a LLaVA-style model in the older layout that
+    many hub files still use (vision_tower.*, language_model.model.*,
+    language_model.lm_head.*)."""
+    if name.startswith("model.language_model."):
+        return "language_model.model." + name.removeprefix("model.language_model.")
+    if name == "lm_head.weight":
+        return "language_model.lm_head.weight"
+    return name.removeprefix("model.")

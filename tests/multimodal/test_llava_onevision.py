@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multimodal.conftest import make_image, reuse_runs, tiny_tokenizer
+from tests.multimodal.conftest import (make_image, older_checkpoint_name, reuse_runs,
+                                       tiny_tokenizer)
 from tests.multimodal.test_gemma3_vl import as_inputs, hf_greedy, make_llm, params
 
 TILE, PATCH = 28, 14          # 2 x 2 patches a tile
@@ -126,3 +127,21 @@ def test_default_feature_strategy_is_refused(tiny_onevision):
     config.vision_feature_select_strategy = "default"
     with pytest.raises(ValueError, match="vision_feature_select_strategy"):
         LlavaOnevisionForConditionalGeneration(config, None, 64)
+
+
+def test_older_checkpoint_layout_loads(tiny_onevision):
+    """The hub's llava-onevision files name tensors the older way (image_newline at the
+    top)."""
+    import copy
+
+    from tllm.attention.torch_ref import TorchAttentionBackend
+    from tllm.models.llava_onevision import LlavaOnevisionForConditionalGeneration
+    hf_model = tiny_onevision[1]
+    ours = LlavaOnevisionForConditionalGeneration(copy.deepcopy(hf_model.config),
+                                                  TorchAttentionBackend, 64)
+    weights = [(older_checkpoint_name(n), t) for n, t in hf_model.state_dict().items()]
+    assert ours.expected_weights() <= ours.load_weights(weights)
+    assert torch.equal(ours.image_newline, hf_model.model.image_newline)
+    assert torch.equal(ours.multi_modal_projector.linear_2.weight,
+                       hf_model.model.multi_modal_projector.linear_2.weight)
+    assert torch.equal(ours.lm_head.weight, hf_model.lm_head.weight)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multimodal.conftest import image_data_url, make_image, reuse_runs, tiny_tokenizer
+from tests.multimodal.conftest import (image_data_url, make_image, older_checkpoint_name,
+                                       reuse_runs, tiny_tokenizer)
 from tests.multimodal.test_gemma3_vl import NUM_NEW, as_inputs, make_llm, params
 
 IMG, BREAK, END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
@@ -164,3 +165,22 @@ def test_chat_with_image_url_equals_hf(tiny_mistral3):
         chat = llm.chat(messages, params(), use_tqdm=False)
     text = f"<s>[INST]{IMG}what is in this image?[/INST]"
     assert chat.outputs[0].token_ids == hf_greedy(hf_model, reference, text, [image])
+
+
+def test_older_checkpoint_layout_loads(tiny_mistral3):
+    """The hub's Mistral-Small-3.1 files name tensors the older way."""
+    import copy
+
+    from tllm.attention.torch_ref import TorchAttentionBackend
+    from tllm.models.mistral3 import Mistral3ForConditionalGeneration
+    hf_model = tiny_mistral3[1]
+    ours = Mistral3ForConditionalGeneration(copy.deepcopy(hf_model.config),
+                                            TorchAttentionBackend, 64)
+    weights = [(older_checkpoint_name(n), t) for n, t in hf_model.state_dict().items()]
+    assert ours.expected_weights() <= ours.load_weights(weights)
+    hf_tower = hf_model.model.vision_tower.state_dict()
+    for name, tensor in ours.vision_tower.state_dict().items():
+        assert torch.equal(tensor, hf_tower[name])
+    projector = hf_model.model.multi_modal_projector.patch_merger.merging_layer.weight
+    assert torch.equal(ours.multi_modal_projector.patch_merger.merging_layer.weight, projector)
+    assert torch.equal(ours.lm_head.weight, hf_model.lm_head.weight)

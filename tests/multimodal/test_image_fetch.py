@@ -72,6 +72,12 @@ def test_listed_port_admits_that_port_only(image_host):
     assert load_image_url(image_host.url("/image.png"), "p", fetch=fetch).size == (56, 42)
 
 
+def test_ipv6_loopback_needs_its_own_entry(image_host):
+    assert "not in --allowed-media-domains" in refusal(
+        f"http://[::1]:{image_host.port}/image.png", fetcher("http://127.0.0.1").fetch)
+    assert parse_allowed_host("http://[::1]:8080").host == "::1"
+
+
 def test_redirect_to_another_host_is_refused(image_host):
     message = refusal(image_host.url("/redirect-away"),
                       fetcher("http://127.0.0.1", "http://localhost").fetch)
@@ -108,7 +114,7 @@ def test_chat_parts_fetch_names_the_part(image_host):
 
 
 @pytest.mark.parametrize("entry", ["ftp://host", "https://host/path", "https://u@host",
-                                   "https://host?x=1", ""])
+                                   "https://host?x=1", "", "::1"])
 def test_bad_allow_list_entries_are_refused(entry):
     from tllm.config import LlmArgs
     with pytest.raises(ValueError):

@@ -39,11 +39,15 @@ class AllowedHost:
 def parse_allowed_host(entry: str) -> AllowedHost:
     """`host`, `host:port`, `https://host[:port]` or `http://host[:port]`; ValueError else."""
     text = entry.strip()
-    url = httpx.URL(text if "://" in text else f"https://{text}")
+    refusal = ValueError(f"allowed_media_domains: {entry!r} is not a host, host:port, "
+                         "https://host or http://host (an IPv6 address in brackets)")
+    try:
+        url = httpx.URL(text if "://" in text else f"https://{text}")
+    except httpx.InvalidURL:
+        raise refusal from None
     if url.scheme not in _DEFAULT_PORTS or not url.host or url.raw_path not in (b"", b"/") \
             or url.query or url.userinfo:
-        raise ValueError(f"allowed_media_domains: {entry!r} is not a host, host:port, "
-                         "https://host or http://host")
+        raise refusal
     return AllowedHost(url.host, url.scheme, url.port and effective_port(url))
 
 
@@ -103,7 +107,10 @@ class HttpImageFetcher:
         return parsed
 
     def _check_redirect(self, source: httpx.URL, location: str, param: str) -> httpx.URL:
-        target = source.join(location)
+        try:
+            target = source.join(location)
+        except httpx.InvalidURL:
+            raise MediaError("the image URL redirected to a malformed URL", param) from None
         if target.host != source.host:
             raise MediaError(f"the image URL redirected to another host ({target.host!r}); "
                              "only redirects within the same host are followed", param)

@@ -119,7 +119,7 @@ class HttpImageFetcher:
     def _get(self, client: httpx.Client, url: httpx.URL, param: str,
              deadline: float) -> tuple[bytes | None, str | None]:
         """(the body, None) for a 200, (None, the Location) for a redirect."""
-        request = self._pinned_request(client, url, param)
+        request = self._pinned_request(client, url, param, deadline)
         response = client.send(request, stream=True)
         try:
             if response.is_redirect:
@@ -130,15 +130,19 @@ class HttpImageFetcher:
         finally:
             response.close()
 
-    def _pinned_request(self, client: httpx.Client, url: httpx.URL,
-                        param: str) -> httpx.Request:
+    def _pinned_request(self, client: httpx.Client, url: httpx.URL, param: str,
+                        deadline: float) -> httpx.Request:
         """A GET to the checked address itself: a name resolved here is not looked up
-        again (a second answer could be a private address), TLS still checks the name."""
+        again (a second answer could be a private address), TLS still checks the name.
+        Its connect and read timeouts are what is left of the fetch's deadline."""
         address = ip_literal(url.host) or self._resolve(url, param)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise httpx.ConnectTimeout("the fetch's deadline passed")
         headers = {"Host": url.netloc.decode("ascii"), "Accept": "image/*",
                    "Accept-Encoding": "identity"}   # counted bytes are the image's bytes
         return client.build_request("GET", url.copy_with(host=str(address)), headers=headers,
-                                    extensions={"sni_hostname": url.host})
+                                    timeout=remaining, extensions={"sni_hostname": url.host})
 
     def _resolve(self, url: httpx.URL, param: str) -> _IPAddress:
         try:

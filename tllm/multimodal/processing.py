@@ -50,11 +50,7 @@ class MultimodalProcessor:
                              "prompt (limit_mm_per_prompt)", f"{param}.image")
         pil = [load_image(image, f"{param}.image[{i}]", self.max_pixels)
                for i, image in enumerate(images)]
-        rewrite = getattr(self.model_cls, "prompt_text", None)
-        if rewrite is not None and pil:  # Gemma 3 writes each image out around its token
-            text = rewrite(text, self.hf_config, self.tokenizer)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        offsets = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        token_ids, offsets = self._placeholders(text, pil, add_special_tokens)
         if len(offsets) != len(pil):
             raise MediaError(f"the prompt has {len(offsets)} image placeholders for "
                              f"{len(pil)} images", param)
@@ -65,6 +61,11 @@ class MultimodalProcessor:
         except (ValueError, TypeError, IndexError) as exc:
             raise MediaError(f"the image processor refused the images: {exc}", param) from None
         parts = self.model_cls.split_items(processed, self.hf_config)
+        if len(parts) != len(pil):   # pan-and-scan crops: more images the text writes out
+            token_ids, offsets = self._placeholders(text, pil, add_special_tokens, processed)
+            if len(offsets) != len(parts):
+                raise MediaError(f"the prompt has {len(offsets)} image placeholders for "
+                                 f"{len(parts)} images and crops", param)
         token_ids, items = _expand(token_ids, offsets, parts, self.image_token_id)
         mm = MultimodalInputs(items,
                               whole_items=getattr(self.model_cls, "bidirectional_images", False))
@@ -72,6 +73,17 @@ class MultimodalProcessor:
             mm.mrope_positions, mm.mrope_delta = self.model_cls.prompt_positions(
                 len(token_ids), items, self.hf_config)
         return token_ids, mm
+
+    def _placeholders(self, text: str, pil: list, add_special_tokens: bool,
+                      processed: dict | None = None) -> tuple[list[int], list[int]]:
+        """The prompt's token ids and the offsets of its image placeholder tokens; a model
+        that writes each image out around its token (Gemma 3) rewrites the text first,
+        with the crops of `processed` once it has them."""
+        rewrite = getattr(self.model_cls, "prompt_text", None)
+        if rewrite is not None and pil:
+            text = rewrite(text, self.hf_config, self.tokenizer, processed)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return token_ids, [i for i, t in enumerate(token_ids) if t == self.image_token_id]
 
 
 def _expand(token_ids: list[int], offsets: list[int], parts: list[tuple[dict, int]],

@@ -9,6 +9,8 @@
 #   bash benchmarks/gpu_session.sh window   # spec replay, guided (carry .smol/tok), LoRA, INT4
 #   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
 #   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
+#   bash benchmarks/gpu_session.sh verify  # the GPU suite, DeepSeek's graphs, issue 33 (one call)
+#   bash benchmarks/gpu_session.sh next    # issues 35, 36, 39 (NEXT_CALL=1, then 2)
 #   bash benchmarks/gpu_session.sh next     # issues 35, 36: deterministic mode; pooling budgets
 #   NEXT_CALL=2 bash benchmarks/gpu_session.sh next  # issue 39: TeaCache, FP8 (second call)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
@@ -136,6 +138,14 @@ case $section in
     export PYTHONUNBUFFERED=1
     step gpu_vlm 540 python3 benchmarks/gpu_vlm.py
     ;;
+  verify)  # first call of the next session: the GPU suite (its fixes of 2026-12-06 never ran
+    # there: rope tables under piecewise capture for DeepSeek's MLA, GPT-OSS/Granite tests on
+    # older transformers), DeepSeek CPU = CUDA eager = CUDA graphs, then issue 33's figures
+    export PYTHONUNBUFFERED=1
+    GPU_SUITE_TIMEOUT=390 bash benchmarks/gpu_suite.sh
+    step diag_deepseek 50 python3 benchmarks/gpu_diag_layers.py DeepseekV2,DeepseekV3
+    step gpu_deepseek 110 python3 benchmarks/gpu_deepseek.py --budget 100
+    ;;
   next)  # what issues 35, 36 and 39 still lack, by value, in two calls of ~560 s each
     # (carry .whl built with ../shared/gpu/wheels.sh pytest sentence-transformers pillow):
     #   call 1 (default): deterministic mode bitwise over random compositions and its cost,
@@ -156,6 +166,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|next|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|stage|smollm2 ..."; exit 2 ;;
 esac
 done

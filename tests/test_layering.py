@@ -22,7 +22,7 @@ LAYERS = {
     "tllm.distributed.comm": 2, "tllm.distributed.rendezvous": 2,
     "tllm.models": 3, "tllm.loader": 3,
     "tllm.multimodal": 3, "tllm.multimodal.inputs": 0, "tllm.multimodal.media": 0,
-    "tllm.multimodal.chat": 0,
+    "tllm.multimodal.chat": 0, "tllm.multimodal.fetch": 0,
     "tllm.kv_cache": 4, "tllm.scheduler": 4, "tllm.sampling": 4, "tllm.speculative": 4,
     "tllm.lora": 4, "tllm.lora.request": 0, "tllm.guided": 4,
     "tllm.runner": 5,

@@ -335,6 +335,11 @@ class LlmArgs(BaseModel):
     # file:// image URLs may be read (None: never).
     limit_mm_per_prompt: dict[str, int] = Field(default_factory=lambda: {"image": 8})
     allowed_local_media_path: str | None = None
+    # http(s) image URLs: fetched only from these hosts (vLLM's --allowed-media-domains;
+    # None: never), each fetch within a deadline and a byte limit (tllm.multimodal.fetch).
+    allowed_media_domains: list[str] | None = None
+    media_fetch_timeout_s: float = Field(5.0, gt=0)
+    max_media_fetch_bytes: int = Field(16 << 20, ge=1)
     # RL rollouts: a request submitted while the engine sleeps waits for wake_up ("wait")
     # or fails at once ("fail"; tllm.executor.loop_gate.EngineAsleepError).
     sleep_mode_policy: Literal["wait", "fail"] = "wait"
@@ -351,6 +356,14 @@ class LlmArgs(BaseModel):
                 raise ValueError("limit_mm_per_prompt takes {'image': count >= 0}, got "
                                  f"{limits!r}")
         return limits
+
+    @field_validator("allowed_media_domains")
+    @classmethod
+    def _check_media_domains(cls, entries: list[str] | None) -> list[str] | None:
+        from tllm.multimodal.fetch import parse_allowed_host
+        for entry in entries or ():
+            parse_allowed_host(entry)
+        return entries
 
     @field_validator("generation_config")
     @classmethod

@@ -208,9 +208,12 @@ def test_quantization_and_kv_cache_dtype_flags():
 
 def test_multimodal_flags():
     kwargs = llm_kwargs(parse("--limit-mm-per-prompt", '{"image": 3}',
-                              "--allowed-local-media-path", "/srv/images"))
+                              "--allowed-local-media-path", "/srv/images",
+                              "--allowed-media-domains", "img.example", "http://10.0.0.5"))
     assert kwargs["limit_mm_per_prompt"] == {"image": 3}
     assert LlmArgs(**kwargs).allowed_local_media_path == "/srv/images"
+    assert LlmArgs(**kwargs).allowed_media_domains == ["img.example", "http://10.0.0.5"]
+    assert LlmArgs(model="m").allowed_media_domains is None   # http(s) off by default
     with pytest.raises(SystemExit):
         parse("--limit-mm-per-prompt", "3")
     with pytest.raises(ValueError, match="limit_mm_per_prompt"):

@@ -1,8 +1,8 @@
 """Gemma 3 with images (tiny, random, fp32; SigLIP tower, Gemma 3 decoder with sliding and
 global layers): greedy tokens equal HF transformers' Gemma3ForConditionalGeneration (whose
 image tokens attend to each other both ways in prefill) for prompts with 0, 1 and 2 images
-in one continuous batch, with prefix reuse on and off; the same image reuses cached blocks,
-a different image does not."""
+in one continuous batch, with prefix reuse on and off, and with pan-and-scan crops; the same
+image reuses cached blocks, a different image does not."""
 from __future__ import annotations
 
 import pytest
@@ -159,12 +159,68 @@ def test_prompt_tokens_equal_gemma3_processor(tiny_gemma3_vl):
     assert [item.length for item in mm.items] == [TOKENS_PER_IMAGE] * 2
 
 
-def test_pan_and_scan_crops_are_refused(tiny_gemma3_vl):
-    from tllm.models.gemma3_vl import Gemma3ForConditionalGeneration
-    config = tiny_gemma3_vl[1].config
-    processed = {"pixel_values": torch.zeros(3, 3, 28, 28), "num_crops": torch.tensor([2])}
-    with pytest.raises(ValueError, match="pan-and-scan"):
-        Gemma3ForConditionalGeneration.split_items(processed, config)
+@pytest.fixture(scope="module")
+def pan_and_scan_gemma3(tiny_gemma3_vl, tmp_path_factory):
+    """The tiny Gemma 3 again, its image processor cropping wide and tall images into
+    28-pixel-high or -wide crops (do_pan_and_scan in preprocessor_config.json)."""
+    import shutil
+    from transformers import Gemma3Processor
+    from transformers.models.gemma3.image_processing_pil_gemma3 import (
+        Gemma3ImageProcessorPil)
+    path, hf_model, processor = tiny_gemma3_vl
+    pas_path = tmp_path_factory.mktemp("tiny_gemma3_vl_pan_and_scan")
+    shutil.copytree(path, pas_path, dirs_exist_ok=True)
+    images = Gemma3ImageProcessorPil(size={"height": 28, "width": 28}, do_pan_and_scan=True,
+                                     pan_and_scan_min_crop_size=14,
+                                     pan_and_scan_max_num_crops=3,
+                                     pan_and_scan_min_ratio_to_activate=1.2)
+    pas_processor = Gemma3Processor(image_processor=images, tokenizer=processor.tokenizer,
+                                    image_seq_length=TOKENS_PER_IMAGE)
+    pas_processor.save_pretrained(pas_path)   # processor_config.json holds the image's
+    return pas_path, hf_model, pas_processor
+
+
+def pan_and_scan_cases():
+    wide, tall, square = make_image(28, 90, 5), make_image(60, 28, 6), make_image(28, 28, 9)
+    return [(f"compare {BOI} and {BOI} now", [wide, square]),
+            (f"describe the picture {BOI}", [tall]),
+            ("what is in this image?", [])]
+
+
+def hf_pan_and_scan_inputs(processor, text: str, images: list) -> dict:
+    """Gemma3Processor's own pan-and-scan defaults (256-pixel crops) override the image
+    processor's: name the tiny ones."""
+    return processor(text=[text], images=images or None, return_tensors="pt",
+                     do_pan_and_scan=True, pan_and_scan_min_crop_size=14,
+                     pan_and_scan_max_num_crops=3)
+
+
+def test_pan_and_scan_prompt_tokens_equal_gemma3_processor(pan_and_scan_gemma3):
+    from tllm.multimodal.processing import MultimodalProcessor
+    from tllm.tokenizer import Tokenizer
+    path, hf_model, processor = pan_and_scan_gemma3
+    ours = MultimodalProcessor(processor.image_processor, Tokenizer(processor.tokenizer),
+                               hf_model.config, max_images=4)
+    text, images = pan_and_scan_cases()[0]
+    token_ids, mm = ours.process(text, images)
+    expected = hf_pan_and_scan_inputs(processor, text, images)
+    assert len(expected["pixel_values"]) == 5   # the wide image, its 3 crops, the square
+    assert token_ids == expected["input_ids"][0].tolist()
+    assert [item.length for item in mm.items] == [TOKENS_PER_IMAGE] * 5
+
+
+def test_pan_and_scan_greedy_matches_hf(pan_and_scan_gemma3):
+    path, hf_model, processor = pan_and_scan_gemma3
+    cases = pan_and_scan_cases()
+    with make_llm(path) as llm:
+        outputs = llm.generate(as_inputs(cases), params(), use_tqdm=False)
+    for (text, images), output in zip(cases, outputs):
+        inputs = hf_pan_and_scan_inputs(processor, text, images)
+        with torch.no_grad():
+            out = hf_model.generate(**inputs, max_new_tokens=NUM_NEW, do_sample=False)
+        expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+        assert output.prompt_token_ids == inputs["input_ids"][0].tolist()   # crops and all
+        assert output.outputs[0].token_ids == expected, text
 
 
 def test_chat_with_image_url_equals_hf(tiny_gemma3_vl):

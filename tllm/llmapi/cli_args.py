@@ -24,6 +24,7 @@ _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_le
               "model_impl", "enable_expert_parallel", "enable_lora", "max_loras",
               "max_lora_rank", "max_cpu_loras", "revision", "download_dir",
               "generation_config", "limit_mm_per_prompt", "allowed_local_media_path",
+              "allowed_media_domains",
               "deterministic")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
@@ -87,7 +88,12 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
                             'as JSON (default {"image": 8}); more are a 400')
     group.add_argument("--allowed-local-media-path", metavar="DIR",
                        help="vision-language models: read file:// image URLs under DIR "
-                            "(default: file:// URLs are refused; http(s) is never fetched)")
+                            "(default: file:// URLs are refused)")
+    group.add_argument("--allowed-media-domains", nargs="+", metavar="HOST",
+                       help="vision-language models: fetch http(s) image URLs from these "
+                            "hosts only (exact match; HOST is https, http://HOST plain http, "
+                            "HOST:PORT one port; private addresses only as listed IP "
+                            "literals). Default: http(s) URLs are never fetched")
     _add_lora_args(group)
     group.add_argument("--kv-cache-tokens", type=positive_int, help=text["kv_cache_tokens"])
     group.add_argument("--kv-cache-free-memory-fraction", type=fraction,

@@ -21,6 +21,7 @@ from tllm.loader import DEFAULT_MODEL
 from tllm.lora.request import LoRARequest
 from tllm.lora.targets import LoraTargets
 from tllm.multimodal.chat import has_image_parts, split_chat_images
+from tllm.multimodal.fetch import media_fetcher
 from tllm.multimodal.inputs import MultimodalInputs
 from tllm.outputs import CompletionDelta, RequestOutput
 from tllm.sampling_params import SamplingParams
@@ -194,8 +195,11 @@ class LLM(RolloutMethods, PoolingMethods):
             return {"prompt_token_ids": tokenizer.encode_chat(
                 messages, add_generation_prompt=add_generation_prompt, **template_kwargs),
                 "prompt": None}
+        fetcher = media_fetcher(self.args.allowed_media_domains,
+                                self.args.media_fetch_timeout_s, self.args.max_media_fetch_bytes)
         messages, images = split_chat_images(
-            messages, allowed_local_path=self.args.allowed_local_media_path)
+            messages, allowed_local_path=self.args.allowed_local_media_path,
+            fetch=fetcher.fetch if fetcher else None)
         text = tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
         return {"prompt": text, "multi_modal_data": {"image": images},

@@ -5,7 +5,9 @@ image soft tokens; the decoder is our Gemma 3. Each `<start_of_image>` of the pr
 becomes "\\n\\n<start_of_image>" + soft tokens + "<end_of_image>\\n\\n", as Gemma3Processor
 writes it. The tokens of one image attend to each other both ways in prefill
 (`bidirectional_images`: the runner gives each image token its image's last position as its
-attention limit); decode is causal. Pan-and-scan crops are not supported."""
+attention limit); decode is causal. Pan-and-scan (the image processor's do_pan_and_scan):
+an image's crops are more images of the prompt, written out after it as Gemma3Processor
+writes them ("Here is the original image ... and here are some crops ...")."""
 from __future__ import annotations
 
 from typing import Iterable
@@ -43,28 +45,40 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
     @staticmethod
     def split_items(processed: dict, hf_config) -> list[tuple[dict, int]]:
-        """One (pixel_values [1, 3, H, W], mm_tokens_per_image) per image."""
-        crops = processed.get("num_crops")
-        if crops is not None and any(int(n) for n in torch.as_tensor(crops).flatten()):
-            from tllm.multimodal.media import MediaError
-            raise MediaError("Gemma 3 pan-and-scan crops are not supported: turn "
-                             "do_pan_and_scan off in the image processor", "image")
+        """One (pixel_values [1, 3, H, W], mm_tokens_per_image) per image and per crop, in
+        the image processor's order (each image, then its crops)."""
         count = int(hf_config.mm_tokens_per_image)
         return [({"pixel_values": p[None]}, count) for p in processed["pixel_values"]]
 
     @staticmethod
-    def prompt_text(text: str, hf_config, tokenizer) -> str:
+    def prompt_text(text: str, hf_config, tokenizer, processed: dict | None = None) -> str:
         """The prompt with each <start_of_image> written out as Gemma3Processor does,
-        with one soft token (the processor repeats it per image)."""
-        hf = tokenizer.hf
-        boi, eoi, soft = hf.convert_ids_to_tokens(
+        with one soft token an image (the processor repeats it): the i-th image's crops
+        (`processed["num_crops"]`; none before the images are processed) follow it."""
+        boi, eoi, soft = tokenizer.hf.convert_ids_to_tokens(
             [hf_config.boi_token_id, hf_config.eoi_token_id, hf_config.image_token_id])
-        marker = "\0tllm-image\0"  # so the boi token written back is not replaced again
-        text = text.replace(boi, marker)
-        return text.replace(marker, f"\n\n{boi}{soft}{eoi}\n\n")
+        image = f"\n\n{boi}{soft}{eoi}\n\n"
+        pieces = text.split(boi)
+        crops = _num_crops(processed)
+        crops += [0] * (len(pieces) - 1 - len(crops))
+        return pieces[0] + "".join(_with_crops(image, n) + piece
+                                   for n, piece in zip(crops, pieces[1:]))
 
     # ---- weights ----
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Either checkpoint layout (see load_vision_language_weights)."""
         return load_vision_language_weights(self, weights, super().load_weights)
+
+
+def _num_crops(processed: dict | None) -> list[int]:
+    crops = None if processed is None else processed.get("num_crops")
+    return [] if crops is None else [int(n) for n in torch.as_tensor(crops).flatten()]
+
+
+def _with_crops(image: str, num_crops: int) -> str:
+    """An image's text, and its crops' after it (Gemma3Processor's layout)."""
+    if not num_crops:
+        return image
+    return (f"Here is the original image {image} and here are some crops to help you see "
+            "better " + " ".join([image] * num_crops))

@@ -1,6 +1,7 @@
 """Images as users give them, made PIL RGB images within limits: a PIL image, a numpy
 array, a file path (the Python API), or an OpenAI `image_url` (data: URLs always;
-file:// only under an allowed folder; http(s) never: the engine fetches nothing).
+file:// only under an allowed folder; http(s) only through a fetcher for an operator's
+allow-list, tllm.multimodal.fetch).
 Every refusal is a MediaError (a ValueError) naming the part it came from."""
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import binascii
 import io
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlparse
 
@@ -49,9 +51,10 @@ def load_image(value: Any, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXEL
 
 
 def load_image_url(url: str, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
-                   allowed_local_path: str | None = None):
-    """The image an OpenAI image_url names: a base64 data: URL, or a file:// URL under
-    `allowed_local_path`."""
+                   allowed_local_path: str | None = None,
+                   fetch: Callable[[str, str], bytes] | None = None):
+    """The image an OpenAI image_url names: a base64 data: URL, a file:// URL under
+    `allowed_local_path`, or an http(s) URL `fetch(url, param)` gets the bytes of."""
     if not isinstance(url, str):
         raise MediaError("image_url.url must be a string", param)
     if url.startswith("data:"):
@@ -62,6 +65,12 @@ def load_image_url(url: str, param: str, max_pixels: int = DEFAULT_MAX_IMAGE_PIX
             raise MediaError("file:// image URLs are off (allowed_local_media_path / "
                              "--allowed-local-media-path turns them on for a folder)", param)
         return load_image(_local_file(url, allowed_local_path, param), param, max_pixels)
+    if scheme in ("http", "https"):
+        if fetch is None:
+            raise MediaError("http(s) image URLs are not fetched (--allowed-media-domains "
+                             "turns them on for listed hosts); send the image as a base64 "
+                             "data: URL", param)
+        return decode_image_bytes(fetch(url, param), param, max_pixels)
     raise MediaError(f"image URLs of scheme {scheme or '(none)'!r} are not fetched; send "
                      "the image as a base64 data: URL", param)
 

@@ -51,11 +51,7 @@ class MultimodalProcessor:
                              "prompt (limit_mm_per_prompt)", f"{param}.image")
         pil = [load_image(image, f"{param}.image[{i}]", self.max_pixels)
                for i, image in enumerate(images)]
-        rewrite = getattr(self.model_cls, "prompt_text", None)
-        if rewrite is not None and pil:  # Gemma 3 writes each image out around its token
-            text = rewrite(text, self.hf_config, self.tokenizer)
-        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        offsets = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        token_ids, offsets = self._placeholders(text, pil, add_special_tokens)
         if len(offsets) != len(pil):
             raise MediaError(f"the prompt has {len(offsets)} image placeholders for "
                              f"{len(pil)} images", param)
@@ -68,8 +64,13 @@ class MultimodalProcessor:
                                              **options(self.hf_config))
         except (ValueError, TypeError, IndexError) as exc:
             raise MediaError(f"the image processor refused the images: {exc}", param) from None
-        parts = [(data, [self.image_token_id] * count) for data, count
-                 in self.model_cls.split_items(processed, self.hf_config)]
+        splits = self.model_cls.split_items(processed, self.hf_config)
+        if len(splits) != len(pil):   # pan-and-scan crops: more images the text writes out
+            token_ids, offsets = self._placeholders(text, pil, add_special_tokens, processed)
+            if len(offsets) != len(splits):
+                raise MediaError(f"the prompt has {len(offsets)} image placeholders for "
+                                 f"{len(splits)} images and crops", param)
+        parts = [(data, [self.image_token_id] * count) for data, count in splits]
         layout = getattr(self.model_cls, "placeholder_layout", None)
         if layout is not None:  # Mistral 3: rows of image tokens end in break tokens
             parts = [layout(data, self.hf_config, self.tokenizer) for data, _ in parts]
@@ -80,6 +81,17 @@ class MultimodalProcessor:
             mm.mrope_positions, mm.mrope_delta = self.model_cls.prompt_positions(
                 len(token_ids), items, self.hf_config)
         return token_ids, mm
+
+    def _placeholders(self, text: str, pil: list, add_special_tokens: bool,
+                      processed: dict | None = None) -> tuple[list[int], list[int]]:
+        """The prompt's token ids and the offsets of its image placeholder tokens; a model
+        that writes each image out around its token (Gemma 3) rewrites the text first,
+        with the crops of `processed` once it has them."""
+        rewrite = getattr(self.model_cls, "prompt_text", None)
+        if rewrite is not None and pil:
+            text = rewrite(text, self.hf_config, self.tokenizer, processed)
+        token_ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return token_ids, [i for i, t in enumerate(token_ids) if t == self.image_token_id]
 
 
 def _expand(token_ids: list[int], offsets: list[int], parts: list[tuple[dict, list[int]]]

@@ -18,6 +18,7 @@ from tllm.multimodal.chat import IMAGE_PART_TYPES, split_chat_images
 from tllm.multimodal.media import MediaError
 from tllm.serve.context import ChoiceUsage, ServingContext, check_text, event_stream, sse
 from tllm.serve.http.errors import bad_request
+from tllm.serve.openai.image_fetch import prefetch_images
 from tllm.serve.openai.generation import Choice, Generation, PromptInput, abort_on_disconnect
 from tllm.serve.openai.params import guided_decoding, guided_request, max_new_tokens, sampling_params
 from tllm.serve.openai.protocol import (AssistantMessage, ChatChoice, ChatCompletionChunk,
@@ -178,17 +179,18 @@ async def image_chat_prompt(ctx: ServingContext, messages: list[dict], param: st
         kwargs["chat_template"] = ctx.config.chat_template
     args = getattr(ctx.llm, "args", None)
     limit = getattr(args, "limit_mm_per_prompt", None)
+    max_images = limit.get("image", 0) if limit is not None else None
     tokenizer = ctx.tokenizer
 
-    def prepare() -> PromptInput:
+    def prepare(fetch) -> PromptInput:
         parts, images = split_chat_images(
             messages, param, ctx.config.max_image_pixels,
-            getattr(args, "allowed_local_media_path", None),
-            limit.get("image", 0) if limit is not None else None)
+            getattr(args, "allowed_local_media_path", None), max_images, fetch)
         text = tokenizer.apply_chat_template(parts, **kwargs)
         return PromptInput(tokenizer.encode(text, add_special_tokens=False), text, images)
     try:
-        return await ctx.run_in_tokenizer(prepare)
+        fetch = await prefetch_images(args, messages, param, max_images)
+        return await ctx.run_in_tokenizer(prepare, fetch)
     except MediaError as exc:
         raise bad_request(str(exc), param=exc.param) from None
     except (ValueError, TypeError, TemplateError) as exc:

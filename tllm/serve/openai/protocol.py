@@ -170,7 +170,7 @@ class ImageUrl(_Body):
 
 class ImageUrlPart(_Body):
     """An image for a vision-language model: a base64 data: URL (file:// under
-    --allowed-local-media-path; other URLs are not fetched)."""
+    --allowed-local-media-path; http(s) only from --allowed-media-domains)."""
 
     type: Literal["image_url"]
     image_url: ImageUrl

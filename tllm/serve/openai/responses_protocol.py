@@ -33,7 +33,7 @@ class InputTextPart(_Body):
 
 class InputImagePart(_Body):
     """An image for a vision-language model: `image_url` a base64 data: URL (file://
-    under --allowed-local-media-path; other URLs are not fetched)."""
+    under --allowed-local-media-path; http(s) only from --allowed-media-domains)."""
 
     type: Literal["input_image"]
     image_url: str

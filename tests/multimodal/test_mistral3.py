@@ -2,8 +2,8 @@
 greedy tokens equal HF transformers' Mistral3ForConditionalGeneration for prompts with 0, 1
 and 2 images of different sizes in one continuous batch with text-only requests, with
 prefill chunks cutting through the images and prefix reuse on and off; the same image
-reuses cached blocks, a different image does not; the prompt's image layout ([IMG] rows
-ending in [IMG_BREAK], the last in [IMG_END]) is PixtralProcessor's."""
+reuses cached blocks, a different image does not; the prompt tokens ([IMG] rows ending in
+[IMG_BREAK], the last in [IMG_END]) equal transformers' PixtralProcessor's."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ import torch
 
 from tests.multimodal.conftest import (image_data_url, make_image, older_checkpoint_name,
                                        reuse_runs, tiny_tokenizer)
-from tests.multimodal.test_gemma3_vl import NUM_NEW, as_inputs, make_llm, params
+from tests.multimodal.test_gemma3_vl import as_inputs, hf_greedy, make_llm, params
 
 IMG, BREAK, END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 SPECIAL = ["<pad>", "<s>", "</s>", "[INST]", "[/INST]", IMG, BREAK, END]
@@ -24,29 +24,36 @@ CHAT_TEMPLATE = (  # Mistral's turns, with an image part written as [IMG]
 PATCH, MERGE, LONGEST_EDGE = 7, 2, 56   # an image token covers 14 x 14 pixels
 
 
-class PixtralReference:
-    """HF inputs as PixtralProcessor makes them (each [IMG] of the text written out as its
-    image's rows; the image processor called with the merged patch size), built here
-    because that processor's module needs torchvision."""
+def tiny_pixtral_processor(tokenizer):
+    """transformers' PixtralProcessor (its image layout is the processor's own)."""
+    import transformers.models.pixtral.image_processing_pil_pixtral as pil
+    images = pil.PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
+                                          patch_size={"height": PATCH, "width": PATCH})
+    processor_cls = pixtral_processor_class()
+    return processor_cls(image_processor=images, tokenizer=tokenizer, patch_size=PATCH,
+                         spatial_merge_size=MERGE)
 
-    def __init__(self, image_processor, tokenizer) -> None:
-        self.image_processor, self.tokenizer = image_processor, tokenizer
 
-    def __call__(self, text: str, images: list) -> dict:
-        inputs = {}
-        if images:
-            side = PATCH * MERGE
-            inputs = dict(self.image_processor(
-                images=images, return_tensors="pt", patch_size={"height": side, "width": side}))
-            for height, width in inputs["image_sizes"].tolist():
-                rows = [["<placeholder>"] * (width // side) + [BREAK]] * (height // side)
-                layout = [token for row in rows for token in row]
-                layout[-1] = END
-                text = text.replace(IMG, "".join(layout), 1)
-            text = text.replace("<placeholder>", IMG)
-        tokens = self.tokenizer(text, return_tensors="pt")
-        inputs.update(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])
-        return inputs
+def pixtral_processor_class():
+    """PixtralProcessor. Its module imports a resize helper from the torchvision image
+    processor's module; without torchvision, the PIL image processor's module lends it
+    the same function while it is imported."""
+    import sys
+    import types
+    try:
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+        return PixtralProcessor
+    except ImportError:
+        pass
+    import transformers.models.pixtral.image_processing_pil_pixtral as pil
+    name = "transformers.models.pixtral.image_processing_pixtral"
+    sys.modules[name] = types.ModuleType(name)
+    sys.modules[name].get_resize_output_image_size = pil.get_resize_output_image_size
+    try:
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+    finally:
+        del sys.modules[name]
+    return PixtralProcessor
 
 
 def tiny_mistral3_config(tokenizer):
@@ -67,14 +74,11 @@ def tiny_mistral3_config(tokenizer):
 
 @pytest.fixture(scope="module")
 def tiny_mistral3(tmp_path_factory):
-    """(folder, HF model, PixtralReference) of a tiny random Mistral 3."""
+    """(folder, HF model, PixtralProcessor) of a tiny random Mistral 3."""
     from transformers import Mistral3ForConditionalGeneration
-    from transformers.models.pixtral.image_processing_pil_pixtral import (
-        PixtralImageProcessorPil)
     path = tmp_path_factory.mktemp("tiny_mistral3")
     tokenizer = tiny_tokenizer(SPECIAL, CHAT_TEMPLATE, pad_token="<pad>")
-    images = PixtralImageProcessorPil(size={"longest_edge": LONGEST_EDGE},
-                                      patch_size={"height": PATCH, "width": PATCH})
+    processor = tiny_pixtral_processor(tokenizer)
     torch.manual_seed(0)
     model = Mistral3ForConditionalGeneration(tiny_mistral3_config(tokenizer)).eval()
     with torch.no_grad():  # HF initialises the RMS norms at 1: make them count
@@ -82,16 +86,9 @@ def tiny_mistral3(tmp_path_factory):
             if "norm" in name:
                 param.normal_(1.0, 0.3)
     model.save_pretrained(path)
-    images.save_pretrained(path)
+    processor.image_processor.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    return path, model, PixtralReference(images, tokenizer)
-
-
-def hf_greedy(model, reference, text: str, images: list) -> list[int]:
-    inputs = reference(text, images)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=NUM_NEW, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return path, model, processor
 
 
 def prompts_with_images():
@@ -108,40 +105,41 @@ def prompts_with_images():
 def test_greedy_matches_hf_in_continuous_batch(tiny_mistral3, enable_block_reuse,
                                                max_num_tokens):
     """max_num_tokens=8: prefill chunks cut through the images' rows."""
-    path, hf_model, reference = tiny_mistral3
+    path, hf_model, processor = tiny_mistral3
     cases = prompts_with_images()
     with make_llm(path, enable_block_reuse, max_num_tokens) as llm:
         outputs = llm.generate(as_inputs(cases), params(), use_tqdm=False)
     for (text, images), output in zip(cases, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(hf_model, reference, text, images)
+        assert output.outputs[0].token_ids == hf_greedy(hf_model, processor, text, images)
 
 
 @pytest.mark.parametrize("text", [f"{IMG}describe the picture in a few words",
                                   f"a red square and a blue circle, {IMG}"])
 def test_same_image_reuses_blocks_a_different_one_never(tiny_mistral3, text):
-    path, hf_model, reference = tiny_mistral3
+    path, hf_model, processor = tiny_mistral3
     first, other = make_image(42, 56, 7), make_image(42, 56, 8)
     with make_llm(path) as llm:   # the repeat: the same pixels, another object
         runs = reuse_runs(llm, text, [first, first.copy(), other], params())
     (tokens, reused), (again, reused_again), (different, reused_other) = runs
-    assert reused == 0 and tokens == hf_greedy(hf_model, reference, text, [first])
+    assert reused == 0 and tokens == hf_greedy(hf_model, processor, text, [first])
     assert again == tokens and reused_again > 0
-    assert different == hf_greedy(hf_model, reference, text, [other])
+    assert different == hf_greedy(hf_model, processor, text, [other])
     if text.startswith(IMG):
         assert reused_other == 0   # every block holds or follows the image
 
 
-def test_prompt_tokens_equal_pixtral_layout(tiny_mistral3):
+def test_prompt_tokens_equal_pixtral_processor(tiny_mistral3):
     from tllm.multimodal.processing import MultimodalProcessor
     from tllm.tokenizer import Tokenizer
-    path, hf_model, reference = tiny_mistral3
-    ours = MultimodalProcessor(reference.image_processor, Tokenizer(reference.tokenizer),
+    path, hf_model, processor = tiny_mistral3
+    ours = MultimodalProcessor(processor.image_processor, Tokenizer(processor.tokenizer),
                                hf_model.config, max_images=4)
     text, images = prompts_with_images()[2]
     token_ids, mm = ours.process(text, images)
-    assert token_ids == reference(text, images)["input_ids"][0].tolist()
+    expected = processor(text=[text], images=images, return_tensors="pt")["input_ids"]
+    assert token_ids == expected[0].tolist()
     assert [item.length for item in mm.items] == [15, 12]
-    end = reference.tokenizer.convert_tokens_to_ids(END)
+    end = processor.tokenizer.convert_tokens_to_ids(END)
     assert [token_ids[item.end - 1] for item in mm.items] == [end, end]
 
 
@@ -156,7 +154,7 @@ def test_tokenizer_without_break_token_is_refused(tiny_mistral3):
 
 
 def test_chat_with_image_url_equals_hf(tiny_mistral3):
-    path, hf_model, reference = tiny_mistral3
+    path, hf_model, processor = tiny_mistral3
     image = make_image(42, 56, 4)
     url = image_data_url(image)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
@@ -164,7 +162,7 @@ def test_chat_with_image_url_equals_hf(tiny_mistral3):
     with make_llm(path) as llm:
         chat = llm.chat(messages, params(), use_tqdm=False)
     text = f"<s>[INST]{IMG}what is in this image?[/INST]"
-    assert chat.outputs[0].token_ids == hf_greedy(hf_model, reference, text, [image])
+    assert chat.outputs[0].token_ids == hf_greedy(hf_model, processor, text, [image])
 
 
 def test_older_checkpoint_layout_loads(tiny_mistral3):

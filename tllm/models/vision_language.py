@@ -1,6 +1,6 @@
 """What the vision-language models with a `vision_tower` and a `multi_modal_projector`
-(LLaVA, Gemma 3, Mistral 3, LLaVA-OneVision) share: the tower built from transformers, and
-their checkpoints split into the tower's and projector's tensors (copied here) and the
+(LLaVA, Gemma 3, Mistral 3, LLaVA-OneVision) share: the tower built from transformers, its
+selected layer's patch features, and their checkpoints split into the tower's and projector's tensors (copied here) and the
 decoder's (handed to the decoder's own loader)."""
 from __future__ import annotations
 

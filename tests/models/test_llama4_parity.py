@@ -160,3 +160,32 @@ def test_cuda_greedy_matches_hf(tiny_llama4):
     for prompt, output in zip(prompts, outputs):
         ref, _ = hf_greedy(hf_model, prompt, 12)
         assert list(output.outputs[0].token_ids)[:len(ref)] == ref
+
+
+def test_released_checkpoint_class_serves_its_text_model(tmp_path):
+    """Llama 4 Scout / Maverick ship as Llama4ForConditionalGeneration: the text model loads
+    from it (vision tensors skipped) and gives HF's greedy tokens for text prompts."""
+    import transformers
+    vision = transformers.Llama4VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+        image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+        projector_output_dim=32, pixel_shuffle_ratio=0.5)
+    config = transformers.Llama4Config(text_config=tiny_llama4_config().to_dict(),
+                                       vision_config=vision.to_dict(),
+                                       architectures=["Llama4ForConditionalGeneration"])
+    torch.manual_seed(1)
+    hf_model = transformers.Llama4ForConditionalGeneration(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    prompts = make_prompts(config.text_config.vocab_size)[:4]
+    with LLM(str(tmp_path), max_num_tokens=24, max_batch_size=3,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=1024)) as llm:
+        assert not llm.takes_images
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                               use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                     max_new_tokens=8, do_sample=False)[0, len(prompt):]
+        assert output.outputs[0].token_ids[:len(want)] == want.tolist()

@@ -158,3 +158,27 @@ class Llama4ForCausalLM(MixtralForCausalLM):
         order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
         heads = tensor.reshape(-1, head_dim, *tensor.shape[1:])
         return heads.index_select(1, order.to(tensor.device)).reshape(tensor.shape)
+
+
+_VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
+
+
+@register_model("Llama4ForConditionalGeneration")
+class Llama4TextOfMultimodal(Llama4ForCausalLM):
+    """Llama 4 as released (Scout, Maverick: Llama4ForConditionalGeneration checkpoints):
+    their text model served alone. The vision tower's and projector's tensors are skipped;
+    the model takes no images (a prompt with one is refused as for any text model)."""
+
+    def __init__(self, config, backend_cls: type[AttentionBackend], max_position: int,
+                 quant_config=None) -> None:
+        super().__init__(config.get_text_config(), backend_cls, max_position, quant_config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """transformers 5's names (model.language_model.*, lm_head.*) or the released
+        checkpoints' (language_model.model.*, language_model.lm_head.*)."""
+        def text_weights():
+            for name, tensor in weights:
+                name = name.removeprefix("model.")
+                if not name.startswith(_VISION_PREFIXES):
+                    yield name.removeprefix("language_model.").removeprefix("model."), tensor
+        return super().load_weights(text_weights())

@@ -19,6 +19,7 @@ _MODULES = {
     "Qwen3ForCausalLM": "tllm.models.qwen3",
     "MixtralForCausalLM": "tllm.models.mixtral",
     "Llama4ForCausalLM": "tllm.models.llama4",
+    "Llama4ForConditionalGeneration": "tllm.models.llama4",
     "Qwen2MoeForCausalLM": "tllm.models.qwen2_moe",
     "Qwen3MoeForCausalLM": "tllm.models.qwen3_moe",
     "Gemma2ForCausalLM": "tllm.models.gemma2",

@@ -1,0 +1,115 @@
+"""The Triton gated delta rule kernels (single-step decode, varlen prefill) against the torch
+references in tllm/kernels/gated_delta_ref.py: tiny shapes, random states and inputs, states
+read and written at their slots and the other slots untouched."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tllm.kernels import gated_delta_ref  # noqa: E402
+from tllm.kernels.triton.gated_delta import (gated_delta_prefill,  # noqa: E402
+                                             gated_delta_step)
+
+DK, DV = 8, 12      # DV not a power of two: the masked tail of the value tile
+NUM_SLOTS = 5
+
+
+def _inputs(num_tokens, k_heads, v_heads, device, dtype=torch.float32):
+    """Raw q, k (as the kernels take them), v, g (log decay <= 0), beta in (0, 1)."""
+    q, k = (torch.randn(num_tokens, k_heads, DK, device=device).to(dtype) for _ in range(2))
+    v = torch.randn(num_tokens, v_heads, DV, device=device).to(dtype)
+    g = -torch.rand(num_tokens, v_heads, device=device) * 0.5
+    beta = torch.rand(num_tokens, v_heads, device=device)
+    return q, k, v, g, beta
+
+
+def _ref_queries_keys(q, k, v_heads):
+    """What the reference takes: normalised, repeated to the value heads, q scaled."""
+    per_k = v_heads // q.shape[1]
+    q, k = (gated_delta_ref.l2_normalize(t.float()).repeat_interleave(per_k, dim=1)
+            for t in (q, k))
+    return q * DK ** -0.5, k
+
+
+def _check_state(state, before, slots, want_states, atol):
+    untouched = [s for s in range(NUM_SLOTS) if s not in slots]
+    torch.testing.assert_close(state[untouched], before[untouched], atol=0, rtol=0)
+    torch.testing.assert_close(state[slots].float(), torch.stack(want_states).float(),
+                               atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("k_heads,v_heads", [(1, 1), (2, 4)])
+def test_step(device, k_heads, v_heads):
+    torch.manual_seed(k_heads + v_heads)
+    state = torch.randn(NUM_SLOTS, v_heads, DK, DV, device=device)
+    before = state.clone()
+    slots = [3, 0, 4]
+    q, k, v, g, beta = _inputs(len(slots), k_heads, v_heads, device)
+    want_state = state[slots].clone()
+    want = gated_delta_ref.gated_delta_step_ref(*_ref_queries_keys(q, k, v_heads), v, g, beta,
+                                                want_state)
+    got = gated_delta_step(state, torch.tensor(slots, device=device), q, k, v, g, beta,
+                           DK ** -0.5)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _check_state(state, before, slots, list(want_state), atol=1e-4)
+
+
+def _prefill_case(lens, slots, k_heads, v_heads, device, dtype, state_dtype):
+    """(got, want, state, before, want_states) for one mixed batch."""
+    state = torch.randn(NUM_SLOTS, v_heads, DK, DV, device=device).to(state_dtype)
+    before = state.clone()
+    q, k, v, g, beta = _inputs(sum(lens), k_heads, v_heads, device, dtype)
+    rq, rk = _ref_queries_keys(q, k, v_heads)
+    cu = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+    wants, want_states = [], []
+    for i, slot in enumerate(slots):
+        part = slice(int(cu[i]), int(cu[i + 1]))
+        out, final = gated_delta_ref.gated_delta_chunked_ref(
+            rq[part], rk[part], v[part], g[part], beta[part], state[slot], chunk_size=4)
+        wants.append(out)
+        want_states.append(final)
+    got = gated_delta_prefill(state, torch.tensor(slots, device=device), cu, q, k, v, g, beta,
+                              DK ** -0.5)
+    return got, torch.cat(wants), state, before, want_states
+
+
+@pytest.mark.parametrize("lens,slots", [([9, 1, 3], [1, 3, 0]), ([2, 17], [4, 2]), ([6], [0])])
+@pytest.mark.parametrize("k_heads,v_heads", [(1, 2), (2, 4)])
+def test_prefill_varlen(device, lens, slots, k_heads, v_heads):
+    torch.manual_seed(sum(lens) + v_heads)
+    got, want, state, before, want_states = _prefill_case(
+        lens, slots, k_heads, v_heads, device, torch.float32, torch.float32)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _check_state(state, before, slots, want_states, atol=1e-4)
+
+
+def test_prefill_bf16_inputs_and_state(device):
+    """bf16 q, k, v (fp32 inside, as the reference upcasts them): out within fp32 rounding;
+    a bf16 state is rounded once when stored, so within bf16's epsilon of the reference."""
+    torch.manual_seed(7)
+    got, want, state, before, want_states = _prefill_case(
+        [5, 3], [2, 1], 2, 4, device, torch.bfloat16, torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    _check_state(state, before, [2, 1], [s.to(torch.bfloat16) for s in want_states], atol=1e-2)
+
+
+def test_prefill_then_step_composes(device):
+    """Chunked prefill composes: a prompt in two prefill calls, then a decode step, equals
+    one prefill of all its tokens."""
+    torch.manual_seed(3)
+    q, k, v, g, beta = _inputs(10, 2, 2, device)
+    slot = torch.tensor([1], device=device)
+    whole = torch.randn(2, 2, DK, DV, device=device)
+    split = whole.clone()
+    want = gated_delta_prefill(whole, slot, torch.tensor([0, 10], device=device,
+                                                         dtype=torch.int32),
+                               q, k, v, g, beta, DK ** -0.5)
+    outs = []
+    for a, b in [(0, 6), (6, 9)]:
+        cu = torch.tensor([0, b - a], device=device, dtype=torch.int32)
+        outs.append(gated_delta_prefill(split, slot, cu, q[a:b], k[a:b], v[a:b], g[a:b],
+                                        beta[a:b], DK ** -0.5))
+    outs.append(gated_delta_step(split, slot, q[9:], k[9:], v[9:], g[9:], beta[9:],
+                                 DK ** -0.5))
+    torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)

@@ -113,3 +113,49 @@ def test_prefill_then_step_composes(device):
                                  DK ** -0.5))
     torch.testing.assert_close(torch.cat(outs), want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def _layer_and_state(device):
+    """A tiny gated DeltaNet layer on random weights and a state whose slots hold stale
+    values (a new request must not read them)."""
+    from tllm.layers.gated_deltanet import DeltaNetStateSpec, GatedDeltaNet, GatedDeltaNetDims
+    dims = GatedDeltaNetDims(hidden_size=32, num_k_heads=2, num_v_heads=4, head_k_dim=DK,
+                             head_v_dim=DV, conv_kernel=4, eps=1e-5, chunk_size=4)
+    layer = GatedDeltaNet(dims).to(device)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        layer.A_log.copy_(torch.rand_like(layer.A_log).log())
+    spec = DeltaNetStateSpec(dims, 1)
+    state = spec.empty_layer(NUM_SLOTS, torch.float32, device)
+    state.saved = spec.empty_layer(2, torch.float32, device)
+    state.conv.normal_()
+    state.ssm.normal_()
+    return layer, state
+
+
+@torch.no_grad()
+def test_layer_triton_equals_torch(device):
+    """A mixed step: a new prompt, a continued prefill chunk (with a checkpoint save inside
+    it), two decodes; the layer with the kernels forced on equals it forced off, outputs,
+    slot states and checkpoints alike."""
+    from tllm.layers.mamba2 import MambaBatch
+    torch.manual_seed(11)
+    layer, state = _layer_and_state(device)
+    batch = MambaBatch([7, 1, 5, 1], [3, 0, 1, 4], [0, 9, 4, 2], save_after=[0, 0, 2, 0],
+                       save_rows=[-1, -1, 1, -1])
+    hidden = torch.randn(14, 32, device=device)
+    results = []
+    for use_triton in (False, True):
+        layer.use_triton = use_triton
+        run_state = type(state)(state.conv.clone(), state.ssm.clone(),
+                                type(state)(state.saved.conv.clone(), state.saved.ssm.clone()))
+        out = layer(hidden, batch, run_state)
+        results.append((out, run_state))
+    (want, want_state), (got, got_state) = results
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for name in ("conv", "ssm"):
+        torch.testing.assert_close(getattr(got_state, name), getattr(want_state, name),
+                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(getattr(got_state.saved, name),
+                                   getattr(want_state.saved, name), atol=1e-4, rtol=1e-4)

@@ -11,16 +11,19 @@ before it, so the layer never materialises the normalised, repeated float32 copi
 decay) and beta come in ready ([T, Hv] float32).
 
 One program owns a (request, value head, Dv tile): the state tile [Dk, BLOCK_V] stays in
-registers. The prefill kernel is, for now, the plain per-token recurrence over the request's
-tokens (not the chunked WY form): exact, but its tokens run one after another, so long prompts
-at small batch leave the GPU idle; the chunked form is the next step."""
+registers. The prefill kernel walks the request's chunks in order in the reference's chunked
+form: a chunk's corrections are one unit lower-triangular solve, then its outputs and the next
+state are matmuls. The solve is forward substitution a row at a time (C short steps per chunk
+of C tokens, as stable as the reference's solve_triangular); a blocked inverse (16 x 16
+diagonal blocks merged by matmuls) would shorten that chain. Chunks of one request are not
+spread over programs; (request, head, tile) programs fill the GPU at serving batch sizes."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from tllm.kernels.triton.launch import cdiv, next_pow2
+from tllm.kernels.triton.launch import cdiv, dot_precision, next_pow2
 
 
 @triton.jit
@@ -42,6 +45,7 @@ def _delta_update(state, q, k, v, g, beta):
 @triton.jit
 def _token_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, row, head, qk_head, kk, vv, mask_k,
                   mask_v, scale, eps, K, s_q, s_k, s_v, s_g, s_beta):
+    """One token's q (normalised, scaled), k (normalised), v tile, g and beta."""
     q = _load_unit(q_ptr + row * s_q + qk_head * K, kk, mask_k, eps) * scale
     k = _load_unit(k_ptr + row * s_k + qk_head * K, kk, mask_k, eps)
     v = tl.load(v_ptr + row * s_v + vv, mask=mask_v, other=0.0).to(tl.float32)
@@ -71,25 +75,82 @@ def _step_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_
 
 
 @triton.jit
+def _chunk_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rows, valid, head, qk_head, kk, vv,
+                  mask_k, mask_v, scale, eps, K, s_q, s_k, s_v, s_g, s_beta):
+    """A chunk's rows: q, k [C, Dk] normalised (q scaled), v [C, BLOCK_V], g, beta [C]. Rows
+    past the request's end are zeros, so they neither decay nor write the state."""
+    mask_qk = valid[:, None] & mask_k[None, :]
+    q = tl.load(q_ptr + rows[:, None] * s_q + qk_head * K + kk[None, :], mask=mask_qk,
+                other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + rows[:, None] * s_k + qk_head * K + kk[None, :], mask=mask_qk,
+                other=0.0).to(tl.float32)
+    q = q * (tl.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
+    k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
+    v = tl.load(v_ptr + rows[:, None] * s_v + vv[None, :],
+                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows * s_g + head, mask=valid, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * s_beta + head, mask=valid, other=0.0).to(tl.float32)
+    return q, k, v, g, beta
+
+
+@triton.jit
+def _solve_unit_lower(a, rhs, li, CHUNK: tl.constexpr):
+    """u with (I + a) u = rhs, `a` strictly lower triangular: forward substitution, a row at
+    a time (as stable as the reference's triangular solve; powers of `a` are not)."""
+    u = rhs
+    for i in range(1, CHUNK):
+        is_row = li[:, None] == i
+        a_row = tl.sum(tl.where(is_row, a, 0.0), 0)                     # a[i, :], zero for j >= i
+        u_row = tl.sum(tl.where(is_row, u, 0.0), 0) - tl.sum(a_row[:, None] * u, 0)
+        u = tl.where(is_row, u_row[None, :], u)
+    return u
+
+
+@triton.jit
+def _chunk_update(state, q, k, v, g, beta, li, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """A chunk of C tokens on a [Dk, BLOCK_V] state tile: the corrections u are one unit
+    lower-triangular solve (the reference's chunked form); outputs and the state follow."""
+    c = tl.cumsum(g, 0)                                                 # [C] log decay
+    # masked before exp: above the diagonal the exponent is positive and may overflow
+    decay = tl.exp(tl.where(li[:, None] >= li[None, :], c[:, None] - c[None, :], float("-inf")))
+    k_k = tl.dot(k, tl.trans(k), input_precision=PRECISION)
+    a = tl.where(li[:, None] > li[None, :], beta[:, None] * k_k * decay, 0.0)
+    rhs = beta[:, None] * (v - tl.exp(c)[:, None] * tl.dot(k, state, input_precision=PRECISION))
+    u = _solve_unit_lower(a, rhs, li, CHUNK)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
+    out = tl.exp(c)[:, None] * tl.dot(q, state, input_precision=PRECISION)
+    out += tl.dot(scores, u, input_precision=PRECISION)
+    total = tl.sum(g, 0)                                                # padded rows add 0
+    k_to_end = k * tl.exp(total - c)[:, None]
+    state = state * tl.exp(total) + tl.dot(tl.trans(k_to_end), u, input_precision=PRECISION)
+    return state, out
+
+
+@triton.jit
 def _prefill_kernel(state_ptr, slot_ptr, cu_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
                     scale, eps, K, V, s_state, s_q, s_k, s_v, s_g, s_beta, s_out,
-                    HEADS_PER_QK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                    HEADS_PER_QK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                    CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     req, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     slot = tl.load(slot_ptr + req).to(tl.int64)
-    first = tl.load(cu_ptr + req).to(tl.int64)    # the loop's rows are int64 from here
-    end = tl.load(cu_ptr + req + 1).to(tl.int64)
+    first, end = tl.load(cu_ptr + req), tl.load(cu_ptr + req + 1)
     kk = tl.arange(0, BLOCK_K)
     vv = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    li = tl.arange(0, CHUNK)
     mask_k, mask_v = kk < K, vv < V
     st_ptrs = state_ptr + slot * s_state + head * K * V + kk[:, None] * V + vv[None, :]
     st_mask = mask_k[:, None] & mask_v[None, :]
     state = tl.load(st_ptrs, mask=st_mask, other=0.0).to(tl.float32)
-    for row in range(first, end):
-        q, k, v, g, beta = _token_inputs(q_ptr, k_ptr, v_ptr + head * V, g_ptr, beta_ptr, row,
-                                         head, head // HEADS_PER_QK, kk, vv, mask_k, mask_v,
-                                         scale, eps, K, s_q, s_k, s_v, s_g, s_beta)
-        state, out = _delta_update(state, q, k, v, g, beta)
-        tl.store(out_ptr + row * s_out + head * V + vv, out, mask=mask_v)
+    for start in range(first, end, CHUNK):
+        rows = (start + li).to(tl.int64)
+        valid = rows < end
+        q, k, v, g, beta = _chunk_inputs(q_ptr, k_ptr, v_ptr + head * V, g_ptr, beta_ptr,
+                                         rows, valid, head, head // HEADS_PER_QK, kk, vv,
+                                         mask_k, mask_v, scale, eps, K, s_q, s_k, s_v, s_g,
+                                         s_beta)
+        state, out = _chunk_update(state, q, k, v, g, beta, li, CHUNK, PRECISION)
+        tl.store(out_ptr + rows[:, None] * s_out + head * V + vv[None, :], out,
+                 mask=valid[:, None] & mask_v[None, :])
     tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=st_mask)
 
 
@@ -109,19 +170,21 @@ def _check_inputs(state, q, k, v, g, beta) -> None:
         raise ValueError(f"v {tuple(v.shape)} does not fit state {tuple(state.shape)}")
 
 
-def _launch(kernel, grid_first: int, extra: tuple, state, q, k, v, g, beta, scale: float,
-            eps: float) -> torch.Tensor:
+def _launch(kernel, grid_first: int, extra: tuple, tensors: tuple, scale: float, eps: float,
+            min_block: int = 1, **meta) -> torch.Tensor:
+    """One program per (request, value head, Dv tile); `min_block`: 16 where tl.dot runs."""
+    state, q, k, v, g, beta = tensors
     _check_inputs(state, q, k, v, g, beta)
     num_heads, k_dim, v_dim = state.shape[1:]
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     if grid_first == 0 or v.shape[0] == 0:
         return out
-    block_v = min(next_pow2(v_dim), 32)    # a 128 x 32 fp32 tile: 32 registers a thread
+    block_v = max(min_block, min(next_pow2(v_dim), 32))   # a 128 x 32 fp32 state tile
     kernel[(grid_first, num_heads, cdiv(v_dim, block_v))](
         state, *extra, q, k, v, g, beta, out, float(scale), float(eps), k_dim, v_dim,
         state.stride(0), q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
-        out.stride(0), HEADS_PER_QK=num_heads // q.shape[1], BLOCK_K=next_pow2(k_dim),
-        BLOCK_V=block_v)
+        out.stride(0), HEADS_PER_QK=num_heads // q.shape[1],
+        BLOCK_K=max(min_block, next_pow2(k_dim)), BLOCK_V=block_v, **meta)
     return out
 
 
@@ -131,15 +194,22 @@ def gated_delta_step(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
     """One decode step for S requests: state [slots_total, Hv, Dk, Dv] updated in place at
     rows `slots` [S]; q, k [S, Hk, Dk] raw (Hv a multiple of Hk); v [S, Hv, Dv]; g, beta
     [S, Hv]. Returns out [S, Hv, Dv] float32."""
-    return _launch(_step_kernel, slots.numel(), (slots,), state, q, k, v, g, beta, scale, eps)
+    return _launch(_step_kernel, slots.numel(), (slots,), (state, q, k, v, g, beta), scale,
+                   eps)
 
 
 def gated_delta_prefill(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                        beta: torch.Tensor, scale: float, eps: float = 1e-6) -> torch.Tensor:
+                        beta: torch.Tensor, scale: float, eps: float = 1e-6,
+                        chunk_size: int = 32) -> torch.Tensor:
     """A flattened batch: request i owns tokens cu_seqlens[i]:cu_seqlens[i+1] of q, k
     [T, Hk, Dk] (raw), v [T, Hv, Dv], g, beta [T, Hv], and starts from state[slots[i]]
     ([slots_total, Hv, Dk, Dv], updated in place to the state after its last token).
-    Returns out [T, Hv, Dv] float32."""
-    return _launch(_prefill_kernel, slots.numel(), (slots, cu_seqlens), state, q, k, v, g,
-                   beta, scale, eps)
+    Returns out [T, Hv, Dv] float32. The kernel's chunk is `chunk_size` within [16, 64]
+    (the C x C and C x Dk tiles stay in registers); the result does not depend on it beyond
+    rounding."""
+    chunk = max(16, min(64, next_pow2(chunk_size)))
+    return _launch(_prefill_kernel, slots.numel(), (slots, cu_seqlens),
+                   (state, q, k, v, g, beta), scale, eps, min_block=16, CHUNK=chunk,
+                   PRECISION=dot_precision(q.dtype),
+                   num_warps=4 if chunk * next_pow2(k.shape[-1]) <= 2048 else 8)

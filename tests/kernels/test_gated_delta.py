@@ -185,3 +185,42 @@ def test_prefill_correlated_keys(device):
                               DK ** -0.5, chunk_size=32)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(state, rows, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_qwen3_next_shapes_on_gpu(dtype, tol):
+    """Qwen3-Next-80B's DeltaNet geometry (16 key heads, 32 value heads, 128 x 128 per head):
+    a mixed prefill batch, then a decode step on the states it left (compiled kernels only;
+    the interpreter would take minutes)."""
+    device, heads, dim = torch.device("cuda"), (16, 32), 128
+    torch.manual_seed(0)
+    lens, slots = [300, 2, 77, 1], [5, 0, 2, 7]
+    state = torch.randn(8, heads[1], dim, dim, device=device) * 0.1
+    q, k = (torch.randn(sum(lens), heads[0], dim, device=device).to(dtype) for _ in range(2))
+    v = torch.randn(sum(lens), heads[1], dim, device=device).to(dtype)
+    g = -torch.rand(sum(lens), heads[1], device=device) * 0.5
+    beta = torch.rand(sum(lens), heads[1], device=device)
+    per_k = heads[1] // heads[0]
+    rq, rk = (gated_delta_ref.l2_normalize(t.float()).repeat_interleave(per_k, 1)
+              for t in (q, k))
+    rq = rq * dim ** -0.5
+    cu = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+    want_states = state[slots].clone()
+    wants = []
+    for i in range(len(lens)):
+        part = slice(int(cu[i]), int(cu[i + 1]))
+        out, want_states[i] = gated_delta_ref.gated_delta_chunked_ref(
+            rq[part], rk[part], v[part], g[part], beta[part], want_states[i])
+        wants.append(out)
+    index = torch.tensor(slots, device=device)
+    got = gated_delta_prefill(state, index, cu, q, k, v, g, beta, dim ** -0.5)
+    torch.testing.assert_close(got, torch.cat(wants), atol=tol, rtol=tol)
+    torch.testing.assert_close(state[slots], want_states, atol=tol, rtol=tol)
+    last = cu[1:] - 1                      # each request's last token again, as a decode
+    want = gated_delta_ref.gated_delta_step_ref(rq[last], rk[last], v[last], g[last],
+                                                beta[last], want_states)
+    got = gated_delta_step(state, index, q[last], k[last], v[last], g[last], beta[last],
+                           dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(state[slots], want_states, atol=tol, rtol=tol)

@@ -138,17 +138,25 @@ def _layer_and_state(device):
     return layer, state
 
 
+STEPS = {   # (seq_lens, slots, starts, save_after, save_rows)
+    "mixed": ([7, 1, 5, 1], [3, 0, 1, 4], [0, 9, 4, 2], [0, 0, 2, 0], [-1, -1, 1, -1]),
+    "decode": ([1, 1, 1], [2, 4, 0], [5, 0, 8], (), ()),
+    "prefill": ([3, 6], [1, 3], [0, 4], [0, 6], [-1, 0]),
+}
+
+
+@pytest.mark.parametrize("step", STEPS)
 @torch.no_grad()
-def test_layer_triton_equals_torch(device):
-    """A mixed step: a new prompt, a continued prefill chunk (with a checkpoint save inside
-    it), two decodes; the layer with the kernels forced on equals it forced off, outputs,
-    slot states and checkpoints alike."""
+def test_layer_triton_equals_torch(device, step):
+    """A mixed step (a new prompt, a continued prefill chunk with a checkpoint save inside
+    it, two decodes), a decode-only and a prefill-only step: the layer with the kernels
+    forced on equals it forced off, outputs, slot states and checkpoints alike."""
     from tllm.layers.mamba2 import MambaBatch
     torch.manual_seed(11)
     layer, state = _layer_and_state(device)
-    batch = MambaBatch([7, 1, 5, 1], [3, 0, 1, 4], [0, 9, 4, 2], save_after=[0, 0, 2, 0],
-                       save_rows=[-1, -1, 1, -1])
-    hidden = torch.randn(14, 32, device=device)
+    lens, slots, starts, save_after, save_rows = STEPS[step]
+    batch = MambaBatch(lens, slots, starts, save_after=save_after, save_rows=save_rows)
+    hidden = torch.randn(sum(lens), 32, device=device)
     results = []
     for use_triton in (False, True):
         layer.use_triton = use_triton

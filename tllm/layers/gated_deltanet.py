@@ -173,31 +173,33 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule_triton(self, q, k, v, g, beta, batch: MambaBatch,
                            state: MambaLayerState) -> torch.Tensor:
-        """All prefill segments in one launch, all decode rows in another; the kernels
-        normalise and scale q and k themselves (raw, per key head, here)."""
+        """All prefill segments in one launch, all decode rows in another (a step of one
+        kind reads its inputs where they lie); the kernels normalise and scale q and k
+        themselves (raw, per key head, here)."""
         from tllm.kernels.triton.gated_delta import gated_delta_prefill, gated_delta_step
-        scale = self.dims.head_k_dim ** -0.5
-        out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        scale, inputs, device = self.dims.head_k_dim ** -0.5, (q, k, v, g, beta), v.device
         parts = list(segments(batch))
         prefill = [(s, n, slot) for s, n, slot in parts if n > 1]
         decode = [(s, slot) for s, n, slot in parts if n == 1]
-        if prefill:
-            rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(v.device)
-            cu = torch.tensor([0] + [n for _, n, _ in prefill]).cumsum(0).to(torch.int32)
-            slots = torch.tensor([slot for *_, slot in prefill], device=v.device)
-            out[rows] = gated_delta_prefill(state.ssm, slots, cu.to(v.device),
-                                            *_rows((q, k, v, g, beta), rows), scale)
-        if decode:
-            rows = torch.tensor([s for s, _ in decode], device=v.device)
-            slots = torch.tensor([slot for _, slot in decode], device=v.device)
-            out[rows] = gated_delta_step(state.ssm, slots, *_rows((q, k, v, g, beta), rows),
-                                         scale)
+        cu = torch.tensor([0] + [n for _, n, _ in prefill]).cumsum(0).to(torch.int32)
+        prefill_slots = torch.tensor([slot for *_, slot in prefill], device=device)
+        decode_slots = torch.tensor([slot for _, slot in decode], device=device)
+        if not decode:
+            return gated_delta_prefill(state.ssm, prefill_slots, cu.to(device), *inputs, scale)
+        if not prefill:
+            return gated_delta_step(state.ssm, decode_slots, *inputs, scale)
+        out = torch.empty(v.shape, dtype=torch.float32, device=device)
+        rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(device)
+        out[rows] = gated_delta_prefill(state.ssm, prefill_slots, cu.to(device),
+                                        *_rows(inputs, rows), scale)
+        rows = torch.tensor([s for s, _ in decode], device=device)
+        out[rows] = gated_delta_step(state.ssm, decode_slots, *_rows(inputs, rows), scale)
         return out
 
 
 def _rows(tensors, rows: torch.Tensor) -> list[torch.Tensor]:
-    """The tokens `rows` of each tensor, each token's row contiguous (as the kernels read)."""
-    return [t[rows].contiguous() for t in tensors]
+    """The tokens `rows` of each tensor (a gather: each token's row contiguous)."""
+    return [t[rows] for t in tensors]
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

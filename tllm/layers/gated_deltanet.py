@@ -184,14 +184,16 @@ class GatedDeltaNet(nn.Module):
         cu = torch.tensor([0] + [n for _, n, _ in prefill]).cumsum(0).to(torch.int32)
         prefill_slots = torch.tensor([slot for *_, slot in prefill], device=device)
         decode_slots = torch.tensor([slot for _, slot in decode], device=device)
+        max_len = max((n for _, n, _ in prefill), default=0)
         if not decode:
-            return gated_delta_prefill(state.ssm, prefill_slots, cu.to(device), *inputs, scale)
+            return gated_delta_prefill(state.ssm, prefill_slots, cu.to(device), *inputs, scale,
+                                       max_len=max_len)
         if not prefill:
             return gated_delta_step(state.ssm, decode_slots, *inputs, scale)
         out = torch.empty(v.shape, dtype=torch.float32, device=device)
         rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(device)
         out[rows] = gated_delta_prefill(state.ssm, prefill_slots, cu.to(device),
-                                        *_rows(inputs, rows), scale)
+                                        *_rows(inputs, rows), scale, max_len=max_len)
         rows = torch.tensor([s for s, _ in decode], device=device)
         out[rows] = gated_delta_step(state.ssm, decode_slots, *_rows(inputs, rows), scale)
         return out

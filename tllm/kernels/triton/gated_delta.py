@@ -11,12 +11,14 @@ before it, so the layer never materialises the normalised, repeated float32 copi
 decay) and beta come in ready ([T, Hv] float32).
 
 One program owns a (request, value head, Dv tile): the state tile [Dk, BLOCK_V] stays in
-registers. The prefill kernel walks the request's chunks in order in the reference's chunked
-form: a chunk's corrections are one unit lower-triangular solve, then its outputs and the next
-state are matmuls. The solve is forward substitution a row at a time (C short steps per chunk
-of C tokens, as stable as the reference's solve_triangular); a blocked inverse (16 x 16
-diagonal blocks merged by matmuls) would shorten that chain. Chunks of one request are not
-spread over programs; (request, head, tile) programs fill the GPU at serving batch sizes."""
+registers. Prefill is the reference's chunked form in two launches. The first gives every
+chunk of every request its (I + A)^-1 (the unit lower-triangular system of the chunk's
+corrections, by forward substitution a row at a time: as stable as the reference's
+solve_triangular), all chunks at once since it does not depend on the state. The second walks
+each request's chunks in order, and there a chunk is only matmuls: corrections, outputs and
+the next state. Chunks of one request are not spread over programs (no state-passing split);
+(request, head, tile) programs fill the GPU at serving batch sizes, fewer for one long
+prompt."""
 from __future__ import annotations
 
 import torch
@@ -75,48 +77,80 @@ def _step_kernel(state_ptr, slot_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_
 
 
 @triton.jit
-def _chunk_inputs(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, rows, valid, head, qk_head, kk, vv,
-                  mask_k, mask_v, scale, eps, K, s_q, s_k, s_v, s_g, s_beta):
-    """A chunk's rows: q, k [C, Dk] normalised (q scaled), v [C, BLOCK_V], g, beta [C]. Rows
-    past the request's end are zeros, so they neither decay nor write the state."""
-    mask_qk = valid[:, None] & mask_k[None, :]
-    q = tl.load(q_ptr + rows[:, None] * s_q + qk_head * K + kk[None, :], mask=mask_qk,
-                other=0.0).to(tl.float32)
-    k = tl.load(k_ptr + rows[:, None] * s_k + qk_head * K + kk[None, :], mask=mask_qk,
-                other=0.0).to(tl.float32)
-    q = q * (tl.rsqrt(tl.sum(q * q, 1) + eps) * scale)[:, None]
-    k = k * tl.rsqrt(tl.sum(k * k, 1) + eps)[:, None]
-    v = tl.load(v_ptr + rows[:, None] * s_v + vv[None, :],
-                mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+def _load_unit_rows(ptr, rows, valid, kk, mask_k, eps, stride):
+    """A chunk's rows of q or k [C, Dk], each L2-normalised; zeros past the request's end."""
+    x = tl.load(ptr + rows[:, None] * stride + kk[None, :],
+                mask=valid[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+    return x * tl.rsqrt(tl.sum(x * x, 1) + eps)[:, None]
+
+
+@triton.jit
+def _chunk_keys(k_ptr, g_ptr, beta_ptr, rows, valid, head, qk_head, kk, mask_k, eps, K, s_k,
+                s_g, s_beta):
+    """A chunk's k [C, Dk] normalised, g and beta [C]. Rows past the request's end are
+    zeros, so they neither decay nor write the state."""
+    k = _load_unit_rows(k_ptr + qk_head * K, rows, valid, kk, mask_k, eps, s_k)
     g = tl.load(g_ptr + rows * s_g + head, mask=valid, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + rows * s_beta + head, mask=valid, other=0.0).to(tl.float32)
-    return q, k, v, g, beta
+    return k, g, beta
+
+
+@triton.jit
+def _decay(g, li):
+    """The chunk's cumulative log decay c [C] and e^{c_i - c_j} for j <= i (0 above)."""
+    c = tl.cumsum(g, 0)
+    # masked before exp: above the diagonal the exponent is positive and may overflow
+    return c, tl.exp(tl.where(li[:, None] >= li[None, :], c[:, None] - c[None, :],
+                              float("-inf")))
 
 
 @triton.jit
 def _solve_unit_lower(a, rhs, li, CHUNK: tl.constexpr):
-    """u with (I + a) u = rhs, `a` strictly lower triangular: forward substitution, a row at
+    """x with (I + a) x = rhs, `a` strictly lower triangular: forward substitution, a row at
     a time (as stable as the reference's triangular solve; powers of `a` are not)."""
-    u = rhs
+    x = rhs
     for i in range(1, CHUNK):
         is_row = li[:, None] == i
-        a_row = tl.sum(tl.where(is_row, a, 0.0), 0)                     # a[i, :], zero for j >= i
-        u_row = tl.sum(tl.where(is_row, u, 0.0), 0) - tl.sum(a_row[:, None] * u, 0)
-        u = tl.where(is_row, u_row[None, :], u)
-    return u
+        a_row = tl.sum(tl.where(is_row, a, 0.0), 0)                  # a[i, :], 0 for j >= i
+        x_row = tl.sum(tl.where(is_row, x, 0.0), 0) - tl.sum(a_row[:, None] * x, 0)
+        x = tl.where(is_row, x_row[None, :], x)
+    return x
 
 
 @triton.jit
-def _chunk_update(state, q, k, v, g, beta, li, CHUNK: tl.constexpr, PRECISION: tl.constexpr):
-    """A chunk of C tokens on a [Dk, BLOCK_V] state tile: the corrections u are one unit
-    lower-triangular solve (the reference's chunked form); outputs and the state follow."""
-    c = tl.cumsum(g, 0)                                                 # [C] log decay
-    # masked before exp: above the diagonal the exponent is positive and may overflow
-    decay = tl.exp(tl.where(li[:, None] >= li[None, :], c[:, None] - c[None, :], float("-inf")))
+def _chunk_inverse_kernel(cu_ptr, k_ptr, g_ptr, beta_ptr, inv_ptr, eps, K, s_k, s_g, s_beta,
+                          HEADS_PER_QK: tl.constexpr, BLOCK_K: tl.constexpr,
+                          CHUNK: tl.constexpr, PRECISION: tl.constexpr):
+    """(I + A)^-1 of one chunk of one request and head, A[i, j] = beta_i (k_i . k_j)
+    e^{c_i - c_j} below the diagonal: it does not depend on the state, so every chunk's
+    runs at once here, off the prefill kernel's chain from chunk to chunk."""
+    req, pid_c, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first, end = tl.load(cu_ptr + req), tl.load(cu_ptr + req + 1)
+    if first + pid_c * CHUNK >= end:
+        return
+    li = tl.arange(0, CHUNK)
+    kk = tl.arange(0, BLOCK_K)
+    rows = (first + pid_c * CHUNK + li).to(tl.int64)
+    valid = rows < end
+    k, g, beta = _chunk_keys(k_ptr, g_ptr, beta_ptr, rows, valid, head, head // HEADS_PER_QK,
+                             kk, kk < K, eps, K, s_k, s_g, s_beta)
+    _, decay = _decay(g, li)
     k_k = tl.dot(k, tl.trans(k), input_precision=PRECISION)
     a = tl.where(li[:, None] > li[None, :], beta[:, None] * k_k * decay, 0.0)
+    eye = tl.where(li[:, None] == li[None, :], 1.0, 0.0)
+    inv = _solve_unit_lower(a, eye, li, CHUNK)
+    row_stride = tl.num_programs(2) * CHUNK           # inv is [T, heads, CHUNK]
+    tl.store(inv_ptr + rows[:, None] * row_stride + head * CHUNK + li[None, :], inv,
+             mask=valid[:, None])
+
+
+@triton.jit
+def _chunk_update(state, q, k, v, g, beta, inv, li, PRECISION: tl.constexpr):
+    """A chunk of C tokens on a [Dk, BLOCK_V] state tile (the reference's chunked form):
+    the corrections u = (I + A)^-1 beta (v - e^c k S), then outputs and the next state."""
+    c, decay = _decay(g, li)
     rhs = beta[:, None] * (v - tl.exp(c)[:, None] * tl.dot(k, state, input_precision=PRECISION))
-    u = _solve_unit_lower(a, rhs, li, CHUNK)
+    u = tl.dot(inv, rhs, input_precision=PRECISION)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * decay
     out = tl.exp(c)[:, None] * tl.dot(q, state, input_precision=PRECISION)
     out += tl.dot(scores, u, input_precision=PRECISION)
@@ -127,8 +161,8 @@ def _chunk_update(state, q, k, v, g, beta, li, CHUNK: tl.constexpr, PRECISION: t
 
 
 @triton.jit
-def _prefill_kernel(state_ptr, slot_ptr, cu_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
-                    scale, eps, K, V, s_state, s_q, s_k, s_v, s_g, s_beta, s_out,
+def _prefill_kernel(state_ptr, slot_ptr, cu_ptr, inv_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+                    out_ptr, scale, eps, K, V, s_state, s_q, s_k, s_v, s_g, s_beta, s_out,
                     HEADS_PER_QK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
                     CHUNK: tl.constexpr, PRECISION: tl.constexpr):
     req, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -141,14 +175,19 @@ def _prefill_kernel(state_ptr, slot_ptr, cu_ptr, q_ptr, k_ptr, v_ptr, g_ptr, bet
     st_ptrs = state_ptr + slot * s_state + head * K * V + kk[:, None] * V + vv[None, :]
     st_mask = mask_k[:, None] & mask_v[None, :]
     state = tl.load(st_ptrs, mask=st_mask, other=0.0).to(tl.float32)
+    inv_ptr += head * CHUNK + li[None, :]
     for start in range(first, end, CHUNK):
         rows = (start + li).to(tl.int64)
         valid = rows < end
-        q, k, v, g, beta = _chunk_inputs(q_ptr, k_ptr, v_ptr + head * V, g_ptr, beta_ptr,
-                                         rows, valid, head, head // HEADS_PER_QK, kk, vv,
-                                         mask_k, mask_v, scale, eps, K, s_q, s_k, s_v, s_g,
-                                         s_beta)
-        state, out = _chunk_update(state, q, k, v, g, beta, li, CHUNK, PRECISION)
+        k, g, beta = _chunk_keys(k_ptr, g_ptr, beta_ptr, rows, valid, head,
+                                 head // HEADS_PER_QK, kk, mask_k, eps, K, s_k, s_g, s_beta)
+        q = _load_unit_rows(q_ptr + (head // HEADS_PER_QK) * K, rows, valid, kk, mask_k, eps,
+                            s_q) * scale
+        v = tl.load(v_ptr + rows[:, None] * s_v + head * V + vv[None, :],
+                    mask=valid[:, None] & mask_v[None, :], other=0.0).to(tl.float32)
+        inv = tl.load(inv_ptr + rows[:, None] * (tl.num_programs(1) * CHUNK),
+                      mask=valid[:, None], other=0.0)
+        state, out = _chunk_update(state, q, k, v, g, beta, inv, li, PRECISION)
         tl.store(out_ptr + rows[:, None] * s_out + head * V + vv[None, :], out,
                  mask=valid[:, None] & mask_v[None, :])
     tl.store(st_ptrs, state.to(state_ptr.dtype.element_ty), mask=st_mask)
@@ -201,15 +240,27 @@ def gated_delta_step(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
 def gated_delta_prefill(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, scale: float, eps: float = 1e-6,
-                        chunk_size: int = 32) -> torch.Tensor:
+                        chunk_size: int = 32, max_len: int | None = None) -> torch.Tensor:
     """A flattened batch: request i owns tokens cu_seqlens[i]:cu_seqlens[i+1] of q, k
     [T, Hk, Dk] (raw), v [T, Hv, Dv], g, beta [T, Hv], and starts from state[slots[i]]
     ([slots_total, Hv, Dk, Dv], updated in place to the state after its last token).
-    Returns out [T, Hv, Dv] float32. The kernel's chunk is `chunk_size` within [16, 64]
-    (the C x C and C x Dk tiles stay in registers); the result does not depend on it beyond
+    Returns out [T, Hv, Dv] float32. `max_len`: the longest request (None: read from
+    cu_seqlens, a device sync). The kernel's chunk is `chunk_size` within [16, 64] (the
+    C x C and C x Dk tiles stay in registers); the result does not depend on it beyond
     rounding."""
-    chunk = max(16, min(64, next_pow2(chunk_size)))
-    return _launch(_prefill_kernel, slots.numel(), (slots, cu_seqlens),
+    _check_inputs(state, q, k, v, g, beta)
+    chunk, num_reqs, num_heads = max(16, min(64, next_pow2(chunk_size))), slots.numel(), v.shape[1]
+    if max_len is None:
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if num_reqs else 0
+    # every chunk's (I + A)^-1, [T, Hv, C] float32: one scratch row of C per token and head
+    inverses = torch.empty(v.shape[0], num_heads, chunk, dtype=torch.float32, device=v.device)
+    precision = dot_precision(q.dtype)
+    if num_reqs and max_len:
+        _chunk_inverse_kernel[(num_reqs, cdiv(max_len, chunk), num_heads)](
+            cu_seqlens, k, g, beta, inverses, float(eps), k.shape[-1], k.stride(0),
+            g.stride(0), beta.stride(0), HEADS_PER_QK=num_heads // k.shape[1],
+            BLOCK_K=max(16, next_pow2(k.shape[-1])), CHUNK=chunk, PRECISION=precision)
+    return _launch(_prefill_kernel, num_reqs, (slots, cu_seqlens, inverses),
                    (state, q, k, v, g, beta), scale, eps, min_block=16, CHUNK=chunk,
-                   PRECISION=dot_precision(q.dtype),
+                   PRECISION=precision,
                    num_warps=4 if chunk * next_pow2(k.shape[-1]) <= 2048 else 8)

@@ -64,8 +64,8 @@ CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 def test_greedy_matches_hf_in_continuous_batch(tmp_path, device):
-    """On a GPU (untested so far): Triton attention, the fused MoE kernels, the torch
-    DeltaNet, in fp32."""
+    """On a GPU (untested so far): Triton attention, the fused MoE kernels, the Triton
+    DeltaNet kernels (conv and delta rule), in fp32."""
     hf_model = save_tiny(tmp_path)
     prompts = make_prompts(TINY["vocab_size"])   # the last two share a prefix with the third
     max_tokens = [NUM_NEW - i % 3 for i in range(len(prompts))]   # finish at different steps

@@ -8,8 +8,9 @@ single-step form together.
 It shares the Mamba-2 mixer's machinery (layers/mamba2.py): the same MambaBatch (slots,
 starts, checkpoint saves split into passes), the same conv, and the same per-layer state
 container, whose `ssm` tensor holds the recurrent state [slots, Hv, Dk, Dv] here, so the
-state cache and its prefix-reuse checkpoints treat both kinds alike. Torch on every device
-for now (no Triton kernels yet)."""
+state cache and its prefix-reuse checkpoints treat both kinds alike. `use_triton` as in the
+Mamba-2 mixer: the Triton conv and delta-rule kernels (kernels/triton/gated_delta.py) on CUDA
+tensors, torch otherwise."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from torch import nn
 from tllm.kernels import gated_delta_ref
 from tllm.layers.linear import Linear
 from tllm.layers.mamba2 import (MambaBatch, MambaLayerState, conv_segments,
-                                reset_new_requests, run_passes, save_states, segments)
+                                conv_segments_triton, reset_new_requests, run_passes,
+                                save_states, segments)
 
 
 @dataclass(frozen=True)
@@ -96,21 +98,29 @@ class GatedDeltaNet(nn.Module):
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.empty(d.head_v_dim), requires_grad=False)
         self.out_proj = Linear(d.value_dim, d.hidden_size)
+        self.use_triton: bool | None = None    # None: on CUDA tensors; tests force it
+
+    def _uses_triton(self, x: torch.Tensor) -> bool:
+        return x.is_cuda if self.use_triton is None else self.use_triton
 
     def forward(self, hidden: torch.Tensor, batch: MambaBatch,
                 state: MambaLayerState) -> torch.Tensor:
         d = self.dims
         reset_new_requests(batch, state)
         qkv, z, b, a = self._project(hidden)
+        use_triton = self._uses_triton(hidden)
         passes = batch.passes()
-        qkv = run_passes(
-            lambda sub, t: conv_segments(t, sub, state.conv, self.conv1d.weight[:, 0], None),
-            (qkv,), passes, lambda saves: save_states(saves, state, conv=True))
+        conv = conv_segments_triton if use_triton else conv_segments
+        qkv = run_passes(lambda sub, t: conv(t, sub, state.conv, self.conv1d.weight[:, 0], None),
+                         (qkv,), passes, lambda saves: save_states(saves, state, conv=True))
         q, k, v = qkv.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
-        inputs = (*self._queries_keys(q, k), v.unflatten(-1, (d.num_v_heads, d.head_v_dim)),
+        inputs = (q.unflatten(-1, (d.num_k_heads, d.head_k_dim)),
+                  k.unflatten(-1, (d.num_k_heads, d.head_k_dim)),
+                  v.unflatten(-1, (d.num_v_heads, d.head_v_dim)),
                   -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()),
                   b.float().sigmoid())
-        y = run_passes(lambda sub, *t: self._delta_rule(*t, sub, state), inputs, passes,
+        rule = self._delta_rule_triton if use_triton else self._delta_rule
+        y = run_passes(lambda sub, *t: rule(*t, sub, state), inputs, passes,
                        lambda saves: save_states(saves, state, conv=False))
         y = gated_rms_norm(y, z, self.norm.weight, d.eps).to(hidden.dtype)
         return self.out_proj(y.flatten(-2))
@@ -129,16 +139,17 @@ class GatedDeltaNet(nn.Module):
         return qkv, z.reshape(-1, d.num_v_heads, d.head_v_dim), b.flatten(1), a.flatten(1)
 
     def _queries_keys(self, q: torch.Tensor, k: torch.Tensor):
-        """L2-normalised q and k, repeated to the value heads (each key head serves
-        consecutive value heads), q scaled by head_k_dim^-0.5; float32."""
+        """q, k [T, Hk, Dk] L2-normalised and repeated to the value heads (each key head
+        serves consecutive value heads), q scaled by head_k_dim^-0.5; float32."""
         d = self.dims
         per_k = d.num_v_heads // d.num_k_heads
-        q, k = (gated_delta_ref.l2_normalize(t.float().unflatten(-1, (d.num_k_heads, -1)))
-                .repeat_interleave(per_k, dim=1) for t in (q, k))
+        q, k = (gated_delta_ref.l2_normalize(t.float()).repeat_interleave(per_k, dim=1)
+                for t in (q, k))
         return q * d.head_k_dim ** -0.5, k
 
     def _delta_rule(self, q, k, v, g, beta, batch: MambaBatch,
                     state: MambaLayerState) -> torch.Tensor:
+        q, k = self._queries_keys(q, k)
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         decode_rows, decode_slots = [], []
         for start, length, slot in segments(batch):
@@ -159,6 +170,38 @@ class GatedDeltaNet(nn.Module):
                 beta[decode_rows], recurrent)
             state.ssm[slots] = recurrent.to(state.ssm.dtype)
         return out
+
+    def _delta_rule_triton(self, q, k, v, g, beta, batch: MambaBatch,
+                           state: MambaLayerState) -> torch.Tensor:
+        """All prefill segments in one launch, all decode rows in another (a step of one
+        kind reads its inputs where they lie); the kernels normalise and scale q and k
+        themselves (raw, per key head, here)."""
+        from tllm.kernels.triton.gated_delta import gated_delta_prefill, gated_delta_step
+        scale, inputs, device = self.dims.head_k_dim ** -0.5, (q, k, v, g, beta), v.device
+        parts = list(segments(batch))
+        prefill = [(s, n, slot) for s, n, slot in parts if n > 1]
+        decode = [(s, slot) for s, n, slot in parts if n == 1]
+        cu = torch.tensor([0] + [n for _, n, _ in prefill]).cumsum(0).to(torch.int32)
+        prefill_slots = torch.tensor([slot for *_, slot in prefill], device=device)
+        decode_slots = torch.tensor([slot for _, slot in decode], device=device)
+        max_len = max((n for _, n, _ in prefill), default=0)
+        if not decode:
+            return gated_delta_prefill(state.ssm, prefill_slots, cu.to(device), *inputs, scale,
+                                       max_len=max_len)
+        if not prefill:
+            return gated_delta_step(state.ssm, decode_slots, *inputs, scale)
+        out = torch.empty(v.shape, dtype=torch.float32, device=device)
+        rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(device)
+        out[rows] = gated_delta_prefill(state.ssm, prefill_slots, cu.to(device),
+                                        *_rows(inputs, rows), scale, max_len=max_len)
+        rows = torch.tensor([s for s, _ in decode], device=device)
+        out[rows] = gated_delta_step(state.ssm, decode_slots, *_rows(inputs, rows), scale)
+        return out
+
+
+def _rows(tensors, rows: torch.Tensor) -> list[torch.Tensor]:
+    """The tokens `rows` of each tensor (a gather: each token's row contiguous)."""
+    return [t[rows] for t in tensors]
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,

@@ -204,13 +204,8 @@ class Mamba2Mixer(nn.Module):
 
     def _conv_triton(self, xbc: torch.Tensor, batch: MambaBatch,
                      state: MambaLayerState) -> torch.Tensor:
-        """Every request (prefill chunk or decode) in one pair of launches."""
-        from tllm.kernels.triton.causal_conv1d import causal_conv1d_varlen
-        cu = torch.tensor([0, *batch.seq_lens]).cumsum(0).to(torch.int32).to(xbc.device)
-        slots = torch.tensor(batch.slots, device=xbc.device)
-        return causal_conv1d_varlen(xbc.contiguous(), state.conv, slots, cu,
-                                    self.conv1d.weight[:, 0], self.conv1d.bias,
-                                    max(batch.seq_lens, default=0))
+        return conv_segments_triton(xbc, batch, state.conv, self.conv1d.weight[:, 0],
+                                    self.conv1d.bias)
 
     def _scan(self, x, dt, B, C, batch: MambaBatch, state: MambaLayerState) -> torch.Tensor:
         A = -torch.exp(self.A_log.float())
@@ -282,6 +277,17 @@ def conv_segments(x: torch.Tensor, batch: MambaBatch, conv_state: torch.Tensor,
         out[decode_rows] = mamba_ref.causal_conv1d_step_ref(x[decode_rows], rows, weight, bias)
         conv_state[slots] = rows
     return out
+
+
+def conv_segments_triton(x: torch.Tensor, batch: MambaBatch, conv_state: torch.Tensor,
+                         weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """conv_segments in Triton: every request (prefill chunk or decode) in one pair of
+    launches."""
+    from tllm.kernels.triton.causal_conv1d import causal_conv1d_varlen
+    cu = torch.tensor([0, *batch.seq_lens]).cumsum(0).to(torch.int32).to(x.device)
+    slots = torch.tensor(batch.slots, device=x.device)
+    return causal_conv1d_varlen(x.contiguous(), conv_state, slots, cu, weight, bias,
+                                max(batch.seq_lens, default=0))
 
 
 def run_passes(fn, inputs: tuple[torch.Tensor, ...], passes, save) -> torch.Tensor:

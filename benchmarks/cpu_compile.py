@@ -3,7 +3,8 @@ model (SmolLM2-135M-Instruct, the Q4_1 GGUF, int8 per channel), in one process:
 
 - tok/s at batch 1 and 32 (`--max-tokens` new tokens a request, prefill included), eager and
   compiled engines alternating within a repeat, median of `--repeats`;
-- whether the two engines' greedy tokens agree (first differing position per request);
+- whether the two engines' greedy tokens agree (first differing position per request) and,
+  where they part ways, whether each side's token is in the other's top 5 (`parity`);
 - ops per decode step (torch.profiler over every thread): the top-level ones and every
   aten op, nested ones included;
 - start time: the compiled engine in a fresh process with an empty Inductor cache, then
@@ -83,6 +84,33 @@ def section_speed(args, prompts) -> dict:
     return results
 
 
+def section_parity(args, prompts) -> dict:
+    """Where the eager and compiled engines' greedy tokens part ways, is each side's token
+    in the other's top 5 (vLLM's rule for quantized or reduced-precision paths), and by how
+    much did the eager side's two candidates differ in logprob?"""
+    from tllm import SamplingParams
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens,
+                            temperature=0, logprobs=5)
+    outs = {}
+    for name in ("eager", "compiled"):
+        llm = make_llm(name == "compiled")
+        outs[name] = [o.outputs[0] for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+        llm.shutdown()
+    differ, within, gaps = 0, 0, []
+    for a, b in zip(outs["eager"], outs["compiled"]):
+        i = first_difference(a.token_ids, b.token_ids)
+        if i is None:
+            continue
+        differ += 1
+        mine, theirs = a.token_ids[i], b.token_ids[i]
+        within += mine in b.logprobs[i] and theirs in a.logprobs[i]
+        if theirs in a.logprobs[i]:
+            gaps.append(a.logprobs[i][mine].logprob - a.logprobs[i][theirs].logprob)
+    return {"requests": len(prompts), "differ": differ, "within_top5": within,
+            "eager_logprob_gaps": gaps}
+
+
 def section_start(args) -> dict:
     """Compiled engine start in fresh processes: an empty Inductor cache, then a warm one."""
     times = {}
@@ -102,7 +130,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--sections", default="speed,start")
+    parser.add_argument("--sections", default="speed,parity,start")
     parser.add_argument("--json", help="write every figure here")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -121,6 +149,8 @@ def main() -> None:
     results: dict = {"threads": args.threads, "max_tokens": args.max_tokens}
     if "speed" in args.sections:
         results["speed"] = section_speed(args, prompts)
+    if "parity" in args.sections:
+        results["parity"] = section_parity(args, prompts)
     if "start" in args.sections:
         results["start"] = section_start(args)
     if args.json:
@@ -146,6 +176,8 @@ def print_table(results: dict) -> None:
                                 for k, c in speed["ops"].items()})
         print("first differing token (eager vs compiled) per request:",
               speed["first_difference"])
+    if "parity" in results:
+        print("parity:", results["parity"])
     if "start" in results:
         print("fresh-process start (compiled, eager):", results["start"])
 

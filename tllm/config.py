@@ -117,8 +117,9 @@ class TorchCompileConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # compiled at start (default: 1, 2 and max_batch_size: batch 1 and the dynamic-batch
-    # traces); a batch size that needs another trace compiles when it first runs
+    # compiled at start (default: 1 and 2, batch 1's trace and the dynamic batch's, which
+    # serves every larger batch); a batch size that needs another trace compiles when it
+    # first runs
     warm_up_batch_sizes: list[int] | None = None
 
 

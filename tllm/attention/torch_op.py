@@ -1,5 +1,6 @@
-"""The torch backend's paged attention as a torch custom op (`torch.ops.tllm.torch_paged_attention`),
-so that torch.compile traces a CPU decode step around it (tllm/runner/cpu_compiled.py).
+"""The torch backend's paged attention as a torch custom op
+(`torch.ops.tllm.torch_paged_attention`), so that torch.compile traces a CPU decode step
+around it (tllm/runner/cpu_compiled.py).
 
 Traced as plain code, the batched path reads the step's host-side lengths (`seq_lens_cpu`),
 which Dynamo would bake into the graph as constants: a new compile every step. As an op it

@@ -394,8 +394,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _as_op(self, q, k, v, kv_cache: KVCache, metadata: AttentionMetadata,
                kv_scales: tuple[float, float], sinks: torch.Tensor | None) -> torch.Tensor:
-        from tllm.attention.torch_op import torch_paged_attention  # registers the op
-        return torch_paged_attention(
+        # registered by tllm.attention.torch_op, which the compiling runner imports
+        return torch.ops.tllm.torch_paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], metadata.positions, metadata.slot_mapping,
             metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
             metadata.tokens_per_block, self.scale, self.sliding_window, *kv_scales,

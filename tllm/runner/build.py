@@ -165,7 +165,7 @@ def build_cpu_compiled(model, kv_cache: KVCacheManager, args: LlmArgs, device: t
         return None
     from tllm.runner.cpu_compiled import CompiledCpuDecode
     compiled = CompiledCpuDecode(model, kv_cache, args.max_batch_size, max_seq_len)
-    sizes = config.warm_up_batch_sizes or [1, 2, args.max_batch_size]
+    sizes = config.warm_up_batch_sizes or [1, 2]
     started = time.perf_counter()
     if not compiled.warm_up(sorted({min(s, args.max_batch_size) for s in sizes})):
         return None

@@ -1,16 +1,16 @@
 """Decode steps on the CPU through a torch.compile'd forward (`LlmArgs.torch_compile_config`):
 Inductor's CPU backend fuses the plain-PyTorch code of a decode step (norms, rotary,
 activations, residuals) into a few C++ kernels, so that the step runs tens of top-level ops
-instead of thousands; attention stays the eager batched path, handed to the compiler as a
-custom op (tllm/attention/torch_op.py). Steps with prompt tokens run eagerly.
+instead of thousands; attention stays the eager batched path, and so does the int8 GGUF
+product, each handed to the compiler as a custom op (tllm/attention/torch_op.py,
+tllm/kernels/int8_cpu.py). Steps with prompt tokens run eagerly.
 
-Shapes: the batch dimension is dynamic, so one trace serves a range of batch sizes (batch 1
-has its own, and a layer whose kernel changes with the row count, the int8 product's GEMV
-below its widened GEMM, splits the range in two); block tables are padded to the longest
-a request may have, so a growing context never retraces. The sizes that trace are compiled
-at start (`warm_up`); Inductor's on-disk caches (FX graphs, AOT autograd) make a later
-start with the same model much faster. If compiling fails (no C++ compiler, say), decode
-runs eagerly, with one log line."""
+Shapes: the batch dimension is dynamic, so one trace serves every batch size from 2 (batch
+1 has its own); block tables are padded to the longest a request may have, so a growing
+context never retraces. Batch 1 and 2 are compiled at start (`warm_up`); Inductor's on-disk
+caches (FX graphs, AOT autograd) make a later start with the same model faster (Dynamo
+still traces). If compiling fails (no C++ compiler, say), decode runs eagerly, with one log
+line. Speed: benchmarks/RESULTS.md (2026-12-06, the compiled CPU decode step)."""
 from __future__ import annotations
 
 import dataclasses
@@ -32,6 +32,7 @@ class CompiledCpuDecode:
 
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, max_batch_size: int,
                  max_seq_len: int) -> None:
+        from tllm.attention import torch_op  # noqa: F401  (registers the attention op)
         # Dynamo's cache keys on the code and its inputs, not on the engine: an earlier
         # engine's traces in this process must not be replayed for this one
         torch._dynamo.reset()

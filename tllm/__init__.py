@@ -12,7 +12,8 @@ if TYPE_CHECKING:
     from tllm.config import (CapacitySchedulerPolicy, CudaGraphConfig,
                                       DraftTargetDecodingConfig, EagleDecodingConfig,
                                       KvCacheConfig, LlmArgs, MTPDecodingConfig,
-                                      NGramDecodingConfig, SchedulerConfig)
+                                      NGramDecodingConfig, SchedulerConfig,
+                                      TorchCompileConfig)
     from tllm.lora.request import LoRARequest
     from tllm.outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
     from tllm.pooling_params import PoolingParams
@@ -25,7 +26,7 @@ _EXPORTS = {
     "LLM": "tllm.llmapi.llm",
     "LlmArgs": "tllm.config", "KvCacheConfig": "tllm.config",
     "SchedulerConfig": "tllm.config", "CapacitySchedulerPolicy": "tllm.config",
-    "CudaGraphConfig": "tllm.config",
+    "CudaGraphConfig": "tllm.config", "TorchCompileConfig": "tllm.config",
     "NGramDecodingConfig": "tllm.config",
     "DraftTargetDecodingConfig": "tllm.config",
     "EagleDecodingConfig": "tllm.config",

@@ -107,6 +107,22 @@ class CudaGraphConfig(BaseModel):
     torch_compile: bool = False
 
 
+class TorchCompileConfig(BaseModel):
+    """Decode steps on the CPU through torch.compile (Inductor's C++ backend; TensorRT-LLM's
+    name): the step's thousands of small ops become a few fused kernels, attention and the
+    quantized matmuls staying torch's own. Compiles at start (seconds to minutes; cached on
+    disk by Inductor for the next start); steps with prompt tokens run eagerly; without a
+    working C++ compiler decode runs eagerly, with one log line. On CUDA the decode graphs
+    are compiled by `cuda_graph_config.torch_compile` instead."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # compiled at start (default: 1 and 2, batch 1's trace and the dynamic batch's, which
+    # serves every larger batch); a batch size that needs another trace compiles when it
+    # first runs
+    warm_up_batch_sizes: list[int] | None = None
+
+
 class _SpeculativeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -287,6 +303,8 @@ class LlmArgs(BaseModel):
     scheduler_config: SchedulerConfig = Field(default_factory=lambda: SchedulerConfig())
     # None turns CUDA graphs off.
     cuda_graph_config: CudaGraphConfig | None = Field(default_factory=lambda: CudaGraphConfig())
+    # torch.compile'd decode steps on the CPU (None: eager; see TorchCompileConfig)
+    torch_compile_config: TorchCompileConfig | None = None
     enable_chunked_prefill: bool = True
     # The overlap scheduler prepares step N+1 while step N runs; off, each step ends on the
     # host before the next is scheduled. Outputs are the same either way.

@@ -381,6 +381,8 @@ class TorchAttentionBackend(AttentionBackend):
                 metadata: AttentionMetadata,
                 kv_scales: tuple[float, float] = NO_KV_SCALES,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # an opaque op: the step's lengths stay out of
+            return self._as_op(q, k, v, kv_cache, metadata, kv_scales, sinks)  # the graph
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         if metadata.causal_limits is not None:
             return attend_with_limits(q, kv_cache, metadata, self.scale, self.sliding_window,
@@ -389,6 +391,15 @@ class TorchAttentionBackend(AttentionBackend):
                                        kv_scales, self._groups(q, kv_cache, metadata),
                                        buffers=self._buffers,
                                        logits_soft_cap=self.logits_soft_cap, sinks=sinks)
+
+    def _as_op(self, q, k, v, kv_cache: KVCache, metadata: AttentionMetadata,
+               kv_scales: tuple[float, float], sinks: torch.Tensor | None) -> torch.Tensor:
+        # registered by tllm.attention.torch_op, which the compiling runner imports
+        return torch.ops.tllm.torch_paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], metadata.positions, metadata.slot_mapping,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            metadata.tokens_per_block, self.scale, self.sliding_window, *kv_scales,
+            self.logits_soft_cap, sinks, self.causal, self.attention_chunk_size)
 
     def _groups(self, q: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata) -> list[AttentionGroup]:

@@ -42,6 +42,25 @@ _scratch = threading.local()  # one buffer per thread: engines in one process ma
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] times the weight [N, K]; the result in x's dtype. `scale` [N] in the
     activations' compute dtype (bf16 for speed; float32 runs torch's scalar loops)."""
+    if torch.compiler.is_compiling():
+        # opaque to the compiler: Inductor's own code for the widening copy ran ~10x
+        # slower than this one's (and the row-count branch would split the trace)
+        return torch.ops.tllm.int8_matmul(x, qweight, scale)
+    return _int8_matmul(x, qweight, scale)
+
+
+@torch.library.custom_op("tllm::int8_matmul", mutates_args=())
+def _int8_matmul_op(x: torch.Tensor, qweight: torch.Tensor,
+                    scale: torch.Tensor) -> torch.Tensor:
+    return _int8_matmul(x, qweight, scale)
+
+
+@_int8_matmul_op.register_fake
+def _(x, qweight, scale) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], qweight.shape[0])
+
+
+def _int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.shape[0] >= DEQUANT_MIN_ROWS:

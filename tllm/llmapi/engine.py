@@ -149,6 +149,8 @@ def engine_summary(args: LlmArgs, parts: RankParts) -> tuple[str, dict]:
 def cuda_graphs(parts: RankParts) -> str:
     """Which CUDA graphs were captured ("none": eager)."""
     captured = []
+    if getattr(parts.graphs, "is_active", False):  # runner/cpu_compiled.py
+        captured.append("none (decode steps torch.compile'd on the CPU)")
     if parts.graphs is not None and parts.graphs.graphs:
         captured.append(f"decode batch sizes {sorted(parts.graphs.graphs)}")
     if parts.piecewise is not None and parts.piecewise.graphs:

@@ -4,6 +4,7 @@ same `build_rank`."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import psutil
@@ -110,6 +111,8 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
         piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
                                            graphs.pool if graphs is not None else None)
+        if graphs is None and lora is None:
+            graphs = build_cpu_compiled(model, kv_cache, args, device, backend, max_seq_len)
     return RankParts(config, model, kv_cache, graphs, piecewise, device, dtype, max_seq_len,
                      source, lora)
 
@@ -151,6 +154,24 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
                        "decode runs eagerly", str(exc).splitlines()[0][:200])
         return None
     return graphs
+
+
+def build_cpu_compiled(model, kv_cache: KVCacheManager, args: LlmArgs, device: torch.device,
+                       backend: str, max_seq_len: int):
+    """The torch.compile'd decode step on the CPU (runner/cpu_compiled.py), compiled now;
+    None where it is off or compiling failed."""
+    config = args.torch_compile_config
+    if config is None or device.type != "cpu" or backend != "torch":
+        return None
+    from tllm.runner.cpu_compiled import CompiledCpuDecode
+    compiled = CompiledCpuDecode(model, kv_cache, args.max_batch_size, max_seq_len)
+    sizes = config.warm_up_batch_sizes or [1, 2]
+    started = time.perf_counter()
+    if not compiled.warm_up(sorted({min(s, args.max_batch_size) for s in sizes})):
+        return None
+    logger.info("torch_compile_config: CPU decode step compiled for batch sizes %s in %.1f s",
+                sizes, time.perf_counter() - started)
+    return compiled
 
 
 def build_piecewise_graphs(model, kv_cache: KVCacheManager, args: LlmArgs,

@@ -15,9 +15,11 @@ from tllm.visual_gen.models.ltx2.pipeline import VideoRequest
 from tllm.visual_gen.params import VisualGenParams
 
 PROMPT, NEGATIVE, STEPS = "a red fox runs in the snow", "blurry", 2
-# (frames, height, width, frame rate, CFG scale); audio guidance follows the video's
-GRID = [(9, 32, 64, 20.0, 1.0), (9, 32, 64, 20.0, 7.0), (9, 64, 32, 24.0, 1.0),
-        (17, 32, 32, 25.0, 7.0), (17, 64, 32, 20.0, 1.0), (9, 32, 32, 24.0, 3.0)]
+# (frames, height, width, frame rate, CFG scale); audio guidance follows the video's. Each
+# shape, frame count, frame rate and CFG on/off appears at least once (every extra case costs
+# two pipeline runs on the CPU).
+GRID = [(9, 32, 64, 20.0, 7.0), (9, 64, 32, 24.0, 1.0), (17, 32, 32, 25.0, 7.0),
+        (17, 64, 32, 20.0, 1.0)]
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,11 @@ def png_bytes(image) -> bytes:
     return buffer.getvalue()
 
 
+class _QuietServer(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        """The fetcher hangs up mid-body on purpose (byte cap, deadline): no traceback."""
+
+
 class ImageHost:
     """`url(path)` on a free port; `hits` counts the requests that reached it; `/slow`
     answers once `release` is set (and sets `slow_started` when it is reached)."""
@@ -26,7 +31,7 @@ class ImageHost:
         self.oversized_bytes = oversized_bytes
         self.hits: list[str] = []
         self.slow_started, self.release = threading.Event(), threading.Event()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self.server = _QuietServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)

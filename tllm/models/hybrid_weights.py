@@ -1,11 +1,21 @@
-"""Weight loading the state-space hybrids (NemotronH, Granite 4.0-H) share: each checkpoint
-tensor, once its prefix is stripped, names one parameter of ours."""
+"""What the state-space hybrids (NemotronH, Granite 4.0-H, Qwen3-Next) share: their limits
+for now, and weight loading where each checkpoint tensor, once its prefix is stripped, names
+one parameter of ours."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from tllm.distributed import comm
 from tllm.layers.linear import _copy_checked
+
+
+def check_single_rank_unquantized(name: str, quant_config) -> None:
+    """The hybrids run on one rank, unquantized, for now: a ValueError saying which."""
+    if comm.state() is not None and comm.mapping().world_size > 1:
+        raise ValueError(f"{name} runs on one rank for now (tp_size and pp_size 1)")
+    if quant_config is not None:
+        raise ValueError(f"quantization: {name} runs unquantized for now")
 
 
 def load_by_name(model: nn.Module, params: dict[str, nn.Parameter], name: str,

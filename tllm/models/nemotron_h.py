@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
-from tllm.distributed import comm
 from tllm.layers.linear import Linear
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, StateSpec
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
 from tllm.models.nemotron_h_moe import NemotronHMoE, load_per_expert
-from tllm.models.hybrid_weights import expected_by_name, load_by_name
+from tllm.models.hybrid_weights import (check_single_rank_unquantized, expected_by_name,
+                                         load_by_name)
 from tllm.models.registry import register_model
 
 MAMBA, ATTENTION, MLP, MOE = "mamba", "attention", "mlp", "moe"
@@ -107,10 +107,7 @@ class NemotronHForCausalLM(nn.Module):
     def __init__(self, config, backend_cls: type[AttentionBackend], max_position: int,
                  quant_config=None) -> None:
         super().__init__()
-        if comm.state() is not None and comm.mapping().world_size > 1:
-            raise ValueError("NemotronH runs on one rank for now (tp_size and pp_size 1)")
-        if quant_config is not None:
-            raise ValueError("quantization: NemotronH runs unquantized for now")
+        check_single_rank_unquantized("NemotronH", quant_config)
         self.config = config
         self.quant_config = None
         self.activation_dtype = torch.get_default_dtype()

@@ -16,14 +16,13 @@ import torch
 from torch import nn
 
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
-from tllm.distributed import comm
 from tllm.layers.gated_deltanet import DeltaNetStateSpec, GatedDeltaNet, GatedDeltaNetDims
 from tllm.layers.linear import Linear, MergedLinear
 from tllm.layers.moe import FusedMoE
 from tllm.layers.norm import GemmaRMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
 from tllm.layers.rotary import rotary_embedding
-from tllm.models.hybrid_weights import load_by_name
+from tllm.models.hybrid_weights import check_single_rank_unquantized, load_by_name
 from tllm.models.llama import LlamaMLP
 from tllm.models.mixtral import EXPERT_PROJECTIONS, STACKED_PROJECTIONS
 from tllm.models.qwen2_moe import Qwen2MoeSparseBlock, is_sparse_layer
@@ -110,10 +109,7 @@ class Qwen3NextForCausalLM(nn.Module):
     def __init__(self, config, backend_cls: type[AttentionBackend], max_position: int,
                  quant_config=None) -> None:
         super().__init__()
-        if comm.state() is not None and comm.mapping().world_size > 1:
-            raise ValueError("Qwen3-Next runs on one rank for now (tp_size and pp_size 1)")
-        if quant_config is not None:
-            raise ValueError("quantization: Qwen3-Next runs unquantized for now")
+        check_single_rank_unquantized("Qwen3-Next", quant_config)
         self.config, self.quant_config = config, None
         self.activation_dtype = torch.get_default_dtype()
         self.kinds = layer_kinds(config)

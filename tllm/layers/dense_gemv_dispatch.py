@@ -46,9 +46,17 @@ def decide(kind: str, n: int, k: int, device: torch.device) -> DenseGemvConfig |
     return None if launch is None else DenseGemvConfig(*launch)
 
 
+def _assume_constant_result(fn):
+    """What `torch.compiler.assume_constant_result` does (mark `fn` for Dynamo), without
+    the decorator's import of torch._dynamo: ~1.4 s of every CPU start that never compiles
+    (tests/layers/test_dense_gemv_dispatch.py checks the mark against torch's own)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Dynamo cannot trace the table's file reads: under torch.compile this runs at trace time
 # and its answer (ints, or None) goes into the graph as a constant
-@torch.compiler.assume_constant_result
+@_assume_constant_result
 def _decided_launch(kind: str, n: int, k: int, device_type: str,
                     device_index: int | None) -> tuple[int, int, int, int] | None:
     return _launch_for(gemv_mode(), os.environ.get(TABLE_ENV) or None, kind, n, k,

@@ -154,14 +154,15 @@ case $section in
     #     PSNR against our uncached BF16 (39); then ours vs diffusers again on this card
     export PYTHONUNBUFFERED=1
     if [ "${NEXT_CALL:-1}" = 1 ]; then
-      step gpu_deterministic 370 python3 benchmarks/gpu_deterministic.py --budget 320 \
+      step gpu_deterministic 290 python3 benchmarks/gpu_deterministic.py --budget 250 \
         --load-limit 60
-      step gpu_pooling2 180 python3 benchmarks/gpu_pooling.py --budget 150
-    else
-      step flux_wan_opts 300 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
+      step gpu_pooling2 150 python3 benchmarks/gpu_pooling.py --budget 120
+      step gated_delta 60 python3 benchmarks/gpu_gated_delta.py --out "$OUT/gated_delta.json"
+    else  # issue 39's options, then issue 37's GPT-OSS and Nemotron-H against their floors
+      step flux_wan_opts 280 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
         --out "$OUT/flux_wan_opts.json"
-      step flux_wan 240 python3 benchmarks/gpu_flux_wan.py --parts step,pipeline \
-        --out "$OUT/flux_wan.json"
+      step models37 210 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
+        --budget 190
     fi
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone

@@ -10,6 +10,9 @@ sliding-window KV capacity.
   qwen3moe   the same for dummy:qwen3-30b-a3b
   gptoss     the same for dummy:gpt-oss-20b (MXFP4 experts through the dequant-in-GEMM
              kernels, attention sinks); not in the default parts: --parts floor,gptoss
+  nemotron   the same for dummy:nemotron-h-8b (Mamba-2 layers with their per-request state,
+             4 attention layers), with its state bytes per request beside the KV bytes of
+             an 8k-token request (its own attention layers, and all-attention of its width)
   window     benchmarks/sliding_window_capacity.py on dummy:gemma-2-9b: concurrent
              requests that fit with and without window-aware KV in the same memory
 
@@ -39,10 +42,10 @@ sys.path.insert(0, str(HERE))
 
 PARTS = ("floor", "kernel", "mixtral", "qwen3moe", "window")
 MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
-          "gptoss": "dummy:gpt-oss-20b"}
+          "gptoss": "dummy:gpt-oss-20b", "nemotron": "dummy:nemotron-h-8b"}
 # seconds per part at --budget 560 (scaled with it)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
-          "gptoss": 195}
+          "gptoss": 195, "nemotron": 195}
 FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
                     "read: every non-expert parameter (LM head included; the input "
                     "embedding counted apart) plus top_k experts' weights per MoE layer")
@@ -67,10 +70,25 @@ def active_weight_bytes(model: str, dtype: torch.dtype) -> dict:
             experts += size
         else:
             dense += size
-            embedding += size if "embed_tokens" in name else 0
+            embedding += size if name.split(".")[-2] in ("embed_tokens", "embeddings") else 0
     active = dense + (experts * top_k // num_experts if num_experts else 0)
     return {"total_bytes": dense + experts, "active_bytes": active, "embedding_bytes": embedding,
-            "num_experts": num_experts, "top_k": top_k}
+            "num_experts": num_experts, "top_k": top_k, **state_memory(built, config, dtype)}
+
+
+def state_memory(built, config, dtype: torch.dtype, tokens: int = 8192) -> dict:
+    """A hybrid's per-request state against the KV of a `tokens`-token request: its own
+    attention layers' KV, and the KV if every layer were attention of the same geometry."""
+    state_spec = getattr(built, "state_spec", None)
+    if state_spec is None:
+        return {}
+    state = state_spec.bytes_per_request(dtype)
+    kv = built.kv_cache_spec
+    size = torch.empty((), dtype=dtype).element_size()
+    per_layer = kv.bytes_per_token(size) * tokens
+    return {"state_bytes_per_request": state, "state_layers": state_spec.num_layers,
+            "kv_tokens": tokens, "kv_bytes_per_request": kv.num_layers * per_layer,
+            "all_attention_kv_bytes": (kv.num_layers + state_spec.num_layers) * per_layer}
 
 
 def part_floor(budget_s: float, smoke: bool) -> dict:
@@ -172,6 +190,12 @@ def summary(results: dict) -> str:
                          " tok/s")
         elif r:
             lines.append(f"{part}: {r.get('error', r)}"[:300])
+        w = r.get("weights", {})
+        if "state_bytes_per_request" in w:
+            lines.append(f"  state {w['state_bytes_per_request'] / 2**20:.1f} MiB a request "
+                         f"({w['state_layers']} layers) + KV {w['kv_bytes_per_request'] / 2**20:.1f}"
+                         f" MiB at {w['kv_tokens']} tokens; all-attention KV "
+                         f"{w['all_attention_kv_bytes'] / 2**20:.1f} MiB")
     if "kernel" in results:
         lines.append("kernel: see kernel.json" if "error" not in results["kernel"]
                      else f"kernel: {results['kernel']['error']}")

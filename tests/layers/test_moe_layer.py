@@ -173,9 +173,9 @@ def test_missing_expert_is_reported(tmp_path):
 
 
 def test_bad_arguments(monkeypatch):
-    from tllm.layers.quant.fp8 import Fp8Config, Fp8Scheme
-    with pytest.raises(ValueError, match="fp8.*mixture-of-experts"):
-        FusedMoE(E, H, I, Fp8Config(Fp8Scheme(checkpoint_is_fp8=False)))
+    from tllm.layers.quant.woq import online_config
+    with pytest.raises(ValueError, match="int8_wo.*mixture-of-experts"):
+        FusedMoE(E, H, I, online_config("int8_wo"))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         SparseMoeBlock(H, E, E + 1, I, renormalize=True)
     experts = FusedMoE(E, H, I)

@@ -106,15 +106,19 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size // self.tp_size  # per rank
         self.intermediate_dims: dict[str, int | None] = {}
+        self.intermediate_units: dict[str, int] = {}  # features per element (scale blocks)
         # a model whose experts differ from the SiLU-gated kind passes its own method
         self.quant = method if method is not None else moe_method(quant_config, prefix)
         self.quant.create_weights(self, self.num_local_experts, hidden_size,
                                   self.intermediate_size)
 
     def add_expert_param(self, name: str, tensor: torch.Tensor,
-                         intermediate_dim: int | None) -> None:
+                         intermediate_dim: int | None, units: int = 1) -> None:
+        """`units`: intermediate features one element along intermediate_dim covers (a
+        weight-scale block's side); it must divide the per-rank intermediate size."""
         self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
         self.intermediate_dims[name] = intermediate_dim
+        self.intermediate_units[name] = units
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
@@ -140,7 +144,11 @@ class FusedMoE(nn.Module):
             return set()
         what = f"{param_name} of expert {expert_id}"
         param = getattr(self, param_name).data[expert_id - self.expert_start]
-        dim, size = self.intermediate_dims[param_name], self.intermediate_size
+        convert = getattr(self.quant, "checkpoint_tensor", None)  # a format's own layout
+        if convert is not None:
+            tensor = convert(self, param_name, tensor)
+        dim = self.intermediate_dims[param_name]
+        size = self.intermediate_size // self.intermediate_units[param_name]
         if dim is not None:
             if tensor.dim() != param.dim() or tensor.shape[dim] != size * self.tp_size:
                 raise ValueError(f"checkpoint tensor for {what} has shape "

@@ -17,8 +17,10 @@ from torch import nn
 
 from tllm.kernels import fp8 as ref
 from tllm.kernels import fp8_ops
+from tllm.layers.moe import UNQUANTIZED_MOE
 from tllm.layers.quant.base import (PER_OUTPUT, PER_SHARD, WEIGHT, ParamLayout, QuantConfig,
                                     QuantMethod, UNQUANTIZED, add_param)
+from tllm.layers.quant.fp8_moe import Fp8MoEMethod
 
 WeightScheme = Literal["channel", "tensor", "block"]
 
@@ -152,6 +154,13 @@ class Fp8Config(QuantConfig):
         if any(_matches(pattern, name) for pattern in self.ignore for name in names):
             return UNQUANTIZED
         return Fp8LinearMethod(self.scheme)
+
+    def moe_method(self, prefix: str):
+        """The experts at `prefix` (e.g. "layers.3.mlp.experts") in fp8, unless ignored."""
+        names = _checkpoint_names(prefix, ())
+        if any(_matches(pattern, name) for pattern in self.ignore for name in names):
+            return UNQUANTIZED_MOE
+        return Fp8MoEMethod(self.scheme)
 
     def kv_cache_scales_in_checkpoint(self) -> bool:
         return self.has_kv_scales

@@ -1,7 +1,7 @@
 """FP8 experts (tllm.layers.quant.fp8_moe) in a FusedMoE: each weight scheme's parameters, its
 per-expert checkpoint tensors (quantized here by the formats' own formulas) loading whole and
 sliced for two tensor-parallel ranks, quantization at load from 16/32-bit weights, and the
-layer's output against the dequantized reference. Models: tllm/tests/models/test_fp8_moe_models.py."""
+layer's output against the dequantized reference. Models: tests/models/test_fp8_moe_models.py."""
 from __future__ import annotations
 
 import pytest

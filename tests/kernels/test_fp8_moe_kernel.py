@@ -49,6 +49,11 @@ def fp8_experts(num_experts, scheme, device, hidden=HIDDEN, inter=INTER,
                       block if scheme == "block" else None)
 
 
+def run_triton(hidden, experts: Fp8Experts, weights, ids, **kwargs):
+    return fp8_fused_experts_triton(hidden, experts.w13, experts.w13_scale, experts.w2,
+                                    experts.w2_scale, experts.block, weights, ids, **kwargs)
+
+
 def on_cpu(experts: Fp8Experts) -> Fp8Experts:
     return Fp8Experts(*(t.cpu() for t in (experts.w13, experts.w13_scale, experts.w2,
                                           experts.w2_scale)), experts.block)
@@ -80,7 +85,7 @@ def test_kernel_matches_reference(device, scheme, w8a8, dtype):
     hidden = torch.randn(num_tokens, HIDDEN, device=device).to(dtype)
     weights, ids = routing(num_tokens, top_k, num_experts, device)
     cfg = CONFIGS[32 if w8a8 else 16]
-    out = fp8_fused_experts_triton(hidden, experts, weights, ids, config=cfg, w8a8=w8a8)
+    out = run_triton(hidden, experts, weights, ids, config=cfg, w8a8=w8a8)
     assert out.shape == hidden.shape and out.dtype == dtype and not out.isnan().any()
     if w8a8:  # the emulation quantizes the same rows the same way
         want = fp8_fused_experts_ref(hidden.cpu(), on_cpu(experts), weights.cpu(), ids.cpu())
@@ -96,7 +101,7 @@ def test_kernel_expert_parallel(device, scheme):
     experts = fp8_experts(4, scheme, device)
     hidden = torch.randn(num_tokens, HIDDEN, device=device, dtype=torch.bfloat16)
     weights, ids = routing(num_tokens, top_k, 8, device)
-    out = fp8_fused_experts_triton(hidden, experts, weights, ids, expert_start=2,
+    out = run_triton(hidden, experts, weights, ids, expert_start=2,
                                    config=CONFIGS[32], w8a8=True)
     want = fp8_fused_experts_ref(hidden.cpu(), on_cpu(experts), weights.cpu(), ids.cpu(), 2)
     assert relative_error(out.cpu(), want.float()) < TOL[torch.bfloat16, True]
@@ -121,6 +126,6 @@ def test_default_configs_on_gpu(num_tokens, scheme):
     experts = fp8_experts(num_experts, scheme, "cuda", hidden_size, inter, (128, 128))
     hidden = torch.randn(num_tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(num_tokens, top_k, num_experts, "cuda")
-    out = fp8_fused_experts_triton(hidden, experts, weights, ids)
+    out = run_triton(hidden, experts, weights, ids)
     want = dequantized_ref(hidden, experts, weights, ids)
     assert relative_error(out.cpu(), want) < 0.05

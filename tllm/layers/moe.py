@@ -146,7 +146,7 @@ class FusedMoE(nn.Module):
         param = getattr(self, param_name).data[expert_id - self.expert_start]
         convert = getattr(self.quant, "checkpoint_tensor", None)  # a format's own layout
         if convert is not None:
-            tensor = convert(self, param_name, tensor)
+            tensor = convert(self, param_name, expert_id, shard, tensor)
         dim = self.intermediate_dims[param_name]
         size = self.intermediate_size // self.intermediate_units[param_name]
         if dim is not None:

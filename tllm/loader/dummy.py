@@ -147,8 +147,8 @@ def dummy_config(preset: str):
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if not param.is_floating_point():
-            continue  # packed quantized weights: their method fills them, below
+        if not param.is_floating_point() or param.element_size() == 1:
+            continue  # packed or fp8 quantized weights: their method fills them, below
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         else:

@@ -12,8 +12,10 @@ expert's gate, up and down load apart with their scales:
                slices fall on whole blocks.
 A checkpoint's static input scales are not used: activations are quantized per token (per
 token and bk columns with block scales) at run time, never coarser than the calibration.
-From a 16/32-bit checkpoint (`quantization="fp8"`) the experts load in the model's dtype and
-are quantized per channel once loaded, one expert at a time."""
+From a 16/32-bit checkpoint (`quantization="fp8"`) each expert's tensor is quantized per row as
+it loads (its full rows: the same scales on any number of tp ranks), so the 16-bit experts
+are never held at once (Mixtral-8x7B's experts: 45 GB instead of 90); `dummy:` presets
+generate theirs one expert at a time."""
 from __future__ import annotations
 
 import torch
@@ -36,17 +38,15 @@ class Fp8MoEMethod:
 
     def create_weights(self, layer, num_experts: int, hidden_size: int,
                        intermediate_size: int) -> None:
-        if not self.scheme.checkpoint_is_fp8:  # quantized once loaded
-            layer.add_expert_param(W13, torch.empty(num_experts, 2 * intermediate_size,
-                                                    hidden_size), intermediate_dim=0)
-            layer.add_expert_param(W2, torch.empty(num_experts, hidden_size,
-                                                   intermediate_size), intermediate_dim=1)
-            return
         fp8 = ref.FP8_DTYPE
         layer.add_expert_param(W13, torch.empty(num_experts, 2 * intermediate_size,
                                                 hidden_size, dtype=fp8), intermediate_dim=0)
         layer.add_expert_param(W2, torch.empty(num_experts, hidden_size, intermediate_size,
                                                dtype=fp8), intermediate_dim=1)
+        if not self.scheme.checkpoint_is_fp8:  # written with the weights as they load
+            layer.register_parameter(W13 + SCALE, _param(num_experts, 2 * intermediate_size, 1))
+            layer.register_parameter(W2 + SCALE, _param(num_experts, hidden_size, 1))
+            return
         if self.block is None:  # per channel (per-tensor checkpoints spread as they load)
             layer.add_expert_param(W13 + SCALE, _scales(num_experts, 2 * intermediate_size, 1),
                                    intermediate_dim=0)
@@ -68,9 +68,13 @@ class Fp8MoEMethod:
                                        intermediate_size // bk),
                                intermediate_dim=1, units=bk)
 
-    def checkpoint_tensor(self, layer, param_name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def checkpoint_tensor(self, layer, param_name: str, expert_id: int, shard: int | None,
+                          tensor: torch.Tensor) -> torch.Tensor:
         """One expert's checkpoint tensor in the layout FusedMoE.load_expert slices: a
-        per-tensor or flat per-channel scale as a [rows, 1] column."""
+        per-tensor or flat per-channel scale as a [rows, 1] column; a 16/32-bit weight
+        quantized per row (its scales written here, sliced as the weight is)."""
+        if not self.scheme.checkpoint_is_fp8:
+            return _quantize_rows(layer, param_name, expert_id, shard, tensor)
         if not param_name.endswith(SCALE):
             return tensor
         rows = (layer.intermediate_size * layer.tp_size if param_name.startswith("w13")
@@ -80,10 +84,19 @@ class Fp8MoEMethod:
         return tensor.float().reshape(-1, 1)
 
     def process_after_loading(self, layer) -> None:
-        if self.scheme.checkpoint_is_fp8:
-            return
+        """Every form is final once loaded."""
+
+    def init_dummy(self, layer, generator: torch.Generator, std: float = 0.02) -> None:
+        """Random normal weights (std `std`), quantized one expert at a time in this
+        scheme's form (dummy: presets; never the 16-bit stack at once)."""
         for name in (W13, W2):
-            _quantize_per_channel(layer, name)
+            weight = getattr(layer, name).data
+            scale = getattr(layer, name + (SCALE if self.block is None else SCALE_INV)).data
+            for expert in range(weight.shape[0]):
+                w = torch.randn(weight.shape[1:], generator=generator, device=weight.device)
+                q, s = (ref.quantize_per_channel(w * std) if self.block is None
+                        else ref.quantize_blocks(w * std, self.block))
+                weight[expert], scale[expert] = q, s
 
     def experts(self, layer) -> Fp8Experts:
         suffix = SCALE if self.block is None else SCALE_INV
@@ -100,15 +113,22 @@ def _scales(*shape: int) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.float32)
 
 
-def _quantize_per_channel(layer, name: str) -> None:
-    """A loaded 16/32-bit stacked weight -> fp8 with a float32 scale per row, one expert at
-    a time (the full-precision copy of one expert is the only extra memory)."""
-    weight = getattr(layer, name).data
-    quantized = torch.empty(weight.shape, dtype=ref.FP8_DTYPE, device=weight.device)
-    scales = torch.empty(*weight.shape[:2], 1, dtype=torch.float32, device=weight.device)
-    for expert in range(weight.shape[0]):
-        quantized[expert], scales[expert] = ref.quantize_per_channel(weight[expert])
-    dim = layer.intermediate_dims[name]
-    delattr(layer, name)
-    layer.add_expert_param(name, quantized, intermediate_dim=dim)
-    layer.add_expert_param(name + SCALE, scales, intermediate_dim=0 if name == W13 else None)
+def _param(*shape: int) -> torch.nn.Parameter:
+    return torch.nn.Parameter(_scales(*shape), requires_grad=False)
+
+
+def _quantize_rows(layer, param_name: str, expert_id: int, shard: int | None,
+                   tensor: torch.Tensor) -> torch.Tensor:
+    """A 16/32-bit expert weight [rows, cols] -> fp8 with a scale per full row (the same on
+    any number of tp ranks), quantized where the layer lives; writes this rank's rows of
+    the scales and returns the fp8 tensor for the layer to slice and copy."""
+    weight = getattr(layer, param_name)
+    q, scale = ref.quantize_per_channel(tensor.to(weight.device))
+    scales = getattr(layer, param_name + SCALE).data[expert_id - layer.expert_start]
+    size = layer.intermediate_size
+    if param_name == W13 and scale.shape[0] == size * layer.tp_size:  # gate or up rows
+        scale = scale.narrow(0, layer.tp_rank * size, size)
+        scales = scales.narrow(0, shard * size, size)
+    if scale.shape == scales.shape:  # else a mis-shaped tensor: load_expert names it
+        scales.copy_(scale)
+    return q

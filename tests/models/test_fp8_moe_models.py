@@ -1,7 +1,7 @@
 """FP8 mixture-of-experts models end to end on the CPU (the exact W8A8 emulation) against an
 emulated HF transformers run (fp32): the dequantized weights, and every quantized projection's
 input rounded through fp8 per token (per token and 16 columns for block scales) by hooks.
-Tiny random Mixtral and Qwen3-MoE with `quantization="fp8"` (the reference's weights:
+Tiny random Mixtral, Qwen3-MoE and DeepSeek-V3 with `quantization="fp8"` (the reference's weights:
 quantized per channel and back), and FP8 Mixtral checkpoints written here (HF
 `quant_method: "fp8"` with 16x16 block scales or per-tensor scales, compressed-tensors per
 channel). Greedy tokens follow the top-5 rule: where they first part, each side's token is in
@@ -24,8 +24,9 @@ from tllm.layers.quant import fp8_moe
 FP8 = torch.float8_e4m3fn
 NUM_NEW = 12
 BLOCK = (16, 16)
+# the projections tllm quantizes (DeepSeek's kv_b_proj stays unquantized: read as weights)
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "w1", "w2", "w3", "gate_proj", "up_proj",
-             "down_proj")
+             "down_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
 def prompts(vocab: int) -> list[list[int]]:
@@ -69,9 +70,13 @@ def count_fp8_expert_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("arch", ["Mixtral", "Qwen3Moe"])
+@pytest.mark.parametrize("arch", ["Mixtral", "Qwen3Moe", "DeepseekV3"])
 def test_quantized_at_load_follows_dequantized(arch, tmp_path, count_fp8_expert_calls):
-    hf_model = make_tiny_moe(arch, tmp_path / "src")
+    if arch == "DeepseekV3":  # MLA, grouped routing, a shared expert, a dense first layer
+        from tests.models.test_deepseek_parity import make_tiny_deepseek
+        hf_model = make_tiny_deepseek(arch, tmp_path / "src")
+    else:
+        hf_model = make_tiny_moe(arch, tmp_path / "src")
     reference = hf_reference(write_checkpoints(tmp_path / "src", tmp_path / "ref", "channel",
                                                fp8=False), group=None)
     prompt_ids = prompts(hf_model.config.vocab_size)
@@ -82,13 +87,13 @@ def test_quantized_at_load_follows_dequantized(arch, tmp_path, count_fp8_expert_
 
 
 def hf_reference(path, group: int | None):
-    """HF transformers on the dequantized checkpoint at `path`, its attention projections'
-    and experts' inputs fake-quantized per token (and `group` columns)."""
+    """HF transformers on the dequantized checkpoint at `path`, the inputs of its quantized
+    projections and experts fake-quantized per token (and `group` columns)."""
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path), dtype=torch.float32).eval()
     for name, module in model.named_modules():
-        if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")):
+        if isinstance(module, torch.nn.Linear) and name.endswith(QUANTIZED):
             module.register_forward_pre_hook(lambda mod, args: (fake_quant_tokens(args[0],
                                                                                   group),))
         elif name.endswith("mlp.experts"):
@@ -97,7 +102,8 @@ def hf_reference(path, group: int | None):
 
 
 def emulated_experts(group: int | None):
-    """transformers' expert loop (Mixtral's, Qwen3-MoE's) with both inputs fake-quantized."""
+    """transformers' expert loop (Mixtral's, Qwen3-MoE's, DeepSeek's) with both inputs
+    fake-quantized."""
     def forward(self, hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         x = fake_quant_tokens(hidden_states, group)

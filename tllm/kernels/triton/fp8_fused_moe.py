@@ -57,6 +57,28 @@ def _scaled_tile_dot(acc, a, a_s, w_ptrs, ws_ptrs, k_ok, EVEN_K: tl.constexpr,
 
 
 @triton.jit
+def _tile_of_program(pid, num_tiles_m, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(m tile, n tile) of program pid: GROUP_M m tiles walk the n tiles together (weight
+    reuse in L2), as in fused_moe."""
+    num_n = tl.cdiv(N, BLOCK_N)
+    group_size = GROUP_M * num_n
+    first_m = (pid // group_size) * GROUP_M
+    rows_in_group = tl.minimum(num_tiles_m - first_m, GROUP_M)
+    return first_m + (pid % group_size) % rows_in_group, (pid % group_size) // rows_in_group
+
+
+@triton.jit
+def _store_pairs(out_ptr, acc, pairs, is_pair, offs_n, N, stride_om, topk_weights_ptr,
+                 MUL_WEIGHT: tl.constexpr):
+    """The tile's rows to their pairs' rows of out, times the routing weights if asked."""
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
+    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty),
+             mask=is_pair[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
 def _fp8_expert_gemm_kernel(out_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr,
                             block_expert_ptr, num_padded_ptr, topk_weights_ptr, N, K,
                             num_pairs, num_tiles_m, stride_am, stride_asm, stride_ask,
@@ -72,13 +94,7 @@ def _fp8_expert_gemm_kernel(out_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr,
     one sorted tile (fused_moe._expert_gemm_kernel with fp8 weights). A_FP8: a is fp8 with
     scales as [rows, groups]; else a is unquantized. SCALE_BLOCK_N == 0: weight scales per
     row ws [E, rows]; else per block ws [E, row blocks, K blocks]."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group_size = GROUP_M * num_n
-    first_m = (pid // group_size) * GROUP_M
-    rows_in_group = tl.minimum(num_tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size) % rows_in_group
-    pid_n = (pid % group_size) // rows_in_group
+    pid_m, pid_n = _tile_of_program(tl.program_id(0), num_tiles_m, N, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return  # past the last tile in use: the host only knows a bound
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
@@ -130,11 +146,8 @@ def _fp8_expert_gemm_kernel(out_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr,
             acc_up = acc_up * row_scale[:, None] * tl.load(ws_base + ws_rows_up)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
-    if MUL_WEIGHT:
-        acc = acc * tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
-    out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty),
-             mask=is_pair[:, None] & (offs_n < N)[None, :])
+    _store_pairs(out_ptr, acc, pairs, is_pair, offs_n, N, stride_om, topk_weights_ptr,
+                 MUL_WEIGHT)
 
 
 def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,

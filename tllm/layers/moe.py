@@ -16,8 +16,9 @@ ranks only moves less data once attention is data-parallel (each rank its own to
 tllm does not do.
 
 How expert weights are stored and multiplied is the layer's MoE method (`moe_method`), as a
-linear layer's is its QuantMethod: unquantized for now; a quantization scheme that has no
-MoE method is refused when the model is built."""
+linear layer's is its QuantMethod: unquantized, or FP8 (tllm.layers.quant.fp8_moe); a
+quantization scheme that has no MoE method is refused when the model is built. A method may
+turn a checkpoint tensor into the layout `load_expert` slices (`checkpoint_tensor`)."""
 from __future__ import annotations
 
 import torch

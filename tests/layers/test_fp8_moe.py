@@ -106,15 +106,18 @@ def test_per_tensor_scales_spread_over_their_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["block", "channel", "online"])
-def test_tensor_parallel_ranks_sum_to_the_whole(monkeypatch, kind):
-    """Two ranks' halves of every expert (block scales sliced on whole blocks) add up to one
-    rank's output; each rank quantizes its own activations, so up to fp8's rounding."""
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_two_ranks_sum_to_the_whole(monkeypatch, kind, expert_parallel):
+    """Two ranks' halves of every expert (block scales sliced on whole blocks; each rank
+    quantizes its own slice of the intermediate, so up to fp8's rounding), or half the
+    experts whole each (exact), add up to one rank's output."""
     x = torch.randn(11, H)
     weights, ids = select_experts(torch.randn(11, E), TOP_K, True)
     whole = build(monkeypatch, kind)(x, weights, ids)
-    parts = [build(monkeypatch, kind, Mapping(2, 2, 1, rank))(x, weights, ids)
+    parts = [build(monkeypatch, kind, Mapping(2, 2, 1, rank, expert_parallel))(x, weights, ids)
              for rank in range(2)]
-    assert float((parts[0] + parts[1] - whole).norm() / whole.norm()) < 0.03
+    tol = 1e-6 if expert_parallel else 0.03
+    assert float((parts[0] + parts[1] - whole).norm() / whole.norm()) < tol
 
 
 def test_config_picks_the_method_and_ignores():

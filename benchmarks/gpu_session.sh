@@ -153,11 +153,12 @@ case $section in
     #   call 2 (NEXT_CALL=2): FLUX.1-dev / Wan 2.2 5B with TeaCache and FP8, speed-up and
     #     PSNR against our uncached BF16 (39); then ours vs diffusers again on this card
     export PYTHONUNBUFFERED=1
-    if [ "${NEXT_CALL:-1}" = 1 ]; then
-      step gpu_deterministic 290 python3 benchmarks/gpu_deterministic.py --budget 250 \
+    if [ "${NEXT_CALL:-1}" = 1 ]; then  # (pooling ran at 10:05 today: gpu_pooling2.log)
+      step gpu_deterministic 330 python3 benchmarks/gpu_deterministic.py --budget 290 \
         --load-limit 60
-      step gpu_pooling2 150 python3 benchmarks/gpu_pooling.py --budget 120
-      step gated_delta 60 python3 benchmarks/gpu_gated_delta.py --out "$OUT/gated_delta.json"
+      step gated_delta 50 python3 benchmarks/gpu_gated_delta.py --out "$OUT/gated_delta.json"
+      step delta_tests 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gated_delta.py \
+        tests/models/test_qwen3_next_parity.py
     else  # issue 39's options, then issue 37's GPT-OSS and Nemotron-H against their floors
       step flux_wan_opts 280 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
         --out "$OUT/flux_wan_opts.json"

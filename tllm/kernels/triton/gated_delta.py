@@ -238,8 +238,9 @@ def gated_delta_step(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
 
 
 # C x Dk elements of the prefill's largest tiles: at C = 64, Dk = 128 the kernel asked for
-# 238,848 bytes of shared memory on an H100 (limit 232,448); C = 32 at that Dk fits
-_MAX_CHUNK_TILE = 4096
+# 238,848 bytes of shared memory on an H100 (limit 232,448), and at Dk = 128 C = 16 ran
+# 1.7-2.1x faster than C = 32 (benchmarks/gpu_gated_delta.py, RESULTS.md 2026-12-06)
+_MAX_CHUNK_TILE = 2048
 
 
 def prefill_chunk(chunk_size: int, k_dim: int) -> int:

@@ -167,3 +167,20 @@ def test_routing_in_a_cuda_graph():
     ref_weights, ref_ids = route_experts_ref(fresh, routing, bias)
     assert torch.equal(ids.long(), ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=2.5e-6)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 40])  # 40 x 8 pairs: more than one sort chunk
+def test_routed_ids_sort_like_the_reference(num_tokens, device):
+    """Routing then align_pairs: two launches at decode sizes (one chunk of pairs)."""
+    from tllm.kernels.moe import align_pairs_ref
+    from tllm.kernels.triton.fused_moe import align_pairs
+    routing = MoeRouting(8, renormalize=True)
+    logits = random_logits(num_tokens, 128, torch.bfloat16, routing, None, device)
+    _, ids = run_kernel(logits, routing, None)
+    blocks = align_pairs(ids, 128, 16)
+    want_pairs, want_experts = align_pairs_ref(route_experts_ref(logits, routing)[1].cpu(),
+                                               128, 16)
+    used = int(blocks.num_padded.item())
+    assert used == want_pairs.numel()
+    assert torch.equal(blocks.sorted_pairs[:used].cpu(), want_pairs)
+    assert torch.equal(blocks.block_expert[:used // 16].cpu(), want_experts)

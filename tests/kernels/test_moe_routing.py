@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from tllm.kernels.moe_routing import (MoeRouting, group_scores, route_experts,
-                                      route_experts_ref, routing_choice)
-from tllm.kernels.triton.moe_routing import route_experts_triton
+                                      route_experts_kernel, route_experts_ref, routing_choice)
 
 MODES = {
     "softmax": dict(),
@@ -31,15 +30,6 @@ WITH_BIAS = {"sigmoid_bias", "sigmoid_bias_grouped"}
 NUM_EXPERTS = (8, 64, 128, 256, 512)
 TOP_KS = (1, 2, 4, 6, 8, 10)
 NUM_TOKENS = (1, 5, 33)
-
-
-def run_kernel(logits, routing: MoeRouting, bias):
-    return route_experts_triton(
-        logits, routing.top_k, sigmoid=routing.scoring == "sigmoid",
-        topk_first=routing.topk_first, renormalize=routing.renormalize,
-        scaling_factor=routing.scaling_factor,
-        scale_after_renormalize=routing.scale_after_renormalize,
-        num_groups=routing.num_groups, topk_group=routing.topk_group, correction_bias=bias)
 
 
 def _too_close(values: torch.Tensor, count: int) -> torch.Tensor:
@@ -95,7 +85,7 @@ def test_kernel_matches_reference(mode, num_experts, dtype, device):
         bias = (torch.randn(num_experts) * 0.5).to(device) if mode in WITH_BIAS else None
         logits = random_logits(num_tokens, num_experts, dtype, routing,
                                None if bias is None else bias.cpu(), device)
-        weights, ids = run_kernel(logits, routing, bias)
+        weights, ids = route_experts_kernel(logits, routing, bias)
         ref_weights, ref_ids = route_experts_ref(logits, routing, bias)
         what = f"{mode} E={num_experts} k={top_k} T={num_tokens}"
         assert ids.dtype == torch.int32 and weights.dtype == torch.float32
@@ -109,18 +99,18 @@ def test_strided_logits_and_no_tokens(device):
     routing = MoeRouting(4, renormalize=True)
     wide = torch.randn(6, 96, device=device)
     logits = wide[:, 16:80]  # rows of 64 with a stride of 96
-    weights, ids = run_kernel(logits, routing, None)
+    weights, ids = route_experts_kernel(logits, routing, None)
     ref_weights, ref_ids = route_experts_ref(logits, routing)
     assert torch.equal(ids.long(), ref_ids)
     torch.testing.assert_close(weights, ref_weights, rtol=1e-6, atol=1e-6)
-    empty_weights, empty_ids = run_kernel(logits[:0], routing, None)
+    empty_weights, empty_ids = route_experts_kernel(logits[:0], routing, None)
     assert empty_weights.shape == empty_ids.shape == (0, 4)
 
 
 def test_ties_go_to_the_lower_expert(device):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.5, 3.0, 2.0]], device=device)
     routing = MoeRouting(4)
-    _, ids = run_kernel(logits, routing, None)
+    _, ids = route_experts_kernel(logits, routing, None)
     assert ids.tolist() == [[1, 2, 4, 5]]
     assert route_experts_ref(logits, routing)[1].tolist() == [[1, 2, 4, 5]]
 
@@ -176,7 +166,7 @@ def test_routed_ids_sort_like_the_reference(num_tokens, device):
     from tllm.kernels.triton.fused_moe import align_pairs
     routing = MoeRouting(8, renormalize=True)
     logits = random_logits(num_tokens, 128, torch.bfloat16, routing, None, device)
-    _, ids = run_kernel(logits, routing, None)
+    _, ids = route_experts_kernel(logits, routing, None)
     blocks = align_pairs(ids, 128, 16)
     want_pairs, want_experts = align_pairs_ref(route_experts_ref(logits, routing)[1].cpu(),
                                                128, 16)

@@ -61,15 +61,22 @@ def route_experts(router_logits: torch.Tensor, routing: MoeRouting,
     CUDA kernel, int64 from torch). `correction_bias` [E] shifts the choice, not the weights."""
     _check_route_args(router_logits, routing, correction_bias)
     if router_logits.is_cuda:
-        from tllm.kernels.triton.moe_routing import route_experts_triton
-        return route_experts_triton(
-            router_logits, routing.top_k, sigmoid=routing.scoring == "sigmoid",
-            topk_first=routing.topk_first, renormalize=routing.renormalize,
-            scaling_factor=routing.scaling_factor,
-            scale_after_renormalize=routing.scale_after_renormalize,
-            num_groups=routing.num_groups, topk_group=routing.topk_group,
-            correction_bias=correction_bias)
+        return route_experts_kernel(router_logits, routing, correction_bias)
     return route_experts_ref(router_logits, routing, correction_bias)
+
+
+def route_experts_kernel(router_logits: torch.Tensor, routing: MoeRouting,
+                         correction_bias: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The Triton kernel, unchecked (on a CPU only under the Triton interpreter)."""
+    from tllm.kernels.triton.moe_routing import route_experts_triton
+    return route_experts_triton(
+        router_logits, routing.top_k, sigmoid=routing.scoring == "sigmoid",
+        topk_first=routing.topk_first, renormalize=routing.renormalize,
+        scaling_factor=routing.scaling_factor,
+        scale_after_renormalize=routing.scale_after_renormalize,
+        num_groups=routing.num_groups, topk_group=routing.topk_group,
+        correction_bias=correction_bias)
 
 
 def _check_route_args(router_logits: torch.Tensor, routing: MoeRouting,

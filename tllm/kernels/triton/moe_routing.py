@@ -61,6 +61,35 @@ def _keep_best_groups(choice, experts, BLOCK_T: tl.constexpr, E_PAD: tl.constexp
 
 
 @triton.jit
+def _score(x, lanes_ok, SIGMOID: tl.constexpr):
+    """Sigmoid of each value, or softmax along dim 1 over the lanes that are ok."""
+    if SIGMOID:
+        out = tl.sigmoid(x)
+    else:
+        shifted = tl.where(lanes_ok, tl.exp(x - tl.max(tl.where(lanes_ok, x, float("-inf")),
+                                                       1)[:, None]), 0.0)
+        out = shifted / tl.sum(shifted, 1)[:, None]
+    return out
+
+
+@triton.jit
+def _top_k(choice, scores, is_expert, experts, slots, BLOCK_T: tl.constexpr,
+           E_PAD: tl.constexpr, K_PAD: tl.constexpr, TOP_K: tl.constexpr):
+    """(the scores, the expert ids) of each row's TOP_K best choices, best first."""
+    taken = tl.broadcast_to(~is_expert[None, :], (BLOCK_T, E_PAD))
+    top_values = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+    top_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = _take_best(choice, taken, experts, E_PAD)
+        is_best = experts[None, :] == best[:, None]
+        taken = taken | is_best
+        value = tl.sum(tl.where(is_best, scores, 0.0), 1)
+        top_values = tl.where(slots[None, :] == j, value[:, None], top_values)
+        top_ids = tl.where(slots[None, :] == j, best[:, None], top_ids)
+    return top_values, top_ids
+
+
+@triton.jit
 def _route_kernel(weights_ptr, ids_ptr, logits_ptr, bias_ptr, num_tokens, stride_t,
                   scaling_factor, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr,
                   BLOCK_T: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
@@ -80,37 +109,19 @@ def _route_kernel(weights_ptr, ids_ptr, logits_ptr, bias_ptr, num_tokens, stride
         scores = logits
         choice = logits
     else:
-        if SIGMOID:
-            scores = tl.sigmoid(logits)
-        else:
-            shifted = tl.exp(logits - tl.max(logits, 1)[:, None])
-            scores = shifted / tl.sum(shifted, 1)[:, None]
+        scores = _score(logits, is_expert[None, :], SIGMOID)
         choice = scores
         if HAS_BIAS:
             choice += tl.load(bias_ptr + experts, mask=is_expert, other=0.0).to(tl.float32)
         if TOPK_GROUP < NUM_GROUPS:
             choice = _keep_best_groups(choice, experts, BLOCK_T, E_PAD, GROUP_SIZE,
                                        NUM_GROUPS, G_PAD, TOPK_GROUP, GROUP_TOP2)
-    taken = tl.broadcast_to(~is_expert[None, :], (BLOCK_T, E_PAD))
     slots = tl.arange(0, K_PAD)
-    top_values = tl.zeros([BLOCK_T, K_PAD], tl.float32)
-    top_ids = tl.zeros([BLOCK_T, K_PAD], tl.int32)
-    for j in tl.static_range(TOP_K):
-        best = _take_best(choice, taken, experts, E_PAD)
-        is_best = experts[None, :] == best[:, None]
-        taken = taken | is_best
-        value = tl.sum(tl.where(is_best, scores, 0.0), 1)
-        top_values = tl.where(slots[None, :] == j, value[:, None], top_values)
-        top_ids = tl.where(slots[None, :] == j, best[:, None], top_ids)
     is_slot = (slots < TOP_K)[None, :]
-    weights = top_values
+    weights, top_ids = _top_k(choice, scores, is_expert, experts, slots, BLOCK_T, E_PAD,
+                              K_PAD, TOP_K)
     if TOPK_FIRST:
-        if SIGMOID:
-            weights = tl.sigmoid(top_values)
-        else:
-            shifted = tl.where(is_slot, tl.exp(top_values - tl.max(
-                tl.where(is_slot, top_values, float("-inf")), 1)[:, None]), 0.0)
-            weights = shifted / tl.sum(shifted, 1)[:, None]
+        weights = _score(weights, is_slot, SIGMOID)
     if RENORMALIZE:
         weights = weights / (tl.sum(tl.where(is_slot, weights, 0.0), 1)[:, None] + 1e-20)
     if SCALE:

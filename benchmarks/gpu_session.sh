@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
 #   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
 #   bash benchmarks/gpu_session.sh verify  # the GPU suite, DeepSeek's graphs, issue 33 (one call)
+#   bash benchmarks/gpu_session.sh final   # MoE routing, deterministic attention, FLUX/Wan options
 #   bash benchmarks/gpu_session.sh next    # issues 35, 36, 39 (NEXT_CALL=1, then 2)
 #   bash benchmarks/gpu_session.sh next     # issues 35, 36: deterministic mode; pooling budgets
 #   NEXT_CALL=2 bash benchmarks/gpu_session.sh next  # issue 39: TeaCache, FP8 (second call)
@@ -166,8 +167,24 @@ case $section in
         --budget 190
     fi
     ;;
+  final)  # the fourth session's last call: the fused MoE routing on the GPU (33), deterministic
+    # mode with its Triton attention (35), FLUX.1 / Wan 2.2 TeaCache and FP8 (39)
+    export PYTHONUNBUFFERED=1
+    step moe_tests 110 python3 -m pytest -q -p no:cacheprovider -n 6 --dist loadfile \
+      tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py \
+      tests/kernels/test_swiglu_moe_kernels.py tests/layers/test_grouped_topk.py \
+      tests/layers/test_moe_layer.py tests/models/test_moe_parity.py \
+      tests/models/test_gpt_oss_parity.py tests/models/test_deepseek_parity.py \
+      tests/models/test_llama4_parity.py tests/attention/test_batch_invariant_attention.py \
+      tests/llmapi/test_deterministic.py ${FINAL_TESTS:-}
+    step moe_routing 40 python3 benchmarks/gpu_moe_routing.py --out "$OUT/moe_routing.json"
+    step gpu_deterministic 220 python3 benchmarks/gpu_deterministic.py --budget 190 \
+      --load-limit 40
+    step flux_wan_opts 220 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
+      --out "$OUT/flux_wan_opts.json"
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|stage|smollm2 ..."; exit 2 ;;
 esac
 done

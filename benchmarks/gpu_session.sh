@@ -10,7 +10,7 @@
 #   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
 #   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
 #   bash benchmarks/gpu_session.sh verify  # the GPU suite, DeepSeek's graphs, issue 33 (one call)
-#   bash benchmarks/gpu_session.sh final   # MoE routing, deterministic attention, FLUX/Wan options
+#   bash benchmarks/gpu_session.sh final   # MoE routing, deterministic attention, GPT-OSS, Nemotron-H
 #   bash benchmarks/gpu_session.sh next    # issues 35, 36, 39 (NEXT_CALL=1, then 2)
 #   bash benchmarks/gpu_session.sh next     # issues 35, 36: deterministic mode; pooling budgets
 #   NEXT_CALL=2 bash benchmarks/gpu_session.sh next  # issue 39: TeaCache, FP8 (second call)
@@ -168,7 +168,8 @@ case $section in
     fi
     ;;
   final)  # the fourth session's last call: the fused MoE routing on the GPU (33), deterministic
-    # mode with its Triton attention (35), FLUX.1 / Wan 2.2 TeaCache and FP8 (39)
+    # mode with its Triton attention (35), GPT-OSS-20B and Nemotron-H-8B end to end (37);
+    # (issue 39's TeaCache / FP8 figures: NEXT_CALL=2 ... next, a call of its own)
     export PYTHONUNBUFFERED=1
     step moe_tests 110 python3 -m pytest -q -p no:cacheprovider -n 6 --dist loadfile \
       tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py \
@@ -178,10 +179,10 @@ case $section in
       tests/models/test_llama4_parity.py tests/attention/test_batch_invariant_attention.py \
       tests/llmapi/test_deterministic.py ${FINAL_TESTS:-}
     step moe_routing 40 python3 benchmarks/gpu_moe_routing.py --out "$OUT/moe_routing.json"
-    step gpu_deterministic 220 python3 benchmarks/gpu_deterministic.py --budget 190 \
-      --load-limit 40
-    step flux_wan_opts 220 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
-      --out "$OUT/flux_wan_opts.json"
+    step gpu_deterministic 180 python3 benchmarks/gpu_deterministic.py --budget 160 \
+      --load-limit 30
+    step models37 220 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
+      --budget 200
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;

@@ -72,6 +72,14 @@ def test_sinks_and_fp8_cache(device):
     assert relative_error(without, ref) > 100 * TOL[torch.float32]   # the sinks count
 
 
+def test_scales_apply_to_fp8_caches_only(device):
+    torch.manual_seed(3)
+    batch = make_paged_batch(QUERY_LENS, PREFIX_LENS, 4, 2, 32, 8, torch.float32, device)
+    backend = BatchInvariantAttentionBackend(4, 2, 32, 32 ** -0.5)
+    out, ref = both_paths(batch, backend, (2.0, 3.0))
+    assert relative_error(out, ref) < TOL[torch.float32]
+
+
 # --- invariance: one probe request laid out in different steps --------------------------
 
 HEADS, KV_HEADS, DIM, BLOCK, LENGTH = 4, 2, 32, 8, 80

@@ -23,7 +23,7 @@ import weakref
 import torch
 
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
-from tllm.kernels.paged import from_cache, gather_blocks, write_kv_cache
+from tllm.kernels.paged import from_cache, gather_blocks, is_fp8, write_kv_cache
 from tllm.layers.invariant_ops import MIN_ROWS, padded_rows, row_tiled
 
 KEY_SPLIT = 64   # keys per chunk: fixed, so no reduction's order depends on the batch
@@ -73,7 +73,8 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         return invariant_paged_attention(
             q, *kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
             self._tiles(metadata), self.scale, self.sliding_window,
-            self.attention_chunk_size, self.logits_soft_cap, sinks, *kv_scales)
+            self.attention_chunk_size, self.logits_soft_cap, sinks,
+            *(kv_scales if is_fp8(kv_cache[0]) else NO_KV_SCALES))   # as from_cache does
 
     def _tiles(self, metadata: AttentionMetadata) -> torch.Tensor:
         """The step's tile table, built once per step (every layer gets the same metadata)."""

@@ -34,6 +34,15 @@ def test_tile_table():
     assert tiles == [[0, 64], [1, 0], [2, 16], [2, 32], [2, 48], [3, 16]]
 
 
+def test_tile_table_is_built_once_per_step():
+    batch = make_paged_batch([3, 1], [5, 9], 4, 2, 16, 4, torch.float32)
+    backend = BatchInvariantAttentionBackend(4, 2, 16, 0.25)
+    tiles = backend._tiles(batch.metadata)
+    assert backend._tiles(batch.metadata) is tiles
+    again = make_paged_batch([3, 1], [5, 9], 4, 2, 16, 4, torch.float32).metadata
+    assert backend._tiles(again) is not tiles
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_kv_heads,tokens_per_block", [(4, 4), (2, 16), (1, 8)])
 def test_matches_the_torch_path(device, dtype, num_kv_heads, tokens_per_block):

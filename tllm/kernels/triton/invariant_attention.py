@@ -27,6 +27,7 @@ BLOCK_M = 16    # query positions per tile, for every launch
 BLOCK_N = 64    # keys per block: tllm.attention.invariant.KEY_SPLIT
 _NUM_WARPS = 4
 _MAX_TILES = 65535  # grid axis 1
+_MAX_HEAD_DIM = 256  # K and V tiles of 64 x 256 still fit shared memory
 
 
 @triton.jit
@@ -166,6 +167,9 @@ def invariant_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return out
     check_paged_layout(q, k_cache, v_cache, out)
     check_sinks(sinks, num_heads)
+    if head_dim > _MAX_HEAD_DIM:
+        raise ValueError(f"deterministic attention on CUDA takes head_dim up to "
+                         f"{_MAX_HEAD_DIM}, got {head_dim}")
     if tiles.shape[0] > _MAX_TILES:
         raise ValueError(f"{tiles.shape[0]} query tiles exceed the grid's {_MAX_TILES}; "
                          "schedule fewer tokens per step")

@@ -177,15 +177,20 @@ case $section in
       tests/layers/test_moe_layer.py tests/models/test_moe_parity.py \
       tests/models/test_gpt_oss_parity.py tests/models/test_deepseek_parity.py \
       tests/models/test_llama4_parity.py tests/attention/test_batch_invariant_attention.py \
-      tests/llmapi/test_deterministic.py ${FINAL_TESTS:-}
+      tests/kernels/test_invariant_attention.py tests/llmapi/test_deterministic.py
     step moe_routing 40 python3 benchmarks/gpu_moe_routing.py --out "$OUT/moe_routing.json"
     step gpu_deterministic 180 python3 benchmarks/gpu_deterministic.py --budget 160 \
       --load-limit 30
-    step models37 220 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
-      --budget 200
+    ;;
+  final2)  # the call after: FP8 experts' GPU tests (33), GPT-OSS-20B and Nemotron-H-8B (37)
+    export PYTHONUNBUFFERED=1
+    [ -n "${FINAL_TESTS:-}" ] && step fp8_moe_tests 60 python3 -m pytest -q -p no:cacheprovider \
+      -n 4 --dist loadfile $FINAL_TESTS
+    step models37 200 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
+      --budget 180
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|final2|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -87,7 +87,7 @@ def bench_decode(sizes, heads, dim, device, repeats):
 
 def bench_prefill(shapes, heads, dim, device, repeats):
     from tllm.kernels.gated_delta_ref import gated_delta_chunked_ref
-    from tllm.kernels.triton.gated_delta import gated_delta_prefill
+    from tllm.kernels.triton.gated_delta import gated_delta_prefill, prefill_chunk
     rows = []
     for num_reqs, length in shapes:
         pool = torch.randn(num_reqs, heads[1], dim, dim, device=device) * 0.1
@@ -108,6 +108,7 @@ def bench_prefill(shapes, heads, dim, device, repeats):
             def run(chunk=chunk):
                 return gated_delta_prefill(pool.clone(), slots, cu, q, k, v, g, beta,
                                            dim ** -0.5, chunk_size=chunk)
+            row[f"kernel_chunk_c{chunk}"] = prefill_chunk(chunk, dim)
             row[f"max_diff_c{chunk}"] = (run() - want).abs().max().item()
             row[f"triton_ms_c{chunk}"] = _timed_ms(run, device, repeats)
             row[f"tokens_per_s_c{chunk}"] = num_reqs * length / row[f"triton_ms_c{chunk}"] * 1e3

@@ -10,6 +10,7 @@
 #   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
 #   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
 #   bash benchmarks/gpu_session.sh verify  # the GPU suite, DeepSeek's graphs, issue 33 (one call)
+#   bash benchmarks/gpu_session.sh final   # MoE routing, deterministic attention, GPT-OSS, Nemotron-H
 #   bash benchmarks/gpu_session.sh next    # issues 35, 36, 39 (NEXT_CALL=1, then 2)
 #   bash benchmarks/gpu_session.sh next     # issues 35, 36: deterministic mode; pooling budgets
 #   NEXT_CALL=2 bash benchmarks/gpu_session.sh next  # issue 39: TeaCache, FP8 (second call)
@@ -153,11 +154,12 @@ case $section in
     #   call 2 (NEXT_CALL=2): FLUX.1-dev / Wan 2.2 5B with TeaCache and FP8, speed-up and
     #     PSNR against our uncached BF16 (39); then ours vs diffusers again on this card
     export PYTHONUNBUFFERED=1
-    if [ "${NEXT_CALL:-1}" = 1 ]; then
-      step gpu_deterministic 290 python3 benchmarks/gpu_deterministic.py --budget 250 \
+    if [ "${NEXT_CALL:-1}" = 1 ]; then  # (pooling ran at 10:05 today: gpu_pooling2.log)
+      step gpu_deterministic 330 python3 benchmarks/gpu_deterministic.py --budget 290 \
         --load-limit 60
-      step gpu_pooling2 150 python3 benchmarks/gpu_pooling.py --budget 120
-      step gated_delta 60 python3 benchmarks/gpu_gated_delta.py --out "$OUT/gated_delta.json"
+      step gated_delta 50 python3 benchmarks/gpu_gated_delta.py --out "$OUT/gated_delta.json"
+      step delta_tests 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gated_delta.py \
+        tests/models/test_qwen3_next_parity.py
     else  # issue 39's options, then issue 37's GPT-OSS and Nemotron-H against their floors
       step flux_wan_opts 280 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
         --out "$OUT/flux_wan_opts.json"
@@ -165,8 +167,30 @@ case $section in
         --budget 190
     fi
     ;;
+  final)  # the fourth session's last call: the fused MoE routing on the GPU (33), deterministic
+    # mode with its Triton attention (35), GPT-OSS-20B and Nemotron-H-8B end to end (37);
+    # (issue 39's TeaCache / FP8 figures: NEXT_CALL=2 ... next, a call of its own)
+    export PYTHONUNBUFFERED=1
+    step moe_tests 110 python3 -m pytest -q -p no:cacheprovider -n 6 --dist loadfile \
+      tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py \
+      tests/kernels/test_swiglu_moe_kernels.py tests/layers/test_grouped_topk.py \
+      tests/layers/test_moe_layer.py tests/models/test_moe_parity.py \
+      tests/models/test_gpt_oss_parity.py tests/models/test_deepseek_parity.py \
+      tests/models/test_llama4_parity.py tests/attention/test_batch_invariant_attention.py \
+      tests/kernels/test_invariant_attention.py tests/llmapi/test_deterministic.py
+    step moe_routing 40 python3 benchmarks/gpu_moe_routing.py --out "$OUT/moe_routing.json"
+    step gpu_deterministic 180 python3 benchmarks/gpu_deterministic.py --budget 160 \
+      --load-limit 30
+    ;;
+  final2)  # the call after: FP8 experts' GPU tests (33), GPT-OSS-20B and Nemotron-H-8B (37)
+    export PYTHONUNBUFFERED=1
+    [ -n "${FINAL_TESTS:-}" ] && step fp8_moe_tests 60 python3 -m pytest -q -p no:cacheprovider \
+      -n 4 --dist loadfile $FINAL_TESTS
+    step models37 200 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
+      --budget 180
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|final2|stage|smollm2 ..."; exit 2 ;;
 esac
 done

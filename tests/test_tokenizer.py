@@ -205,3 +205,10 @@ def test_the_earliest_of_several_stop_strings_wins(tokenizer):
     detok = detokenizer(tokenizer, stop=["lazy dog", "fox", "quick brown fox"])
     _, _, found = feed(detok, ids_of(tokenizer, "the quick brown fox jumps over the lazy dog"))
     assert found == "quick brown fox" and detok.text == "the "
+
+
+def test_encode_batch_equals_encode_each(tokenizer):
+    texts = ["héllo wörld", "a", "日本語のテキスト and more", "x " * 40]
+    assert tokenizer.encode_batch(texts) == [tokenizer.encode(t) for t in texts]
+    assert tokenizer.encode_batch(texts, add_special_tokens=False) == [
+        tokenizer.encode(t, add_special_tokens=False) for t in texts]

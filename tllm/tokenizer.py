@@ -43,6 +43,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """encode() of each text, in one call: the Rust tokenizer spreads a batch over its
+        threads (a tokenizer without a Rust backend encodes them one by one)."""
+        if self.backend is None:
+            return [self.encode(text, add_special_tokens) for text in texts]
+        encoded = self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
+        return [list(ids) for ids in encoded]
+
     def encode_pair(self, text: str, text_pair: str) -> tuple[list[int], list[int] | None]:
         """A (query, document) pair as one prompt, as a cross-encoder reads it: its token
         ids and, where the tokenizer makes them, its segment (token type) ids."""

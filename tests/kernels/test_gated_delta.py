@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("triton")
 
 from tllm.kernels import gated_delta_ref  # noqa: E402
-from tllm.kernels.triton.gated_delta import (gated_delta_prefill,  # noqa: E402
+from tllm.kernels.triton.gated_delta import (gated_delta_prefill, prefill_chunk,  # noqa: E402
                                              gated_delta_step)
 
 DK, DV = 8, 12      # DV not a power of two: the masked tail of the value tile
@@ -197,7 +197,8 @@ def test_prefill_correlated_keys(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_qwen3_next_shapes_on_gpu(dtype, tol):
+@pytest.mark.parametrize("chunk_size", [16, 64])   # 64: the layer's, cut to fit shared memory
+def test_qwen3_next_shapes_on_gpu(dtype, tol, chunk_size):
     """Qwen3-Next-80B's DeltaNet geometry (16 key heads, 32 value heads, 128 x 128 per head):
     a mixed prefill batch, then a decode step on the states it left (compiled kernels only;
     the interpreter would take minutes)."""
@@ -222,7 +223,8 @@ def test_qwen3_next_shapes_on_gpu(dtype, tol):
             rq[part], rk[part], v[part], g[part], beta[part], want_states[i])
         wants.append(out)
     index = torch.tensor(slots, device=device)
-    got = gated_delta_prefill(state, index, cu, q, k, v, g, beta, dim ** -0.5)
+    got = gated_delta_prefill(state, index, cu, q, k, v, g, beta, dim ** -0.5,
+                              chunk_size=chunk_size)
     torch.testing.assert_close(got, torch.cat(wants), atol=tol, rtol=tol)
     torch.testing.assert_close(state[slots], want_states, atol=tol, rtol=tol)
     last = cu[1:] - 1                      # each request's last token again, as a decode
@@ -232,3 +234,12 @@ def test_qwen3_next_shapes_on_gpu(dtype, tol):
                            dim ** -0.5)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     torch.testing.assert_close(state[slots], want_states, atol=tol, rtol=tol)
+
+
+def test_prefill_chunk_fits_shared_memory():
+    """The chunk is a power of two in [16, 64], cut where C x Dk passes 2048 elements (at
+    C = 64, Dk = 128 the kernel needed more shared memory than an H100 has)."""
+    assert [prefill_chunk(c, 32) for c in (1, 16, 24, 32, 64, 128)] == [16, 16, 32, 32, 64, 64]
+    assert [prefill_chunk(c, 64) for c in (16, 32, 64)] == [16, 32, 32]
+    assert [prefill_chunk(c, 128) for c in (16, 32, 64)] == [16, 16, 16]
+    assert prefill_chunk(64, 256) == 16

@@ -11,13 +11,19 @@ multiple of MIN_ROWS (a CPU GEMM row's result changes with other row counts;
 tllm.layers.batch_invariant says why); exp
 runs on whole rows (`row_tiled`). Sequences of at most MIN_ROWS queries (decodes, short
 chunks) are attended together, longer ones together apart from them, so a decode batch is
-not padded to a prefill's length. Slower than the grouped SDPA path (torch_ref.py)."""
+not padded to a prefill's length. Slower than the grouped SDPA path (torch_ref.py).
+
+On CUDA the step runs as one Triton launch per layer instead
+(tllm.kernels.triton.invariant_attention: the same fixed key chunks, per-row bits fixed by
+construction); this torch code is its reference and the CPU path."""
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
-from tllm.kernels.paged import from_cache, gather_blocks, write_kv_cache
+from tllm.kernels.paged import from_cache, gather_blocks, is_fp8, write_kv_cache
 from tllm.layers.invariant_ops import MIN_ROWS, padded_rows, row_tiled
 
 KEY_SPLIT = 64   # keys per chunk: fixed, so no reduction's order depends on the batch
@@ -31,12 +37,22 @@ class BatchInvariantAttentionBackend(AttentionBackend):
         if not self.causal:
             raise ValueError("deterministic mode does not cover non-causal (encoder) "
                              "attention yet; load the model with deterministic=False")
+        # (metadata, its tile table) of the last step run by the kernel
+        self._tile_cache: tuple[weakref.ref, torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
                 kv_scales: tuple[float, float] = NO_KV_SCALES,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         write_kv_cache(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        if q.is_cuda:
+            return self._attend_kernel(q, kv_cache, metadata, kv_scales, sinks)
+        return self._attend_torch(q, kv_cache, metadata, kv_scales, sinks)
+
+    def _attend_torch(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                      kv_scales: tuple[float, float],
+                      sinks: torch.Tensor | None) -> torch.Tensor:
+        """The CPU path, and the kernel's reference."""
         out = torch.empty_like(q)
         query_lens = metadata.query_lens_cpu
         short = [i for i, n in enumerate(query_lens) if n <= MIN_ROWS]
@@ -45,6 +61,30 @@ class BatchInvariantAttentionBackend(AttentionBackend):
             if members:
                 self._attend_group(q, kv_cache, metadata, members, kv_scales, out, sinks)
         return out
+
+    def _attend_kernel(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+                       kv_scales: tuple[float, float],
+                       sinks: torch.Tensor | None) -> torch.Tensor:
+        """The whole step in one launch (imported here: Triton only where it runs)."""
+        from tllm.kernels.triton.invariant_attention import invariant_paged_attention
+        if metadata.causal_limits is not None:
+            raise ValueError("deterministic mode does not cover image tokens attending "
+                             "within their image (causal_limits, Gemma 3) yet")
+        return invariant_paged_attention(
+            q, *kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+            self._tiles(metadata), self.scale, self.sliding_window,
+            self.attention_chunk_size, self.logits_soft_cap, sinks,
+            *(kv_scales if is_fp8(kv_cache[0]) else NO_KV_SCALES))   # as from_cache does
+
+    def _tiles(self, metadata: AttentionMetadata) -> torch.Tensor:
+        """The step's tile table, built once per step (every layer gets the same metadata)."""
+        from tllm.kernels.triton.invariant_attention import build_tiles
+        if self._tile_cache is not None and self._tile_cache[0]() is metadata:
+            return self._tile_cache[1]
+        tiles = build_tiles(metadata.query_lens_cpu, metadata.seq_lens_cpu,
+                            metadata.block_tables.device)
+        self._tile_cache = (weakref.ref(metadata), tiles)
+        return tiles
 
     def _attend_group(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                       members: list[int], kv_scales: tuple[float, float],

@@ -26,6 +26,7 @@ from torch import nn
 
 from tllm.distributed import comm
 from tllm.kernels.moe import fused_experts
+from tllm.kernels.moe_routing import MoeRouting, route_experts
 from tllm.layers.linear import Linear, _copy_checked
 from tllm.layers.quant.base import QuantConfig
 
@@ -35,12 +36,9 @@ W13, W2 = "w13_weight", "w2_weight"
 def select_experts(router_logits: torch.Tensor, top_k: int,
                    renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over all experts (in float32), the top_k of each token, renormalised to sum
-    to 1 when `renormalize`: (weights [T, k] float32, expert ids [T, k] int64)."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
-    weights, ids = probs.topk(top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    to 1 when `renormalize`: (weights [T, k] float32, expert ids [T, k]); one fused launch
+    on CUDA (tllm.kernels.moe_routing)."""
+    return route_experts(router_logits, MoeRouting(top_k, renormalize=renormalize))
 
 
 class UnquantizedMoEMethod:
@@ -202,10 +200,11 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"num_experts_per_tok ({top_k}) must be between 1 and the "
                              f"model's {num_experts} experts")
         self.top_k, self.renormalize = top_k, renormalize
+        self.routing = MoeRouting(top_k, renormalize=renormalize)
         self.gate = Linear(hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, quant_config,
                                 f"{prefix}.experts")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(hidden), self.top_k, self.renormalize)
+        weights, ids = route_experts(self.gate(hidden), self.routing)
         return self.experts(hidden, weights, ids)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tllm.kernels.moe_routing import MoeRouting, route_experts
 from tllm.kernels.swiglu_moe import swiglu_experts_ref
 from tllm.layers.linear import Linear
 from tllm.layers.moe import W2, W13, FusedMoE
@@ -22,9 +23,8 @@ W13_BIAS, W2_BIAS = "w13_bias", "w2_bias"
 def select_top_k_softmax(router_logits: torch.Tensor,
                          top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The top_k logits of each token softmaxed among themselves (in float32): (weights
-    [T, k] float32, expert ids [T, k] int64)."""
-    values, ids = router_logits.float().topk(top_k, dim=-1)
-    return values.softmax(dim=-1), ids
+    [T, k] float32, expert ids [T, k])."""
+    return route_experts(router_logits, MoeRouting(top_k, topk_first=True))
 
 
 class SwigluMoEMethod:

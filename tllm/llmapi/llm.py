@@ -1,6 +1,7 @@
 """The LLM API: generate, generate_async (awaitable, streamable), chat."""
 from __future__ import annotations
 
+import gc
 import itertools
 import queue
 from typing import Any, Callable, Sequence, Union
@@ -220,7 +221,10 @@ class LLM(RolloutMethods, PoolingMethods):
         self._closed = True
         self._engine.close()
         device = self._engine.device
-        self._engine = None  # type: ignore[assignment]
+        # nothing the LLM keeps may still reach the model: a caller holding the closed LLM
+        # while it builds the next one must not hold two models' memory
+        self._engine = self._pooling = self._rollout = None  # type: ignore[assignment]
+        gc.collect()   # the runner's reference cycles hold the weights until collected
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCache, KVCacheSpec
+from tllm.kernels.moe_routing import MoeRouting, route_experts
 from tllm.layers.linear import Linear
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, StateSpec
 from tllm.layers.norm import RMSNorm
@@ -89,6 +90,7 @@ class GraniteMoE(nn.Module):
         num, hidden, size = (config.num_local_experts, config.hidden_size,
                              config.intermediate_size)
         self.top_k = config.num_experts_per_tok
+        self.routing = MoeRouting(self.top_k, topk_first=True)
         self.router = nn.Module()
         self.router.layer = Linear(hidden, num)
         self.input_linear = nn.Module()
@@ -99,8 +101,8 @@ class GraniteMoE(nn.Module):
                                                  requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        top_logits, ids = self.router.layer(hidden).float().topk(self.top_k, dim=-1)
-        weights = top_logits.softmax(dim=-1).to(hidden.dtype)
+        weights, ids = route_experts(self.router.layer(hidden), self.routing)
+        weights = weights.to(hidden.dtype)
         out = torch.zeros_like(hidden)
         for expert in ids.unique().tolist():
             token, slot = (ids == expert).nonzero(as_tuple=True)

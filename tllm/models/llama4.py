@@ -19,6 +19,7 @@ from torch import nn
 
 from tllm.attention.interface import (AttentionBackend, AttentionMetadata, AttentionOptions,
                                       KVCache)
+from tllm.kernels.moe_routing import MoeRouting, route_experts
 from tllm.layers.linear import Linear
 from tllm.layers.moe import FusedMoE
 from tllm.layers.quant import QuantConfig
@@ -93,14 +94,15 @@ class Llama4MoE(nn.Module):
         if not 1 <= self.top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({self.top_k}) must be between 1 and the "
                              f"model's {num_experts} experts")
+        self.routing = MoeRouting(self.top_k, scoring="sigmoid", topk_first=True)
         self.router = Linear(config.hidden_size, num_experts)
         self.experts = FusedMoE(num_experts, config.hidden_size, config.intermediate_size,
                                 quant_config, f"{prefix}.experts")
         self.shared_expert = LlamaMLP(config, quant_config, f"{prefix}.shared_expert")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        top_logits, ids = self.router(hidden).topk(self.top_k, dim=-1)
-        scores = torch.sigmoid(top_logits.float()).to(hidden.dtype)
+        scores, ids = route_experts(self.router(hidden), self.routing)
+        scores = scores.to(hidden.dtype)
         # one row per (token, chosen expert), scaled before the expert, weighted 1 after
         routed_in = (hidden[:, None, :] * scores[..., None]).flatten(0, 1)
         ones = torch.ones(routed_in.shape[0], 1, dtype=torch.float32, device=hidden.device)

@@ -3,7 +3,7 @@
 The (token, expert) pairs of a step ("pair" p = token * top_k + j) are sorted by expert and
 each expert's run padded to a multiple of BLOCK_M (`align_pairs`: two small kernels, no host
 sync, so a CUDA graph can hold it), which makes every BLOCK_M-row tile of the sorted list
-belong to one expert. Then:
+belong to one expert; a step of one chunk of pairs (decode) sorts in one launch. Then:
 
   1. gate_up: ONE launch; program (m tile, n tile) reads its tile's hidden rows and that
      expert's gate and up rows, and writes silu(gate) * up (fp32, rounded once) to the
@@ -95,23 +95,26 @@ def _count_pairs_kernel(chunk_counts_ptr, topk_ids_ptr, num_pairs, expert_start,
 def _place_pairs_kernel(sorted_ptr, block_expert_ptr, num_padded_ptr, chunk_counts_ptr,
                         topk_ids_ptr, num_pairs, num_chunks, expert_start, max_blocks,
                         NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                        BLOCK_M: tl.constexpr, TILES: tl.constexpr):
+                        BLOCK_M: tl.constexpr, TILES: tl.constexpr, COUNTED: tl.constexpr):
     """Program c writes chunk c's pairs to their sorted slots: the expert's padded start,
     plus the pairs of that expert in earlier chunks, plus those earlier in this chunk (a
-    stable order). Program 0 also writes the tile -> expert table and the padding marks."""
+    stable order). Program 0 also writes the tile -> expert table and the padding marks.
+    Not COUNTED (one chunk, no count kernel ran): the chunk counts its own pairs."""
     chunk = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    totals = tl.zeros([E_PAD], dtype=tl.int32)
+    pairs, hit = _local_one_hot(topk_ids_ptr, chunk * CHUNK, num_pairs, expert_start, experts,
+                                NUM_EXPERTS, CHUNK)
+    totals = tl.sum(hit, 0)
     earlier = tl.zeros([E_PAD], dtype=tl.int32)
-    for i in range(0, num_chunks):
-        row = tl.load(chunk_counts_ptr + i * E_PAD + experts)
-        totals += row
-        earlier += tl.where(i < chunk, row, 0)
+    if COUNTED:
+        totals = tl.zeros([E_PAD], dtype=tl.int32)
+        for i in range(0, num_chunks):
+            row = tl.load(chunk_counts_ptr + i * E_PAD + experts)
+            totals += row
+            earlier += tl.where(i < chunk, row, 0)
     padded = (totals + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, 0)
     starts = ends - padded
-    pairs, hit = _local_one_hot(topk_ids_ptr, chunk * CHUNK, num_pairs, expert_start, experts,
-                                NUM_EXPERTS, CHUNK)
     rank = tl.cumsum(hit, 0) - hit
     slot = tl.sum(hit * (rank + (starts + earlier)[None, :]), 1)
     tl.store(sorted_ptr + slot, pairs, mask=tl.sum(hit, 1) > 0)
@@ -157,15 +160,19 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     sorted_pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
-    _count_pairs_kernel[(num_chunks,)](counts, ids, num_pairs, expert_start,
-                                       NUM_EXPERTS=num_experts, E_PAD=e_pad, CHUNK=chunk,
-                                       num_warps=4)
+    counted = num_chunks > 1  # one chunk (a decode step) counts in the place kernel
+    counts = num_padded
+    if counted:
+        counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
+        _count_pairs_kernel[(num_chunks,)](counts, ids, num_pairs, expert_start,
+                                           NUM_EXPERTS=num_experts, E_PAD=e_pad, CHUNK=chunk,
+                                           num_warps=4)
     tiles = max(1, min(256, _ONE_HOT_ELEMENTS // max(e_pad, block_m)))
     _place_pairs_kernel[(num_chunks,)](sorted_pairs, block_expert, num_padded, counts, ids,
                                        num_pairs, num_chunks, expert_start, blocks,
                                        NUM_EXPERTS=num_experts, E_PAD=e_pad, CHUNK=chunk,
-                                       BLOCK_M=block_m, TILES=tiles, num_warps=4)
+                                       BLOCK_M=block_m, TILES=tiles, COUNTED=counted,
+                                       num_warps=4)
     return PairBlocks(sorted_pairs, block_expert, num_padded, block_m, num_pairs)
 
 

@@ -237,6 +237,21 @@ def gated_delta_step(state: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
                    eps)
 
 
+# C x Dk elements of the prefill's largest tiles: at C = 64, Dk = 128 the kernel asked for
+# 238,848 bytes of shared memory on an H100 (limit 232,448), and at Dk = 128 C = 16 ran
+# 1.7-2.1x faster than C = 32 (benchmarks/gpu_gated_delta.py, RESULTS.md 2026-12-06)
+_MAX_CHUNK_TILE = 2048
+
+
+def prefill_chunk(chunk_size: int, k_dim: int) -> int:
+    """The chunk the prefill kernel runs: `chunk_size` as a power of two within [16, 64],
+    smaller where its C x Dk tiles would not fit one SM's shared memory."""
+    chunk = max(16, min(64, next_pow2(chunk_size)))
+    while chunk > 16 and chunk * max(16, next_pow2(k_dim)) > _MAX_CHUNK_TILE:
+        chunk //= 2
+    return chunk
+
+
 def gated_delta_prefill(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: torch.Tensor,
                         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                         beta: torch.Tensor, scale: float, eps: float = 1e-6,
@@ -245,11 +260,11 @@ def gated_delta_prefill(state: torch.Tensor, slots: torch.Tensor, cu_seqlens: to
     [T, Hk, Dk] (raw), v [T, Hv, Dv], g, beta [T, Hv], and starts from state[slots[i]]
     ([slots_total, Hv, Dk, Dv], updated in place to the state after its last token).
     Returns out [T, Hv, Dv] float32. `max_len`: the longest request (None: read from
-    cu_seqlens, a device sync). The kernel's chunk is `chunk_size` within [16, 64] (the
-    C x C and C x Dk tiles stay in registers); the result does not depend on it beyond
+    cu_seqlens, a device sync). The kernel's chunk is `prefill_chunk(chunk_size, Dk)`
+    (the C x C and C x Dk tiles stay in registers); the result does not depend on it beyond
     rounding."""
     _check_inputs(state, q, k, v, g, beta)
-    chunk, num_reqs, num_heads = max(16, min(64, next_pow2(chunk_size))), slots.numel(), v.shape[1]
+    chunk, num_reqs, num_heads = prefill_chunk(chunk_size, k.shape[-1]), slots.numel(), v.shape[1]
     if max_len is None:
         max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if num_reqs else 0
     # every chunk's (I + A)^-1, [T, Hv, C] float32: one scratch row of C per token and head

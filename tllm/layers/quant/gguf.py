@@ -4,8 +4,8 @@ lie in the file, [rows, blocks, bytes per block]).
 
 What each GGML type becomes on the CPU (GgufConfig decides per layer):
 - Q4_0, Q4_1, Q4_K, Q8_0 and Q5_0, Q5_1, Q5_K, Q6_K (the default): re-quantized per output
-  channel to int8 (tllm.kernels.int8_cpu: `_weight_int8pack_mm` for one row, per-token W8A8
-  through `torch._int_mm` above). ~0.8% weight error against gguf's values for the 5/6-bit
+  channel to int8 (tllm.kernels.int8_cpu: `_weight_int8pack_mm` for few rows, the weight
+  widened to bf16 a slice at a time for more). ~0.8% weight error against gguf's values for the 5/6-bit
   types, a fifth of what the formats themselves lose (tests/layers/test_gguf_method.py); at one
   row it runs as fast as the int4 kernel, and at 32 rows 3-5x faster (benchmarks/RESULTS.md).
   So is a merged layer whose projections come in different types (Q4_K q/k with a Q6_K v).

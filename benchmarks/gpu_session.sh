@@ -196,8 +196,16 @@ case $section in
       tests/models/test_fp8_moe_models.py
     grep -E "FAILED|ERROR|passed|failed" "$OUT/moe_tests2.log" | tail -40
     ;;
+  fp8moe)  # after final2: the FP8 experts' fixes (K >= 32 blocks, GPU tolerance), capture
+    export PYTHONUNBUFFERED=1
+    step diag_fp8_moe 40 python3 benchmarks/gpu_diag_fp8_moe.py
+    step fp8_moe_tests 90 python3 -m pytest -q --tb=short -rf -p no:cacheprovider -n 8 \
+      --dist loadfile tests/kernels/test_fp8_moe_kernel.py tests/layers/test_fp8_moe.py \
+      tests/models/test_fp8_moe_models.py tests/kernels/test_invariant_attention.py
+    grep -E "FAILED|passed|failed" "$OUT/fp8_moe_tests.log" | tail -20
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|final2|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|final2|fp8moe|stage|smollm2 ..."; exit 2 ;;
 esac
 done

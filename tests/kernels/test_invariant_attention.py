@@ -96,11 +96,11 @@ HEADS, KV_HEADS, DIM, BLOCK, LENGTH = 4, 2, 32, 8, 80
 
 def _metadata(tables: torch.Tensor, spans: list[tuple[int, int]]) -> AttentionMetadata:
     """Sequence i computes positions spans[i] = (first, end) over the context 0..end."""
-    positions = torch.cat([torch.arange(a, b) for a, b in spans])
-    seq_of = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(spans)])
+    device = tables.device
+    positions = torch.cat([torch.arange(a, b) for a, b in spans]).to(device)
+    seq_of = torch.cat([torch.full((b - a,), i) for i, (a, b) in enumerate(spans)]).to(device)
     slots = tables[seq_of, positions // BLOCK].long() * BLOCK + positions % BLOCK
     query_lens = [b - a for a, b in spans]
-    device = tables.device
     return AttentionMetadata(
         positions=positions.to(device), slot_mapping=slots.to(device),
         query_start_loc=torch.tensor([0] + query_lens).cumsum(0).to(torch.int32).to(device),

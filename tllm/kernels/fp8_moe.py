@@ -96,8 +96,10 @@ def fp8_fused_experts(hidden: torch.Tensor, experts: Fp8Experts, topk_weights: t
 
 
 def _triton_ok(block: tuple[int, int] | None) -> bool:
-    """The kernel's K tiles must lie inside one scale block: bk a power of two >= 16."""
-    return block is None or (block[1] >= 16 and block[1] & (block[1] - 1) == 0)
+    """The kernel's K tiles must lie inside one scale block: bk a power of two, and at least
+    32 (an fp8 tl.dot needs K >= 32 on Hopper: 16-column blocks failed to compile on an
+    H100; checkpoints use 128)."""
+    return block is None or (block[1] >= 32 and block[1] & (block[1] - 1) == 0)
 
 
 def quantize_rows(x: torch.Tensor, block: tuple[int, int] | None):

@@ -204,8 +204,16 @@ case $section in
       tests/models/test_fp8_moe_models.py tests/kernels/test_invariant_attention.py
     grep -E "FAILED|passed|failed" "$OUT/fp8_moe_tests.log" | tail -20
     ;;
+  models37)  # issue 37: GPT-OSS-20B and Nemotron-H-8B against their floors and at max load;
+    # issue 33: Mixtral-8x7B FP8 (dummy) at max load beside BF16
+    export PYTHONUNBUFFERED=1
+    step models37 300 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
+      --budget 280
+    step models33 280 python3 benchmarks/gpu_models.py --parts floor,mixtral_fp8,qwen3moe \
+      --budget 260
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|final2|fp8moe|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|final2|fp8moe|models37|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -112,7 +112,7 @@ def _metadata(tables: torch.Tensor, spans: list[tuple[int, int]]) -> AttentionMe
 
 def _layouts(rng: random.Random) -> list[list[int]]:
     """Chunk ends of the probe: one prefill, decodes after a prefix, random chunks."""
-    decodes = list(range(50, LENGTH + 1))
+    decodes = list(range(LENGTH - 12, LENGTH + 1))   # (each step a launch: CI time)
     chunks, end = [], 0
     while end < LENGTH:
         end = min(LENGTH, end + rng.choice((1, 3, 8, 17, 40)))
@@ -161,8 +161,7 @@ def probe_outputs(backend, dtype, device, rng, sinks=None, num_blocks=160):
     (torch.float32, {}),
     (torch.float32, dict(sliding_window=40, logits_soft_cap=1.5)),
     (torch.float32, dict(attention_chunk_size=32)),
-    (torch.bfloat16, {}),   # (bf16 outputs round away most fp32 differences: fp32 above)
-])
+])   # (bf16 outputs round away most fp32 differences: the GPU test below runs bf16)
 def test_a_token_is_the_same_bits_in_any_layout(device, dtype, options):
     backend = BatchInvariantAttentionBackend(HEADS, KV_HEADS, DIM, DIM ** -0.5, **options)
     sinks = torch.randn(HEADS, device=device) if "sliding_window" in options else None

@@ -233,3 +233,11 @@ def test_chat_with_image_url_equals_hf(tiny_gemma3_vl):
         chat = llm.chat(messages, params(), use_tqdm=False)
     text = f"<bos>user\n{BOI}what is in this image?<eos>\n<bos>model\n"
     assert chat.outputs[0].token_ids == hf_greedy(hf_model, processor, text, [image])
+
+
+def test_deterministic_mode_is_refused_at_load(tiny_gemma3_vl):
+    """Its image tokens see their whole image, which the batch-invariant attention cannot
+    express: refused when the engine is built, not in the middle of a step."""
+    with pytest.raises(ValueError, match="deterministic"):
+        LLM(str(tiny_gemma3_vl[0]), deterministic=True,
+            kv_cache_config=KvCacheConfig(max_tokens=256))

@@ -67,9 +67,7 @@ class BatchInvariantAttentionBackend(AttentionBackend):
                        sinks: torch.Tensor | None) -> torch.Tensor:
         """The whole step in one launch (imported here: Triton only where it runs)."""
         from tllm.kernels.triton.invariant_attention import invariant_paged_attention
-        if metadata.causal_limits is not None:
-            raise ValueError("deterministic mode does not cover image tokens attending "
-                             "within their image (causal_limits, Gemma 3) yet")
+        # (models with causal_limits, Gemma 3's images, are refused at build: runner/build.py)
         return invariant_paged_attention(
             q, *kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
             self._tiles(metadata), self.scale, self.sliding_window,

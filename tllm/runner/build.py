@@ -88,6 +88,10 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     if max_seq_len is None:
         raise ValueError("max_seq_len: the model's config has no max_position_embeddings; "
                          "set max_seq_len")
+    if args.deterministic and getattr(model, "bidirectional_images", False):
+        raise ValueError("deterministic: this model's image tokens attend within their "
+                         "whole image (Gemma 3), which the batch-invariant attention does "
+                         "not cover yet; load it with deterministic=False")
     loader.load_weights(model, source, checkpoint, args.seed + mapping.rank,
                         show_progress=mapping.rank == 0)  # one bar, not one per rank
     if args.deterministic:

@@ -71,8 +71,7 @@ async def token_inputs(ctx: ServingContext, limits: ModelLimits,
     check_texts(texts, param)
     if any(not item for item in inputs):
         raise bad_request(f"{param}: an input is empty", param=param)
-    encode = ctx.tokenizer.encode if texts else None
-    encoded = iter(await ctx.run_in_tokenizer(lambda: [encode(t) for t in texts]))
+    encoded = iter(await ctx.run_in_tokenizer(lambda: _encode_all(ctx.tokenizer, texts)))
     token_ids = [next(encoded) if isinstance(item, str) else list(item) for item in inputs]
     max_len = ctx.llm.max_seq_len
     for index, ids in enumerate(token_ids):
@@ -87,6 +86,15 @@ async def token_inputs(ctx: ServingContext, limits: ModelLimits,
                            f"the model's max_seq_len ({max_len})", param=param,
                            code="context_length_exceeded")
     return token_ids
+
+
+def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
+    """The texts' ids in one batch call where the tokenizer has one (the Rust tokenizer
+    spreads it over its threads)."""
+    if not texts:
+        return []
+    batch = getattr(tokenizer, "encode_batch", None)
+    return batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
 
 
 async def run_all(ctx: ServingContext, request: Request | None,

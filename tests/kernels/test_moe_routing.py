@@ -28,7 +28,7 @@ MODES = {
 }
 WITH_BIAS = {"sigmoid_bias", "sigmoid_bias_grouped"}
 NUM_EXPERTS = (8, 128, 512)     # (64 and 256: the grouped modes at 8 and 128 cover their shapes)
-TOP_KS = (1, 2, 6, 8, 10)
+TOP_KS = (1, 6, 8, 10)
 NUM_TOKENS = (1, 5, 33)
 
 

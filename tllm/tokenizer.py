@@ -46,7 +46,7 @@ class Tokenizer:
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """encode() of each text, in one call: the Rust tokenizer spreads a batch over its
         threads (a tokenizer without a Rust backend encodes them one by one)."""
-        if self.backend is None:
+        if self.backend is None or not texts:
             return [self.encode(text, add_special_tokens) for text in texts]
         encoded = self.hf(list(texts), add_special_tokens=add_special_tokens)["input_ids"]
         return [list(ids) for ids in encoded]

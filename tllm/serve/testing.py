@@ -61,6 +61,9 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return bytes(token_ids).decode(errors="replace")
 

@@ -71,7 +71,8 @@ async def token_inputs(ctx: ServingContext, limits: ModelLimits,
     check_texts(texts, param)
     if any(not item for item in inputs):
         raise bad_request(f"{param}: an input is empty", param=param)
-    encoded = iter(await ctx.run_in_tokenizer(lambda: _encode_all(ctx.tokenizer, texts)))
+    # one batch call: the Rust tokenizer spreads it over its threads
+    encoded = iter(await ctx.run_in_tokenizer(lambda: ctx.tokenizer.encode_batch(texts)))
     token_ids = [next(encoded) if isinstance(item, str) else list(item) for item in inputs]
     max_len = ctx.llm.max_seq_len
     for index, ids in enumerate(token_ids):
@@ -86,15 +87,6 @@ async def token_inputs(ctx: ServingContext, limits: ModelLimits,
                            f"the model's max_seq_len ({max_len})", param=param,
                            code="context_length_exceeded")
     return token_ids
-
-
-def _encode_all(tokenizer, texts: list[str]) -> list[list[int]]:
-    """The texts' ids in one batch call where the tokenizer has one (the Rust tokenizer
-    spreads it over its threads)."""
-    if not texts:
-        return []
-    batch = getattr(tokenizer, "encode_batch", None)
-    return batch(texts) if batch is not None else [tokenizer.encode(t) for t in texts]
 
 
 async def run_all(ctx: ServingContext, request: Request | None,

@@ -10,7 +10,8 @@
 #   bash benchmarks/gpu_session.sh round3   # issues 36, 35: embeddings/s; sleep, wake, update
 #   bash benchmarks/gpu_session.sh round3_vlm  # issue 34: Qwen2.5-VL-7B TTFT vs HF (own call)
 #   bash benchmarks/gpu_session.sh verify  # the GPU suite, DeepSeek's graphs, issue 33 (one call)
-#   bash benchmarks/gpu_session.sh final   # MoE routing, deterministic attention, GPT-OSS, Nemotron-H
+#   bash benchmarks/gpu_session.sh fp8moe  # FP8 experts: capture diagnosis and GPU tests
+#   bash benchmarks/gpu_session.sh models37  # GPT-OSS, Nemotron-H, Mixtral FP8, Qwen3-30B-A3B
 #   bash benchmarks/gpu_session.sh next    # issues 35, 36, 39 (NEXT_CALL=1, then 2)
 #   bash benchmarks/gpu_session.sh next     # issues 35, 36: deterministic mode; pooling budgets
 #   NEXT_CALL=2 bash benchmarks/gpu_session.sh next  # issue 39: TeaCache, FP8 (second call)
@@ -160,43 +161,14 @@ case $section in
       step gated_delta 50 python3 benchmarks/gpu_gated_delta.py --out "$OUT/gated_delta.json"
       step delta_tests 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gated_delta.py \
         tests/models/test_qwen3_next_parity.py
-    else  # issue 39's options, then issue 37's GPT-OSS and Nemotron-H against their floors
+    else  # issue 39's options (issue 37's models: the models37 section)
       step flux_wan_opts 280 python3 benchmarks/gpu_flux_wan.py --parts teacache,fp8 \
         --out "$OUT/flux_wan_opts.json"
-      step models37 210 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
-        --budget 190
+      step flux_wan 240 python3 benchmarks/gpu_flux_wan.py --parts step,pipeline \
+        --out "$OUT/flux_wan.json"
     fi
     ;;
-  final)  # the fourth session's last call: the fused MoE routing on the GPU (33), deterministic
-    # mode with its Triton attention (35), GPT-OSS-20B and Nemotron-H-8B end to end (37);
-    # (issue 39's TeaCache / FP8 figures: NEXT_CALL=2 ... next, a call of its own)
-    export PYTHONUNBUFFERED=1
-    step moe_tests 110 python3 -m pytest -q -p no:cacheprovider -n 6 --dist loadfile \
-      tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py \
-      tests/kernels/test_swiglu_moe_kernels.py tests/layers/test_grouped_topk.py \
-      tests/layers/test_moe_layer.py tests/models/test_moe_parity.py \
-      tests/models/test_gpt_oss_parity.py tests/models/test_deepseek_parity.py \
-      tests/models/test_llama4_parity.py tests/attention/test_batch_invariant_attention.py \
-      tests/kernels/test_invariant_attention.py tests/llmapi/test_deterministic.py
-    step moe_routing 40 python3 benchmarks/gpu_moe_routing.py --out "$OUT/moe_routing.json"
-    step gpu_deterministic 180 python3 benchmarks/gpu_deterministic.py --budget 160 \
-      --load-limit 30
-    ;;
-  final2)  # the call after: which MoE / deterministic tests failed on the GPU in `final` (its
-    # step timed out before pytest's summary), and the FP8 experts' kernels (33)
-    export PYTHONUNBUFFERED=1
-    step moe_tests2 220 python3 -m pytest -v --tb=short -rf -p no:cacheprovider -n 12 \
-      --dist loadfile tests/kernels/test_moe_routing.py tests/kernels/test_fused_moe.py \
-      tests/kernels/test_swiglu_moe_kernels.py tests/layers/test_grouped_topk.py \
-      tests/layers/test_moe_layer.py tests/models/test_moe_parity.py \
-      tests/models/test_gpt_oss_parity.py tests/models/test_deepseek_parity.py \
-      tests/models/test_llama4_parity.py tests/attention/test_batch_invariant_attention.py \
-      tests/kernels/test_invariant_attention.py tests/llmapi/test_deterministic.py \
-      tests/kernels/test_fp8_moe_kernel.py tests/layers/test_fp8_moe.py \
-      tests/models/test_fp8_moe_models.py
-    grep -E "FAILED|ERROR|passed|failed" "$OUT/moe_tests2.log" | tail -40
-    ;;
-  fp8moe)  # after final2: the FP8 experts' fixes (K >= 32 blocks, GPU tolerance), capture
+  fp8moe)  # the FP8 experts' fixes of 2026-12-06 (K >= 32 blocks, GPU tolerance), capture
     export PYTHONUNBUFFERED=1
     step diag_fp8_moe 40 python3 benchmarks/gpu_diag_fp8_moe.py
     step fp8_moe_tests 90 python3 -m pytest -q --tb=short -rf -p no:cacheprovider -n 8 \
@@ -214,6 +186,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|final|final2|fp8moe|models37|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|stage|smollm2 ..."; exit 2 ;;
 esac
 done

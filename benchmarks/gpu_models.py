@@ -16,6 +16,10 @@ sliding-window KV capacity.
   nemotron   the same for dummy:nemotron-h-8b (Mamba-2 layers with their per-request state,
              4 attention layers), with its state bytes per request beside the KV bytes of
              an 8k-token request (its own attention layers, and all-attention of its width)
+  qwen3next  dummy:qwen3-next-80b-a3b-24l (24 of Qwen3-Next-80B-A3B's 48 layers, ~80 GB:
+             gated DeltaNet state, 512 experts), with its state beside the KV at 8k
+  llama4     dummy:llama-4-scout-24l (24 of Llama-4-Scout's 48 layers, ~111 GB: an H200
+             only; chunked attention, top-1 experts + a shared expert)
   window     benchmarks/sliding_window_capacity.py on dummy:gemma-2-9b: concurrent
              requests that fit with and without window-aware KV in the same memory
 
@@ -46,11 +50,13 @@ sys.path.insert(0, str(HERE))
 PARTS = ("floor", "kernel", "mixtral", "qwen3moe", "window")
 MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
           "gptoss": "dummy:gpt-oss-20b", "nemotron": "dummy:nemotron-h-8b",
-          "mixtral_fp8": "dummy:mixtral-8x7b"}
+          "mixtral_fp8": "dummy:mixtral-8x7b", "qwen3next": "dummy:qwen3-next-80b-a3b-24l",
+          "llama4": "dummy:llama-4-scout-24l"}
 QUANTIZATION = {"mixtral_fp8": "fp8"}  # a part's `quantization`; None for the rest
-# seconds per part at --budget 560 (scaled with it)
+# seconds per part, scaled so that the parts asked for fill --budget (at least 560 s)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
-          "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195}
+          "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195, "qwen3next": 195,
+          "llama4": 195}
 FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
                     "read: every non-expert parameter (LM head included; the input "
                     "embedding counted apart) plus top_k experts' weights per MoE layer")
@@ -112,7 +118,7 @@ def part_floor(budget_s: float, smoke: bool) -> dict:
 
 
 def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | None,
-               quantization: str | None = None) -> dict:
+               quantization: str | None = None, max_batch_size: int = 256) -> dict:
     from tllm import LLM
     from tllm.bench.offline import LatencyConfig, ThroughputConfig, run_latency, run_throughput
     from tllm.bench.offline_cli import format_report
@@ -125,7 +131,8 @@ def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | No
               "max_seq_len": 512 if not smoke else 64, "quantization": quantization}
     started = time.perf_counter()
     # one engine for both (a second one would need the first's weights gone first)
-    with LLM(model, max_batch_size=256 if not smoke else 8, **kwargs) as llm:
+    result["max_batch_size"] = max_batch_size = 8 if smoke else max_batch_size
+    with LLM(model, max_batch_size=max_batch_size, **kwargs) as llm:
         result["build_s"] = time.perf_counter() - started
         config = LatencyConfig(isl=latency_shape[0], osl=latency_shape[1], batch_size=1,
                                iterations=3, warmup=1, time_limit_s=budget_s * 0.2)
@@ -167,7 +174,7 @@ def run_script(argv: list[str], budget_s: float, json_path: Path) -> dict:
 
 
 def run_child(part: str, budget_s: float, smoke: bool, copy_bw: float | None,
-              out_dir: Path) -> dict:
+              out_dir: Path, max_batch_size: int) -> dict:
     json_path = out_dir / f"{part}.json"
     if part == "kernel":
         argv = [str(HERE / "gpu_moe_kernel.py"), "--out", str(json_path),
@@ -181,7 +188,8 @@ def run_child(part: str, budget_s: float, smoke: bool, copy_bw: float | None,
                      "--requests", "12", "--max-num-tokens", "512"]
         return run_script(argv, budget_s, out_dir / "sliding_window_capacity.json")
     argv = [str(Path(__file__)), "--child", part, "--budget", str(budget_s),
-            "--child-out", str(json_path)] + (["--smoke"] if smoke else [])
+            "--child-out", str(json_path), "--max-batch-size", str(max_batch_size)]
+    argv += ["--smoke"] if smoke else []
     if copy_bw:
         argv += ["--copy-bw", str(copy_bw)]
     return run_script(argv, budget_s + 30, json_path)
@@ -227,6 +235,8 @@ def main() -> int:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--budget", type=float, default=560.0)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--max-batch-size", type=int, default=256,
+                        help="the engine's cap on running requests (max load's concurrency)")
     parser.add_argument("--child", choices=list(MODELS), help=argparse.SUPPRESS)
     parser.add_argument("--child-out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--copy-bw", type=float, help=argparse.SUPPRESS)
@@ -234,7 +244,7 @@ def main() -> int:
     if args.child:
         model = _smoke_model() if args.smoke else MODELS[args.child]
         result = part_model(model, args.budget, args.smoke, args.copy_bw,
-                            QUANTIZATION.get(args.child))
+                            QUANTIZATION.get(args.child), args.max_batch_size)
         args.child_out.write_text(json.dumps(result, indent=1, default=str))
         return 0
     out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_models")
@@ -244,7 +254,7 @@ def main() -> int:
                         else "cpu", "torch": torch.__version__,
                         "floor_convention": FLOOR_CONVENTION}}
     parts = args.parts.split(",")
-    scale = args.budget / 560
+    scale = args.budget / max(sum(SHARES[part] for part in parts), 560)  # shares fill it
     end = time.perf_counter() + args.budget
     for part in parts:
         share = max(SHARES[part] * scale, 10.0 if part == "floor" else 0.0)  # a few s of copies
@@ -258,7 +268,8 @@ def main() -> int:
             results[part] = part_floor(budget, args.smoke)
         else:
             copy_bw = results.get("floor", {}).get("copy_bw_gbs")
-            results[part] = run_child(part, budget, args.smoke, copy_bw, out_dir)
+            results[part] = run_child(part, budget, args.smoke, copy_bw, out_dir,
+                                      args.max_batch_size)
         results[part]["part_s"] = time.perf_counter() - started
         (out_dir / "models.json").write_text(json.dumps(results, indent=1, default=str))
     print(summary(results), flush=True)

@@ -184,8 +184,21 @@ case $section in
     step models33 280 python3 benchmarks/gpu_models.py --parts floor,mixtral_fp8,qwen3moe \
       --budget 260
     ;;
+  models_h200)  # issues 33 and 37 on an H200, one call: the copy floor, then Mixtral BF16 and
+    # FP8, Qwen3-30B-A3B, GPT-OSS-20B, Nemotron-H-8B, and the 24-layer Qwen3-Next and Llama 4
+    # (their bf16 weights fit an H200 only); each at batch 1 and 128/128 max load, 512 at once
+    export PYTHONUNBUFFERED=1
+    step models_h200 580 python3 benchmarks/gpu_models.py --budget 565 --max-batch-size 512 \
+      --parts floor,mixtral,mixtral_fp8,qwen3moe,gptoss,nemotron,qwen3next,llama4
+    ;;
+  visual39)  # issue 39 in one call: FLUX.1-dev and Wan 2.2 5B, ours vs diffusers (step and
+    # pipeline), then TeaCache and FP8 against our uncached BF16 (speed-up and PSNR)
+    export PYTHONUNBUFFERED=1
+    step visual39 580 python3 benchmarks/gpu_flux_wan.py --parts step,pipeline,teacache,fp8 \
+      --out "$OUT/flux_wan_all.json"
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

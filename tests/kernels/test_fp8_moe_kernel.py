@@ -121,6 +121,20 @@ def test_emulation_close_to_dequantized(scheme):
     assert relative_error(got, dequantized_ref(hidden, experts, weights, ids)) < 0.08
 
 
+@pytest.mark.parametrize("scheme", ["channel", "block"])
+def test_emulation_under_capture_equals_the_loop(scheme):
+    """The emulation's form for a CUDA graph (every expert on every row, unrouted rows
+    weighted 0) against its loop over routed rows; experts 2..5 of 8 on this rank."""
+    from tllm.kernels.fp8_moe import _captured_experts_ref
+    experts = fp8_experts(4, scheme, "cpu")
+    hidden = torch.randn(11, HIDDEN).to(torch.bfloat16)
+    weights, ids = routing(11, 3, 8, "cpu")
+    got = _captured_experts_ref(hidden, experts, weights, ids - 2,
+                                torch.zeros(11, HIDDEN, dtype=torch.float32))
+    want = fp8_fused_experts_ref(hidden, experts, weights, ids, expert_start=2)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.skipif(not CUDA, reason="the CUDA kernels run on the GPU only")
 @pytest.mark.parametrize("num_tokens", [1, 8, 200, 1500])
 @pytest.mark.parametrize("scheme", ["channel", "block"])

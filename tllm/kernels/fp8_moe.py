@@ -129,6 +129,8 @@ def fp8_fused_experts_ref(hidden: torch.Tensor, experts: Fp8Experts,
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
     local = topk_ids.flatten().long() - expert_start
     weights = topk_weights.flatten().float()
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _captured_experts_ref(hidden, experts, topk_weights, topk_ids - expert_start, out)
     for expert in range(experts.num_experts):
         pairs = torch.nonzero(local == expert).flatten()
         if pairs.numel() == 0:
@@ -140,4 +142,21 @@ def fp8_fused_experts_ref(hidden: torch.Tensor, experts: Fp8Experts,
         inter = (F.silu(gate) * up).to(hidden.dtype)
         y = _w8a8_mm(inter, experts.w2[expert], experts.w2_scale[expert], experts.block)
         out.index_add_(0, rows, y * weights[pairs, None])
+    return out.to(hidden.dtype)
+
+
+def _captured_experts_ref(hidden: torch.Tensor, experts: Fp8Experts, topk_weights: torch.Tensor,
+                          local_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The emulation inside a CUDA graph: no host sync (no nonzero over the routing), so
+    every expert runs on every row and rows not routed to it weigh 0. Each row quantizes
+    alone, so a row's result is the loop's; E / top_k times the work, for the emulation
+    (float32 on a GPU, the tests) only."""
+    for expert in range(experts.num_experts):
+        weight = (topk_weights.float() * (local_ids == expert)).sum(dim=1, keepdim=True)
+        gate_up = _w8a8_mm(hidden, experts.w13[expert], experts.w13_scale[expert],
+                           experts.block)
+        gate, up = gate_up.chunk(2, dim=-1)
+        inter = (F.silu(gate) * up).to(hidden.dtype)
+        out += _w8a8_mm(inter, experts.w2[expert], experts.w2_scale[expert],
+                        experts.block) * weight
     return out.to(hidden.dtype)

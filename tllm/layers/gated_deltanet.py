@@ -21,7 +21,7 @@ from torch import nn
 
 from tllm.kernels import gated_delta_ref
 from tllm.layers.linear import Linear
-from tllm.layers.mamba2 import (MambaBatch, MambaLayerState, conv_segments,
+from tllm.layers.mamba2 import (LayerStateSpec, MambaBatch, MambaLayerState, conv_segments,
                                 conv_segments_triton, reset_new_requests, run_passes,
                                 save_states, segments)
 
@@ -58,19 +58,12 @@ class GatedDeltaNetDims:
 
 
 @dataclass(frozen=True)
-class DeltaNetStateSpec:
-    """What a model's per-request state holds on this rank: `num_layers` gated DeltaNet
-    layers (a conv state and a recurrent state each, the latter in `state_dtype`)."""
+class DeltaNetStateSpec(LayerStateSpec):
+    """`num_layers` gated DeltaNet layers on this rank: a conv state and a recurrent state
+    (in `state_dtype`) each, in MambaLayerState's two fields."""
     dims: GatedDeltaNetDims
     num_layers: int
     state_dtype: torch.dtype = torch.float32
-
-    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
-        d = self.dims
-        conv = d.conv_dim * (d.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).itemsize
-        recurrent = d.num_v_heads * d.head_k_dim * d.head_v_dim * torch.empty(
-            (), dtype=self.state_dtype).itemsize
-        return self.num_layers * (conv + recurrent)
 
     def empty_layer(self, num_rows: int, dtype: torch.dtype,
                     device: torch.device | str) -> MambaLayerState:

@@ -63,26 +63,32 @@ class MambaLayerState:
         return cls(conv, ssm)
 
 
+class LayerStateSpec:
+    """What the state cache reads of a model's per-request state spec: `num_layers`,
+    `empty_layer` (one layer's zeroed state, rows for slots or checkpoints) and
+    `bytes_per_request`, which follows from empty_layer's shapes."""
+    num_layers: int
+
+    def empty_layer(self, num_rows: int, dtype: torch.dtype,
+                    device: torch.device | str) -> MambaLayerState:
+        raise NotImplementedError
+
+    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
+        layer = self.empty_layer(1, conv_dtype, "meta")  # shapes only, no memory
+        return self.num_layers * sum(t.numel() * t.element_size()
+                                     for t in (layer.conv, layer.ssm))
+
+
 @dataclass(frozen=True)
-class StateSpec:
-    """What a model's per-request state holds on this rank: `num_layers` Mamba-2 layers of
-    one geometry; the SSM state in `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype). The
-    state cache reads only `num_layers`, `bytes_per_request` and `empty_layer`."""
+class StateSpec(LayerStateSpec):
+    """`num_layers` Mamba-2 layers of one geometry on this rank; the SSM state in
+    `ssm_dtype` (NemotronH's mamba_ssm_cache_dtype)."""
     dims: Mamba2Dims
     num_layers: int
     ssm_dtype: torch.dtype = torch.float32
 
-    def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
-        d = self.dims
-        conv = d.conv_dim * (d.conv_kernel - 1) * torch.empty((), dtype=conv_dtype).itemsize
-        ssm = d.num_heads * d.head_dim * d.state_size * torch.empty(
-            (), dtype=self.ssm_dtype).itemsize
-        return self.num_layers * (conv + ssm)
-
     def empty_layer(self, num_rows: int, dtype: torch.dtype,
                     device: torch.device | str) -> MambaLayerState:
-        """One layer's zeroed state for `num_rows` rows (slots or checkpoints); a spec of
-        another state-space layer (gated_deltanet.py's) answers with its own shapes."""
         return MambaLayerState.empty(self.dims, num_rows, dtype, device, self.ssm_dtype)
 
 

@@ -1,5 +1,6 @@
 """The state-space layers' state cache: sizes per request, rows per slot, and the options a
-hybrid model refuses (swap preemption; checkpoints: test_state_checkpoints.py)."""
+hybrid model refuses (speculation; checkpoints: test_state_checkpoints.py; swap preemption
+keeps answers: tests/models/test_nemotron_h_parity.py)."""
 import pytest
 import torch
 
@@ -22,9 +23,9 @@ def test_state_per_request_and_slots():
     assert cache.layers[0].ssm.shape == (5, 4, 8, 8)
 
 
-def test_refuses_swap_preemption():
-    args = LlmArgs(model="x", scheduler_config={"preemption_mode": "swap"})
-    with pytest.raises(ValueError, match="preemption_mode"):
+def test_refuses_speculation():
+    args = LlmArgs(model="x", speculative_config={"decoding_type": "NGram"})
+    with pytest.raises(ValueError, match="speculative_config"):
         check_hybrid_args(args)
 
 

@@ -61,18 +61,26 @@ def test_greedy_matches_hf_in_continuous_batch(tmp_path):
         check_logprobs(output.outputs[0].logprobs, want_logprobs, want)
 
 
-def test_preemption_with_recompute_keeps_answers(tmp_path):
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_answers(tmp_path, mode):
+    """Swap: the state of a swapped-out request travels to the host and back into another
+    slot (a slot's state left behind, or a reset one, changes the tokens: slow decay)."""
     hf_model = save_tiny(tmp_path, seed=1)
     g = torch.Generator().manual_seed(9)
     prompts = [torch.randint(3, TINY["vocab_size"], (n,), generator=g).tolist()
                for n in (20, 9, 31, 14, 25, 6)]
-    policy = SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION)
+    policy = SchedulerConfig(capacity_scheduler_policy=CapacitySchedulerPolicy.MAX_UTILIZATION,
+                             preemption_mode=mode)
+    host = {"host_cache_size": 1 << 20} if mode == "swap" else {}
     with LLM(str(tmp_path), max_num_tokens=64, max_batch_size=4, scheduler_config=policy,
-             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=48)) as llm:
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=48, **host)) as llm:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(max_tokens=NUM_NEW, temperature=0,
                                               ignore_eos=True), use_tqdm=False)
         assert llm.get_kv_cache_stats()["preemptions"] > 0
+        if mode == "swap":
+            stats = llm.get_stats()
+            assert stats["state_swapped_in"] == stats["state_swapped_out"] > 0
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NUM_NEW)[0]
 

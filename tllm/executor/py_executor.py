@@ -178,6 +178,9 @@ class PyExecutor:
                 # a vision-language model's encoder: images encoded, found in its cache
                 **(self.runner.multimodal.cache.stats()
                    if getattr(self.runner, "multimodal", None) is not None else {}),
+                # a hybrid's state checkpoints and swaps
+                **{k: v for manager in self.resource_managers
+                   if hasattr(manager, "state_stats") for k, v in manager.state_stats().items()},
                 **{f"kv_{k}": v for k, v in self.kv_cache.stats_dict().items()
                    if k not in ("blocks_free", "blocks_total")}}
 

@@ -312,6 +312,9 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
 
     # ---- preemption ----
 
+    def is_swapped(self, request: Request) -> bool:
+        return request.request_id in self._swapped
+
     def swap_out(self, request: Request) -> bool:
         """Move a request's blocks to host memory and free them on the device; False when the
         host tier has no room (the caller then recomputes instead)."""

@@ -18,12 +18,12 @@ overwrites it: it is a slot, not a list of blocks.
 - Prefix reuse: the state at block boundaries is checkpointed, keyed by the KV block's
   chained hash, and a prefix hit is cut back to the last block with a checkpoint, which is
   copied into the slot before the request's first step (tllm/kv_cache/state_checkpoints.py).
-- What is not correct yet, and therefore refused: swapping to host (the state would have
-  to travel with the KV blocks) and speculative decoding (rejected drafts would have to roll
-  the state back), both refused by `check_hybrid_args`; beam search (a forked beam needs
+- Swap preemption: a swapped-out request's slot rows go to host memory beside its KV
+  blocks and come back into its next slot (tllm/kv_cache/state_swap.py).
+- What is not correct yet, and therefore refused: speculative decoding (rejected drafts
+  would have to roll the state back), refused by `check_hybrid_args`; beam search (a forked beam needs
   its parent's state: refused per request by the executor); CUDA graphs (the mixer builds
   its launch arguments on the host: build.py runs eagerly).
-- Next: swapping with the host tier moves the slot's rows like one more block.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ import logging
 import torch
 
 from tllm.kv_cache.state_checkpoints import StateCheckpoints
-from tllm.layers.mamba2 import MambaBatch, StateSpec
+from tllm.layers.mamba2 import LayerStateSpec, MambaBatch
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class StateCache:
     """Every state-space layer's state for `num_slots` batch slots (see the module
     docstring); `layers[i]` is the i-th state-space layer's."""
 
-    def __init__(self, spec: StateSpec, num_slots: int, dtype: torch.dtype,
+    def __init__(self, spec: LayerStateSpec, num_slots: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.spec = spec
         self.layers = [spec.empty_layer(num_slots, dtype, device)
@@ -49,6 +49,7 @@ class StateCache:
         logger.info("state cache: %d layers x %d slots, %.2f MiB per request", spec.num_layers,
                     num_slots, spec.bytes_per_request(dtype) / 2**20)
         self.checkpoints: StateCheckpoints | None = None   # with prefix reuse on
+        self.swap = None   # a StateSwap (state_swap.py) with swap preemption
 
     def batch(self, metadata) -> MambaBatch:
         """The step's requests for the mixers, with the checkpoints they save."""
@@ -81,6 +82,3 @@ def check_hybrid_args(args) -> None:
     if args.speculative_config is not None:
         raise ValueError("speculative_config: speculative decoding is not supported for "
                          "models with state-space layers yet")
-    if args.scheduler_config.preemption_mode == "swap":
-        raise ValueError("scheduler_config.preemption_mode: 'swap' is not supported for "
-                         "models with state-space layers yet; use 'recompute'")

@@ -39,6 +39,7 @@ class StateCheckpoints(ResourceManager):
             layer.saved = spec.empty_layer(num_rows, layer.conv.dtype, layer.conv.device)
         self.kv_cache = None
         self.slots = None   # the runner's SlotAssigner (slot -> request after a step)
+        self.swap = None    # a StateSwap (state_swap.py) with swap preemption
         self._pending: dict[int, tuple[int, int]] = {}  # slot -> (boundary, row) this step
         self.num_saved = 0
         self.num_restored = 0
@@ -110,8 +111,8 @@ class StateCheckpoints(ResourceManager):
     def assign_slot(self, slot: int, request) -> None:
         """A request admitted past position 0 (a prefix hit) starts from its checkpoint."""
         num_computed = request.num_computed_tokens
-        if num_computed == 0:
-            return  # the mixer zeroes the slot
+        if num_computed == 0 or (self.swap is not None and self.swap.holds(request)):
+            return  # the mixer zeroes the slot, or the swapped-out state comes back
         num_blocks, rest = divmod(num_computed, self.tokens_per_block)
         hashes = self.kv_cache.block_hashes_of(request.request_id)
         row = self.pool.lookup(hashes[num_blocks - 1]) if not rest and hashes else None
@@ -125,10 +126,10 @@ class StateCheckpoints(ResourceManager):
             layer.ssm[slot] = layer.saved.ssm[row]
         self.num_restored += 1
 
-    def release_slot(self, slot: int) -> None:
+    def release_slot(self, slot: int, request=None) -> None:
         """(A slot given back holds nothing of ours.)"""
 
-    def stats(self) -> dict[str, int]:
+    def state_stats(self) -> dict[str, int]:
         return {"state_checkpoints_saved": self.num_saved,
                 "state_checkpoints_restored": self.num_restored,
                 "state_checkpoint_rows": self.pool.num_blocks}

@@ -197,12 +197,27 @@ def build_executor(args: LlmArgs, parts: RankParts) -> PyExecutor:
         overlap = SYNC if args.disable_overlap_scheduler else OVERLAP
     executor = PyExecutor(scheduler, parts.kv_cache, runner, sampler, overlap,
                           build_drafter(args, parts))
-    checkpoints = getattr(getattr(parts.model, "state_cache", None), "checkpoints", None)
-    if checkpoints is not None:  # a hybrid's saved states: restored as a hit takes its slot
-        checkpoints.slots = runner.slots
-        runner.slots.listeners.append(checkpoints)
-        executor.add_resource_manager(checkpoints)   # after the KV cache: its hashes first
+    state_cache = getattr(parts.model, "state_cache", None)
+    if state_cache is not None:
+        add_state_listeners(state_cache, runner, executor, args)
     return executor
+
+
+def add_state_listeners(state_cache, runner, executor, args: LlmArgs) -> None:
+    """A hybrid's saved states (restored as a prefix hit takes its slot) and, with swap
+    preemption, its swapped-out states (restored as the request comes back)."""
+    checkpoints = state_cache.checkpoints
+    if checkpoints is not None:
+        checkpoints.slots = runner.slots
+        runner.slots.listeners.append(checkpoints)  # (it skips a request `swap` holds)
+        executor.add_resource_manager(checkpoints)   # after the KV cache: its hashes first
+    if args.scheduler_config.preemption_mode == "swap":
+        from tllm.kv_cache.state_swap import StateSwap
+        swap = state_cache.swap = StateSwap(state_cache, executor.kv_cache)
+        runner.slots.listeners.append(swap)
+        executor.add_resource_manager(swap)
+        if checkpoints is not None:
+            checkpoints.swap = swap
 
 
 def build_drafter(args: LlmArgs, parts: RankParts):

@@ -127,7 +127,7 @@ class SlotAssigner(ResourceManager):
         # per slot: whether its request pools instead of sampling (as rare here)
         self.is_pooling = np.zeros(num_slots, dtype=bool)
         # told when a request takes a slot and when it gives it back (the sampler keeps
-        # each slot's parameters): assign_slot(slot, request), release_slot(slot)
+        # each slot's parameters): assign_slot(slot, request), release_slot(slot, request)
         self.listeners: list = []
 
     def slot_of(self, request: Request) -> int:
@@ -173,7 +173,7 @@ class SlotAssigner(ResourceManager):
         if slot is not None:
             self._free.append(slot)
             for listener in self.listeners:
-                listener.release_slot(slot)
+                listener.release_slot(slot, request)
 
     def free(self, request: Request) -> None:
         self.release(request)

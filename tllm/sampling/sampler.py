@@ -100,7 +100,7 @@ class Sampler:
         if has_penalty(request):
             self.penalties.assign(slot, request)
 
-    def release_slot(self, slot: int) -> None:
+    def release_slot(self, slot: int, request=None) -> None:
         self.penalties.release(slot)
 
     def _seed_of(self, request: Request) -> int:

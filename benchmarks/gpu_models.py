@@ -126,6 +126,11 @@ def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | No
     dtype = "float32" if smoke else "bfloat16"
     result = {"model": model, "dtype": dtype, "quantization": quantization,
               "weights": active_weight_bytes(model, getattr(torch, dtype), quantization)}
+    if not smoke and result["weights"]["total_bytes"] > 0.9 * torch.cuda.mem_get_info()[0]:
+        result["skipped"] = (f"{result['weights']['total_bytes'] / 1e9:.1f} GB of weights do not "
+                             f"fit {torch.cuda.get_device_name()}")
+        print(result["skipped"], flush=True)
+        return result
     latency_shape, tput = ((8, 16), (16, 8, 24)) if smoke else ((128, 256), (128, 128, 1000))
     kwargs = {"dtype": dtype, "device": "cpu" if smoke else "cuda",
               "max_seq_len": 512 if not smoke else 64, "quantization": quantization}
@@ -209,7 +214,7 @@ def summary(results: dict) -> str:
                          f"{r.get('max_load', {}).get('output_tokens_per_s', float('nan')):.0f}"
                          " tok/s")
         elif r:
-            lines.append(f"{part}: {r.get('error', r)}"[:300])
+            lines.append(f"{part}: {r.get('error') or r.get('skipped') or r}"[:300])
         w = r.get("weights", {})
         if "state_bytes_per_request" in w:
             lines.append(f"  state {w['state_bytes_per_request'] / 2**20:.1f} MiB a request "

@@ -191,6 +191,12 @@ case $section in
     step models_h200 580 python3 benchmarks/gpu_models.py --budget 565 --max-batch-size 512 \
       --parts floor,mixtral,mixtral_fp8,qwen3moe,gptoss,nemotron,qwen3next,llama4
     ;;
+  round4)  # 2026-12-06 (fifth): the GPU suite, the FP8 experts' capture, MTP at a known acceptance
+    export PYTHONUNBUFFERED=1
+    GPU_SUITE_TIMEOUT=400 bash benchmarks/gpu_suite.sh
+    step diag_fp8_moe 60 python3 benchmarks/gpu_diag_fp8_moe.py
+    step gpu_mtp 115 python3 benchmarks/gpu_mtp.py --budget 105 --out "$OUT/gpu_mtp.json"
+    ;;
   visual39)  # issue 39 in one call: FLUX.1-dev and Wan 2.2 5B, ours vs diffusers (step and
     # pipeline), then TeaCache and FP8 against our uncached BF16 (speed-up and PSNR)
     export PYTHONUNBUFFERED=1
@@ -199,6 +205,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

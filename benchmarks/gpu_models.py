@@ -53,7 +53,7 @@ MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
           "mixtral_fp8": "dummy:mixtral-8x7b", "qwen3next": "dummy:qwen3-next-80b-a3b-24l",
           "llama4": "dummy:llama-4-scout-24l"}
 QUANTIZATION = {"mixtral_fp8": "fp8"}  # a part's `quantization`; None for the rest
-# seconds per part, scaled so that the parts asked for fill --budget (at least 560 s)
+# each part's weight in sharing --budget (seconds at the 560 s default)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
           "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195, "qwen3next": 195,
           "llama4": 195}
@@ -259,11 +259,12 @@ def main() -> int:
                         else "cpu", "torch": torch.__version__,
                         "floor_convention": FLOOR_CONVENTION}}
     parts = args.parts.split(",")
-    scale = args.budget / max(sum(SHARES[part] for part in parts), 560)  # shares fill it
     end = time.perf_counter() + args.budget
-    for part in parts:
-        share = max(SHARES[part] * scale, 10.0 if part == "floor" else 0.0)  # a few s of copies
-        budget = min(share, end - time.perf_counter() - 5)
+    for i, part in enumerate(parts):
+        # the time left, shared by the parts left (a skipped part's time goes to the rest)
+        left = end - time.perf_counter() - 5
+        share = SHARES[part] * left / sum(SHARES[p] for p in parts[i:])
+        budget = min(max(share, 10.0 if part == "floor" else 0.0), left)  # a few s of copies
         if budget < 8:
             results[part] = {"skipped": "out of time"}
             continue

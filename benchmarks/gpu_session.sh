@@ -189,7 +189,7 @@ case $section in
     # (their bf16 weights fit an H200 only); each at batch 1 and 128/128 max load, 512 at once
     export PYTHONUNBUFFERED=1
     step models_h200 580 python3 benchmarks/gpu_models.py --budget 565 --max-batch-size 512 \
-      --parts floor,mixtral,mixtral_fp8,qwen3moe,gptoss,nemotron,qwen3next,llama4
+      --parts floor,mixtral_fp8,mixtral,qwen3moe,gptoss,nemotron,qwen3next,llama4
     ;;
   round4)  # 2026-12-06 (fifth): the GPU suite, the FP8 experts' capture, MTP at a known acceptance
     export PYTHONUNBUFFERED=1

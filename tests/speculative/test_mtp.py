@@ -68,3 +68,20 @@ def test_a_checkpoint_without_the_module_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no MTP module"):
         LLM(str(tmp_path), speculative_config=MTPDecodingConfig(max_draft_len=1),
             kv_cache_config={"max_tokens": 256})
+
+
+def test_bf16_module_keeps_its_router_in_float32(tiny_v3_with_mtp):
+    """Built in the target's dtype as the target is: the router's weight stays float32 (a
+    bf16 one met float32 activations in the gate and failed every draft on a GPU)."""
+    from tllm import LLM, SamplingParams
+    path, _ = tiny_v3_with_mtp
+    with LLM(str(path), dtype="bfloat16", kv_cache_config={"max_tokens": 256},
+             speculative_config=MTPDecodingConfig(max_draft_len=1)) as llm:
+        head = llm._engine.executor.speculation.drafter.head
+        assert head.block.mlp.gate.weight.dtype == torch.float32
+        assert head.eh_proj.weight.dtype == torch.bfloat16
+        out = llm.generate({"prompt_token_ids": list(range(3, 12))},
+                           SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 6
+        assert llm.get_stats()["spec_draft_tokens"] > 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from tllm.layers.linear import process_loaded_weights
-from tllm.loader import hf
+from tllm.loader import _default_dtype, hf
 from tllm.loader.dummy import init_dummy_weights
 from tllm.loader.hf import CheckpointError
 from tllm.models.deepseek.mtp import DeepseekMTPHead
@@ -32,9 +32,10 @@ def load_mtp_head(target_parts) -> DeepseekMTPHead:
     if type(model).__name__ != "DeepseekV3ForCausalLM":
         raise ValueError(f"speculative_config: MTP drafts with DeepSeek-V3's next-token "
                          f"module; {type(model).__name__} has none")
-    with torch.device(target_parts.device):
-        head = DeepseekMTPHead(config, model, target_parts.max_seq_len + 64)
-    head = head.to(target_parts.dtype).eval()
+    # built as the target is (loader.build_model): in its default dtype, so that what is
+    # float32 whatever the dtype (the router's weight and bias) stays float32
+    with torch.device(target_parts.device), _default_dtype(target_parts.dtype):
+        head = DeepseekMTPHead(config, model, target_parts.max_seq_len + 64).eval()
     source = target_parts.source
     if source.kind == "dummy":
         init_dummy_weights(head)

@@ -31,5 +31,7 @@ $(VENV)/.browser: | $(VENV)/.installed-test
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium; }
 	touch $@
 
+# two pytest workers (one torch thread each, tests/conftest.py), a test file to one worker:
+# the server and process tests wait more than they compute (20 -> 12 min on 2 cores)
 test: $(VENV)/.installed-test $(VENV)/.browser
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests

@@ -1,6 +1,8 @@
 """Shared fixtures: tiny random HF models saved to disk (the reference for parity tests)."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -32,6 +34,10 @@ def tiny_llama(tmp_path_factory):
     return path, make_tiny_model("Llama", path)
 
 
+# one thread a worker when pytest-xdist runs two (the 2 cores are shared), else two
+TORCH_THREADS = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
+
+
 @pytest.fixture(autouse=True)
 def _torch_threads():
-    torch.set_num_threads(2)
+    torch.set_num_threads(TORCH_THREADS)

@@ -197,6 +197,15 @@ case $section in
     step diag_fp8_moe 60 python3 benchmarks/gpu_diag_fp8_moe.py
     step gpu_mtp 115 python3 benchmarks/gpu_mtp.py --budget 105 --out "$OUT/gpu_mtp.json"
     ;;
+  round4b)  # the fixes of round4's failures (block fp8 GEMM with 16-column blocks, the MTP
+    # head's router dtype), MTP at a known acceptance, GPT-OSS-20B and Nemotron-H-8B (issue 37)
+    export PYTHONUNBUFFERED=1
+    step fixed_tests 70 python3 -m pytest -q -p no:cacheprovider -n 3 \
+      tests/models/test_fp8_moe_models.py tests/speculative/test_mtp.py
+    step gpu_mtp 95 python3 benchmarks/gpu_mtp.py --budget 88 --out "$OUT/gpu_mtp.json"
+    step models37 160 python3 benchmarks/gpu_models.py --parts floor,gptoss,nemotron \
+      --budget 150 --max-batch-size 256
+    ;;
   visual39)  # issue 39 in one call: FLUX.1-dev and Wan 2.2 5B, ours vs diffusers (step and
     # pipeline), then TeaCache and FP8 against our uncached BF16 (speed-up and PSNR)
     export PYTHONUNBUFFERED=1
@@ -205,6 +214,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

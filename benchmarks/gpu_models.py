@@ -139,6 +139,7 @@ def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | No
     result["max_batch_size"] = max_batch_size = 8 if smoke else max_batch_size
     with LLM(model, max_batch_size=max_batch_size, **kwargs) as llm:
         result["build_s"] = time.perf_counter() - started
+        print(f"{model}: built in {result['build_s']:.1f} s", flush=True)  # (a timeout's clue)
         config = LatencyConfig(isl=latency_shape[0], osl=latency_shape[1], batch_size=1,
                                iterations=3, warmup=1, time_limit_s=budget_s * 0.2)
         result["latency"] = run_latency(llm, config)
@@ -170,7 +171,9 @@ def run_script(argv: list[str], budget_s: float, json_path: Path) -> dict:
         proc = subprocess.run([sys.executable, *argv], timeout=budget_s, text=True,
                               capture_output=True)
     except subprocess.TimeoutExpired as exc:
-        print((exc.stdout or "")[-4000:] if isinstance(exc.stdout, str) else "", flush=True)
+        for stream in (exc.stdout, exc.stderr):  # bytes on a timeout, even with text=True
+            text = stream.decode(errors="replace") if isinstance(stream, bytes) else stream
+            print((text or "")[-3000:], flush=True)
         return {"error": f"timed out after {budget_s:.0f} s"}
     print(proc.stdout[-8000:], proc.stderr[-4000:], sep="\n", flush=True)
     if proc.returncode != 0:

@@ -125,12 +125,13 @@ def emulated_experts(group: int | None):
 
 # ---- FP8 checkpoints: the formats' own formulas ----
 
-def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 weight, scale): amax / 448 per 16x16 block, per tensor (0-d) or per row."""
+def quantize(w: torch.Tensor, kind: str,
+             block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, scale): amax / 448 per block, per tensor (0-d) or per row."""
     if kind == "block":
-        n, k = w.shape
-        scale = w.reshape(n // 16, 16, k // 16, 16).abs().amax(dim=(1, 3)) / 448
-        full = scale.repeat_interleave(16, 0).repeat_interleave(16, 1)
+        (n, k), (bn, bk) = w.shape, block
+        scale = w.reshape(n // bn, bn, k // bk, bk).abs().amax(dim=(1, 3)) / 448
+        full = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)
     else:
         scale = w.abs().amax() / 448 if kind == "tensor" else \
             w.abs().amax(dim=1, keepdim=True) / 448
@@ -139,10 +140,10 @@ def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.float()
 
 
-def quantization_config(kind: str) -> dict:
+def quantization_config(kind: str, block: tuple[int, int] = BLOCK) -> dict:
     if kind == "block":
         return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                "weight_block_size": list(BLOCK), "modules_to_not_convert": ["lm_head"]}
+                "weight_block_size": list(block), "modules_to_not_convert": ["lm_head"]}
     if kind == "tensor":
         return {"quant_method": "fp8", "activation_scheme": "dynamic",
                 "modules_to_not_convert": ["lm_head"]}
@@ -150,7 +151,8 @@ def quantization_config(kind: str) -> dict:
     return ct_config("ct_fp8_dynamic", with_kv=False)
 
 
-def write_checkpoints(src, dst, kind: str, fp8: bool = True):
+def write_checkpoints(src, dst, kind: str, fp8: bool = True,
+                      block: tuple[int, int] = BLOCK):
     """src's tiny model with every attention and expert projection in fp8, in the names of
     `kind`'s format (at dst, if `fp8`); and the same weights dequantized (returned:
     dst / "dequantized")."""
@@ -163,17 +165,17 @@ def write_checkpoints(src, dst, kind: str, fp8: bool = True):
         module = name.removesuffix(".weight")
         if not module.endswith(QUANTIZED):
             continue
-        q, scale = quantize(w.float(), kind)
+        q, scale = quantize(w.float(), kind, block)
         fp8_tensors[name], fp8_tensors[f"{module}.{scale_name}"] = q, scale
         if kind == "tensor" and ".experts." in module:  # a static scale, not used
             fp8_tensors[f"{module}.activation_scale"] = torch.tensor(0.01)
-        full = (scale.repeat_interleave(16, 0).repeat_interleave(16, 1) if kind == "block"
-                else scale)
+        full = (scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+                if kind == "block" else scale)
         dequantized[name] = q.float() * full
     config = json.loads((src / "config.json").read_text())
     outputs = [(dst / "dequantized", dequantized, None)]
     if fp8:
-        outputs.append((dst, fp8_tensors, quantization_config(kind)))
+        outputs.append((dst, fp8_tensors, quantization_config(kind, block)))
     for path, tensors, extra in outputs:
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(
@@ -205,7 +207,9 @@ def test_gpu_kernels_follow_the_emulation(kind, tmp_path, monkeypatch):
     make_tiny_moe("Mixtral", tmp_path / "src")
     path, args = tmp_path / "src", {"quantization": "fp8"}
     if kind == "block":
-        write_checkpoints(tmp_path / "src", tmp_path / "fp8", "block")
+        # 32-column blocks: the Triton experts' fp8 dots need K tiles of 32 (16-column
+        # blocks take the emulation, which would leave nothing to compare)
+        write_checkpoints(tmp_path / "src", tmp_path / "fp8", "block", block=(32, 32))
         path, args = tmp_path / "fp8", {}
     calls = []
     real = fp8_fused_moe.fp8_fused_experts_triton

@@ -117,8 +117,21 @@ def part_floor(budget_s: float, smoke: bool) -> dict:
     return result
 
 
+def lean_graphs(max_batch_size: int) -> dict:
+    """Fewer CUDA graphs than the engine's default (powers of two; five token buckets): a
+    MoE model's build compiles Triton kernels for every captured shape, which took GPT-OSS
+    past a 60 s share on an H100. Decode at max load runs full batches (an exact size); a
+    prompt step pads to a coarser bucket."""
+    from tllm import CudaGraphConfig
+    sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
+    return {"cuda_graph_config": CudaGraphConfig(
+        batch_sizes=sorted({*sizes, max_batch_size}),
+        token_buckets=[256, 1024, 2048, 4096, 8192])}
+
+
 def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | None,
-               quantization: str | None = None, max_batch_size: int = 256) -> dict:
+               quantization: str | None = None, max_batch_size: int = 256,
+               full_graphs: bool = False) -> dict:
     from tllm import LLM
     from tllm.bench.offline import LatencyConfig, ThroughputConfig, run_latency, run_throughput
     from tllm.bench.offline_cli import format_report
@@ -137,6 +150,9 @@ def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | No
     started = time.perf_counter()
     # one engine for both (a second one would need the first's weights gone first)
     result["max_batch_size"] = max_batch_size = 8 if smoke else max_batch_size
+    if not smoke and not full_graphs:
+        kwargs.update(lean_graphs(max_batch_size))
+    result["graphs"] = "default" if full_graphs else "lean"
     with LLM(model, max_batch_size=max_batch_size, **kwargs) as llm:
         result["build_s"] = time.perf_counter() - started
         print(f"{model}: built in {result['build_s']:.1f} s", flush=True)  # (a timeout's clue)
@@ -182,7 +198,7 @@ def run_script(argv: list[str], budget_s: float, json_path: Path) -> dict:
 
 
 def run_child(part: str, budget_s: float, smoke: bool, copy_bw: float | None,
-              out_dir: Path, max_batch_size: int) -> dict:
+              out_dir: Path, max_batch_size: int, full_graphs: bool = False) -> dict:
     json_path = out_dir / f"{part}.json"
     if part == "kernel":
         argv = [str(HERE / "gpu_moe_kernel.py"), "--out", str(json_path),
@@ -197,7 +213,7 @@ def run_child(part: str, budget_s: float, smoke: bool, copy_bw: float | None,
         return run_script(argv, budget_s, out_dir / "sliding_window_capacity.json")
     argv = [str(Path(__file__)), "--child", part, "--budget", str(budget_s),
             "--child-out", str(json_path), "--max-batch-size", str(max_batch_size)]
-    argv += ["--smoke"] if smoke else []
+    argv += (["--smoke"] if smoke else []) + (["--full-graphs"] if full_graphs else [])
     if copy_bw:
         argv += ["--copy-bw", str(copy_bw)]
     return run_script(argv, budget_s + 30, json_path)
@@ -243,6 +259,8 @@ def main() -> int:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--budget", type=float, default=560.0)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--full-graphs", action="store_true",
+                        help="the engine's default CUDA graph sizes (slower to build)")
     parser.add_argument("--max-batch-size", type=int, default=256,
                         help="the engine's cap on running requests (max load's concurrency)")
     parser.add_argument("--child", choices=list(MODELS), help=argparse.SUPPRESS)
@@ -252,7 +270,8 @@ def main() -> int:
     if args.child:
         model = _smoke_model() if args.smoke else MODELS[args.child]
         result = part_model(model, args.budget, args.smoke, args.copy_bw,
-                            QUANTIZATION.get(args.child), args.max_batch_size)
+                            QUANTIZATION.get(args.child), args.max_batch_size,
+                            args.full_graphs)
         args.child_out.write_text(json.dumps(result, indent=1, default=str))
         return 0
     out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_models")
@@ -278,7 +297,7 @@ def main() -> int:
         else:
             copy_bw = results.get("floor", {}).get("copy_bw_gbs")
             results[part] = run_child(part, budget, args.smoke, copy_bw, out_dir,
-                                      args.max_batch_size)
+                                      args.max_batch_size, args.full_graphs)
         results[part]["part_s"] = time.perf_counter() - started
         (out_dir / "models.json").write_text(json.dumps(results, indent=1, default=str))
     print(summary(results), flush=True)

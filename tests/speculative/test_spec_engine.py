@@ -52,6 +52,29 @@ def test_greedy_identical_with_ngram_in_a_continuous_batch(tiny_llama):
         stats["spec_accepted_tokens"] / stats["spec_draft_tokens"])
 
 
+def test_a_failing_drafter_turns_speculation_off_and_requests_go_on(tiny_llama, monkeypatch):
+    """Drafts only speed decoding up: a drafter that raises (the MTP head's bf16 router did,
+    every step, on a GPU) is logged once and speculation is off; every request finishes
+    with the tokens it gets without speculation (before: the same requests were scheduled
+    into the failure again, forever)."""
+    from tllm.speculative.ngram import NGramDrafter
+    path, hf = tiny_llama
+    prompts = repetitive_prompts(hf.config.vocab_size)
+    plain, _ = run(path, prompts, spec=False)
+    real, calls = NGramDrafter.propose, []
+
+    def fails_on_the_third_call(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the drafter broke")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(NGramDrafter, "propose", fails_on_the_third_call)
+    spec, stats = run(path, prompts, spec=True)
+    assert spec == plain
+    assert len(calls) == 3 and stats["spec_drafter_off"] == 1
+
+
 def test_counters_add_up_at_batch_one(tiny_llama):
     """One request, prompt in one step: every later step gains its accepted drafts plus one
     token, so outputs = steps + accepted."""

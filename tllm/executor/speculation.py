@@ -10,6 +10,7 @@ Requests of the step without drafts are sampled by the ordinary sampler, as with
 speculation."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,8 @@ from tllm.sampling.sampler import Sampler, token_logprobs
 from tllm.speculative.acceptance import accept_greedy, accept_sampled
 from tllm.speculative.interface import Drafter
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class SpecStats:
@@ -29,12 +32,14 @@ class SpecStats:
     num_draft_tokens: int = 0      # drafts the target verified
     num_accepted_tokens: int = 0   # of those, accepted
     num_verify_steps: int = 0
+    drafter_off: bool = False      # the drafter failed once: no drafts since
 
     def as_dict(self) -> dict[str, int | float]:
         steps, drafted = self.num_verify_steps, self.num_draft_tokens
         return {"spec_draft_tokens": drafted,
                 "spec_accepted_tokens": self.num_accepted_tokens,
                 "spec_verify_steps": steps,
+                "spec_drafter_off": int(self.drafter_off),
                 "spec_acceptance_rate": self.num_accepted_tokens / drafted if drafted else 0.0,
                 # tokens a verify step gains: the accepted drafts plus the target's own token
                 "spec_mean_accepted_length":
@@ -77,7 +82,12 @@ class Speculation:
         return max(0, min(self.drafter.max_draft_len, room))
 
     def propose(self, running: list[Request]) -> None:
-        """Drafts for the running requests that decode next (set on each request)."""
+        """Drafts for the running requests that decode next (set on each request). A
+        drafter that raises turns speculation off for the engine's life: drafts only speed
+        decoding up, and its requests would otherwise be scheduled into the failure again
+        (the failed step holds nothing in flight to fail)."""
+        if self.stats.drafter_off:
+            return
         requests, lengths = [], []
         for request in running:
             request.clear_drafts()
@@ -87,7 +97,12 @@ class Speculation:
                 lengths.append(k)
         if not requests:
             return
-        drafts = self.drafter.propose(requests, lengths)
+        try:
+            drafts = self.drafter.propose(requests, lengths)
+        except Exception:
+            logger.exception("the drafter failed: speculative decoding is off from now on")
+            self.stats.drafter_off = True
+            return
         for i, (request, k) in enumerate(zip(requests, lengths)):
             request.draft_token_ids = list(drafts.token_ids[i][:k])
             if drafts.probs is not None and request.draft_token_ids:

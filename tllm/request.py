@@ -160,7 +160,9 @@ class Request:
 
     def finish(self, reason: FinishReason, stop_reason: int | str | None = None) -> None:
         self.num_in_flight = 0  # sampled, never delivered
-        self.state = RequestState.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
         self.finish_time = time.monotonic()
+        # last: another thread that reads the request as finished (a delta's builder) then
+        # finds its finish time and reason set
+        self.state = RequestState.FINISHED

@@ -12,7 +12,9 @@ from tllm.kernels import moe  # noqa: E402
 from tllm.kernels.triton import fused_moe  # noqa: E402
 from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig  # noqa: E402
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# bf16: the output and the intermediate rounded to 8 bits each; one draw in a few hundred
+# reached 1.01e-2 (seen once the test order, and so the random inputs, varied under xdist)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 HIDDEN, INTER = 40, 24  # not multiples of any tile
 
 

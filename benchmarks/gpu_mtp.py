@@ -44,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from gpu_spec_replay import PLANT_DIMS, timed_generate  # noqa: E402
+from gpu_spec_replay import plant_next_token_map, timed_generate  # noqa: E402
 from tllm import LLM, MTPDecodingConfig, SamplingParams  # noqa: E402
 from tllm.loader import dummy  # noqa: E402
 
@@ -98,18 +98,7 @@ def quiet_planted_dims(layer, dims: int) -> None:
 @torch.no_grad()
 def plant_target(model, seed: int = 0) -> PlantedMap:
     """The module docstring's target map: token t's greedy next token becomes perm[t]."""
-    embed, head = model.embed_tokens.weight, model.lm_head.weight
-    if head.data_ptr() == embed.data_ptr():
-        raise ValueError("the planted map needs an untied LM head")
-    vocab, dims = embed.shape[0], min(PLANT_DIMS, embed.shape[1] // 4)
-    g = torch.Generator(device=embed.device).manual_seed(seed)
-    codes = torch.randn(vocab, dims, device=embed.device, generator=g)
-    perm = torch.randperm(vocab, device=embed.device, generator=g)
-    embed[:, :dims] = codes.to(embed.dtype)
-    head[perm, :dims] = codes.to(head.dtype)    # row perm[t] scores t's code highest
-    head[:, dims:] *= HEAD_OTHER_DIMS
-    for layer in model.layers:
-        quiet_planted_dims(layer, dims)
+    codes, perm, dims = plant_next_token_map(model, seed, quiet_planted_dims)
     return PlantedMap(codes, perm, dims)
 
 

@@ -76,8 +76,10 @@ class ReplayDrafter(Drafter):
 
 
 @torch.no_grad()
-def plant_next_token_map(model, seed: int = 0) -> None:
-    """See the module docstring: token t's next token becomes perm[t] (benchmark only)."""
+def plant_next_token_map(model, seed: int = 0, quiet_layer=None):
+    """See the module docstring: token t's next token becomes perm[t] (benchmark only).
+    `quiet_layer(layer, dims)` keeps a layer from writing the planted dims (default: a
+    dense layer's o_proj and down_proj rows there scaled to ~0). Returns (codes, perm, dims)."""
     if model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr():
         raise ValueError("--planted needs an untied LM head")
     embed, head = model.embed_tokens.weight, model.lm_head.weight
@@ -89,8 +91,13 @@ def plant_next_token_map(model, seed: int = 0) -> None:
     head[perm, :dims] = codes.to(head.dtype)   # row perm[t] scores t's code highest
     head[:, dims:] *= 1e-3                      # nonzero bits, ~no say in the argmax
     for layer in model.layers:                  # the layers (almost) never write there
-        layer.self_attn.o_proj.weight[:dims] *= 1e-4
-        layer.mlp.down_proj.weight[:dims] *= 1e-4
+        (quiet_layer or _quiet_dense_layer)(layer, dims)
+    return codes, perm, dims
+
+
+def _quiet_dense_layer(layer, dims: int) -> None:
+    layer.self_attn.o_proj.weight[:dims] *= 1e-4
+    layer.mlp.down_proj.weight[:dims] *= 1e-4
 
 
 def count_graph_replays(counts: dict[str, int]) -> None:

@@ -76,3 +76,26 @@ def test_an_enormous_top_k_keeps_every_token(llm):
     same = SamplingParams(max_tokens=4, temperature=0.8, top_k=-1, seed=1)
     huge, plain = llm.generate([PROMPTS[0], PROMPTS[0]], [params, same], use_tqdm=False)
     assert huge.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+def test_a_scheduling_failure_fails_the_queue_once_and_the_engine_serves_on(llm, monkeypatch):
+    """A failure inside the scheduler fails no step (none is in flight): before, the same
+    requests were scheduled into it again at every iteration, forever. Now they fail, their
+    blocks come back, and the next requests are served."""
+    from tllm.scheduler.scheduler import Scheduler
+    expected = alone(llm)
+    real, calls = Scheduler.schedule, []
+
+    def breaks_once(self):
+        if self.waiting and not calls:   # the first time there is a request to schedule
+            calls.append(1)
+            raise RuntimeError("the scheduler broke")
+        return real(self)
+
+    monkeypatch.setattr(Scheduler, "schedule", breaks_once)
+    broken = llm.generate_async(PROMPTS[0], INNOCENT[0])
+    with pytest.raises(RuntimeError, match="scheduler broke"):
+        broken.result()
+    stats = llm.get_kv_cache_stats()
+    assert stats["blocks_free"] == stats["blocks_total"]
+    assert alone(llm) == expected

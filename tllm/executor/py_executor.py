@@ -270,12 +270,24 @@ class PyExecutor:
         while num_launched < limit and len(self._in_flight) < self.strategy.max_in_flight:
             if self.speculation is not None:
                 self.speculation.propose(self.scheduler.running)
-            batch = self.scheduler.schedule()
+            try:
+                batch = self.scheduler.schedule()
+            except Exception as exc:
+                self._fail_scheduling(exc)
+                break
             if not batch.requests:
                 break
             self._launch(batch)
             num_launched += 1
         return num_launched
+
+    def _fail_scheduling(self, exc: Exception) -> None:
+        """A failure inside the scheduler has no step in flight to fail, and which request
+        caused it is not known: every request it holds would meet it again at the next
+        iteration, forever. They fail instead (blocks freed), and the loop serves on."""
+        logger.exception("scheduling failed: the %d requests the engine holds fail",
+                         len(self._requests))
+        self._fail(list(self._requests.values()), exc)
 
     def _launch(self, batch: ScheduledBatch) -> None:
         """Resources ready, the step launched, progress advanced, new full blocks published."""

@@ -15,6 +15,9 @@
 #   bash benchmarks/gpu_session.sh next    # issues 35, 36, 39 (NEXT_CALL=1, then 2)
 #   bash benchmarks/gpu_session.sh next     # issues 35, 36: deterministic mode; pooling budgets
 #   NEXT_CALL=2 bash benchmarks/gpu_session.sh next  # issue 39: TeaCache, FP8 (second call)
+#   bash benchmarks/gpu_session.sh round4       # the GPU suite, FP8 experts' capture, MTP
+#   bash benchmarks/gpu_session.sh models_h200  # issues 33 and 37's models (an H200 call)
+#   bash benchmarks/gpu_session.sh visual39     # issue 39: FLUX.1 / Wan 2.2, TeaCache, FP8
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to

@@ -15,14 +15,15 @@ LOG2E = math.log2(math.e)
 
 
 @triton.jit
-def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, soft_cap,
+def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, chunk, qk_scale, soft_cap,
                 k_base, v_base, table_ptr, stride_block, stride_token,
                 TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, USE_WINDOW: tl.constexpr,
-                PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr):
+                USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr):
     """Folds keys [start_n, start_n + BLOCK_N) into the running (acc, l_i, m_i) of the rows of
-    q, whose positions are q_pos. MASKED applies the causal/length/window mask; tiles wholly
-    visible to every row skip it. SOFT_CAP: scores are soft_cap * tanh(q.k * qk_scale) (the
+    q, whose positions are q_pos. MASKED applies the causal/length/window mask (and with
+    USE_CHUNK Llama 4's chunked local attention: keys of the query's own `chunk`); tiles
+    wholly visible to every row skip it. SOFT_CAP: scores are soft_cap * tanh(q.k * qk_scale) (the
     wrapper passes qk_scale = scale / cap and soft_cap = cap * log2(e), see soft_cap_args)."""
     pos = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -44,6 +45,8 @@ def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, sof
         visible = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        if USE_CHUNK:
+            visible = visible & (pos[None, :] // chunk == q_pos[:, None] // chunk)
         s = tl.where(visible, s, float("-inf"))
     # m_i starts finite (see init_softmax_state), so a fully masked row gives exp2(-inf) = 0
     # rather than exp2(-inf - -inf) = NaN.

@@ -102,14 +102,14 @@ def _context_attention_kernel(
     hi = tl.minimum(seq_len, first_pos + BLOCK_M)
     for start_n in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, 0, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, False, USE_WINDOW, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, False, USE_WINDOW, False, PRECISION, SOFT_CAP)
     for start_n in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, 0, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, False, PRECISION, SOFT_CAP)
 
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)

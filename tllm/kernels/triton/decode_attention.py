@@ -93,14 +93,14 @@ def _decode_attention_kernel(
         mid = lo + tl.maximum(visible_end - lo, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, part_end, window, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, part_end, window, 0, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, False, USE_WINDOW, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, False, USE_WINDOW, False, PRECISION, SOFT_CAP)
     for start_n in range(mid, part_end, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, part_end, window, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, part_end, window, 0, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, USE_WINDOW, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, False, PRECISION, SOFT_CAP)
 
     if IS_SPLIT:
         # A partition may hold no key a row can see (a window, an earlier draft token):

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tllm.kernels.triton.attention_common import (check_paged_layout, check_sinks, fold_sink,
-                                                  init_softmax_state, soft_cap_args, tanh)
+from tllm.kernels.triton.attention_common import (attend_tile, check_paged_layout, check_sinks,
+                                                  fold_sink, init_softmax_state, soft_cap_args)
 from tllm.kernels.triton.launch import dot_block_d, dot_precision, needs_fp32_dot
 
 __all__ = ["invariant_paged_attention", "build_tiles", "BLOCK_M", "BLOCK_N"]
@@ -28,42 +28,6 @@ BLOCK_N = 64    # keys per block: tllm.attention.invariant.KEY_SPLIT
 _NUM_WARPS = 4
 _MAX_TILES = 65535  # grid axis 1
 _MAX_HEAD_DIM = 256  # K and V tiles of 64 x 256 still fit shared memory
-
-
-@triton.jit
-def _attend_block(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, chunk, qk_scale,
-                  soft_cap, k_base, v_base, table_ptr, stride_block, stride_token,
-                  TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_WINDOW: tl.constexpr,
-                  USE_CHUNK: tl.constexpr, PRECISION: tl.constexpr, SOFT_CAP: tl.constexpr):
-    """Folds keys [start_n, start_n + BLOCK_N) into each row's online softmax, always
-    masked (a mask of all True leaves the scores as they are, so no row's bits depend on
-    whether its tile-mates needed one)."""
-    pos = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    in_seq = pos < seq_len
-    block = tl.load(table_ptr + pos // TOKENS_PER_BLOCK, mask=in_seq, other=0).to(tl.int64)
-    offs = (block[:, None] * stride_block + (pos % TOKENS_PER_BLOCK)[:, None] * stride_token
-            + offs_d[None, :])
-    # past the sequence: 0, never a stale slot's NaN (a masked key still meets 0 * value)
-    kv_mask = in_seq[:, None] & (offs_d < HEAD_DIM)[None, :]
-    k = tl.load(k_base + offs, mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-    if SOFT_CAP:  # before the mask, as the torch path does
-        s = soft_cap * tanh(s)
-    visible = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
-    if USE_WINDOW:
-        visible = visible & (pos[None, :] > q_pos[:, None] - window)
-    if USE_CHUNK:  # Llama 4's chunked local attention: keys of the query's own chunk
-        visible = visible & (pos[None, :] // chunk == q_pos[:, None] // chunk)
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))   # m_i starts finite: no -inf - -inf
-    alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + offs, mask=kv_mask, other=0.0)
-    acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
-    return acc, l_i, m_new
 
 
 @triton.jit
@@ -108,7 +72,7 @@ def _invariant_attention_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)
     if DOT_FP32:
-        q = q.to(tl.float32)  # _attend_block casts k, p and v to q's dtype
+        q = q.to(tl.float32)  # attend_tile casts k, p and v to q's dtype
     qk_scale = qk_scale * k_scale  # q . (k * k_scale) = k_scale * (q . k)
 
     kv_head = head // GROUP
@@ -120,10 +84,12 @@ def _invariant_attention_kernel(
                     USE_CHUNK)
     hi = tl.minimum(seq_len, tile_pos + BLOCK_M)
     for start_n in range(lo, hi, BLOCK_N):
-        acc, l_i, m_i = _attend_block(
+        # always masked: a mask of all True leaves the scores as they are, so no row's bits
+        # depend on whether its tile-mates needed one
+        acc, l_i, m_i = attend_tile(
             acc, l_i, m_i, q, q_pos, start_n, seq_len, window, chunk, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, USE_WINDOW, USE_CHUNK, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, USE_CHUNK, PRECISION, SOFT_CAP)
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
         acc, l_i, m_i = fold_sink(acc, l_i, m_i, tl.full([BLOCK_M], 0.0, tl.float32) + sink)

@@ -127,22 +127,27 @@ def fp8_fused_experts_ref(hidden: torch.Tensor, experts: Fp8Experts,
     pass over all of them."""
     num_tokens, top_k = topk_ids.shape
     out = torch.zeros(num_tokens, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-    local = topk_ids.flatten().long() - expert_start
-    weights = topk_weights.flatten().float()
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
         return _captured_experts_ref(hidden, experts, topk_weights, topk_ids - expert_start, out)
+    local = topk_ids.flatten().long() - expert_start
+    weights = topk_weights.flatten().float()
     for expert in range(experts.num_experts):
         pairs = torch.nonzero(local == expert).flatten()
         if pairs.numel() == 0:
             continue
         rows = pairs // top_k
-        gate_up = _w8a8_mm(hidden[rows], experts.w13[expert], experts.w13_scale[expert],
-                           experts.block)
-        gate, up = gate_up.chunk(2, dim=-1)
-        inter = (F.silu(gate) * up).to(hidden.dtype)
-        y = _w8a8_mm(inter, experts.w2[expert], experts.w2_scale[expert], experts.block)
+        y = _expert_ref(hidden[rows], experts, expert)
         out.index_add_(0, rows, y * weights[pairs, None])
     return out.to(hidden.dtype)
+
+
+def _expert_ref(rows: torch.Tensor, experts: Fp8Experts, expert: int) -> torch.Tensor:
+    """One expert on its rows: W8A8 gate_up, silu(gate) * up rounded to the rows' dtype,
+    W8A8 down -> float32."""
+    gate_up = _w8a8_mm(rows, experts.w13[expert], experts.w13_scale[expert], experts.block)
+    gate, up = gate_up.chunk(2, dim=-1)
+    inter = (F.silu(gate) * up).to(rows.dtype)
+    return _w8a8_mm(inter, experts.w2[expert], experts.w2_scale[expert], experts.block)
 
 
 def _captured_experts_ref(hidden: torch.Tensor, experts: Fp8Experts, topk_weights: torch.Tensor,
@@ -153,10 +158,5 @@ def _captured_experts_ref(hidden: torch.Tensor, experts: Fp8Experts, topk_weight
     (float32 on a GPU, the tests) only."""
     for expert in range(experts.num_experts):
         weight = (topk_weights.float() * (local_ids == expert)).sum(dim=1, keepdim=True)
-        gate_up = _w8a8_mm(hidden, experts.w13[expert], experts.w13_scale[expert],
-                           experts.block)
-        gate, up = gate_up.chunk(2, dim=-1)
-        inter = (F.silu(gate) * up).to(hidden.dtype)
-        out += _w8a8_mm(inter, experts.w2[expert], experts.w2_scale[expert],
-                        experts.block) * weight
+        out += _expert_ref(hidden, experts, expert) * weight
     return out.to(hidden.dtype)

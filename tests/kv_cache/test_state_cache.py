@@ -19,8 +19,31 @@ def test_state_per_request_and_slots():
     assert spec.bytes_per_request(torch.bfloat16) == 3 * (conv + ssm)
     cache = StateCache(spec, num_slots=5, dtype=torch.bfloat16, device="cpu")
     assert len(cache.layers) == 3
-    assert cache.layers[0].conv.shape == (5, DIMS.conv_dim, 3)
-    assert cache.layers[0].ssm.shape == (5, 4, 8, 8)
+    # a row per slot and a scratch row (a decode graph's padding rows write there)
+    assert cache.pad_slot == 5
+    assert cache.layers[0].conv.shape == (6, DIMS.conv_dim, 3)
+    assert cache.layers[0].ssm.shape == (6, 4, 8, 8)
+
+
+def test_decode_step_reads_device_slots_and_zeroes_new_requests():
+    """A decode step reaches the mixers as DecodeSlots (device slots); a request at position
+    0 in it (a one-token prompt) has its slot zeroed in every layer first, others kept."""
+    from types import SimpleNamespace
+    from tllm.layers.mamba2 import DecodeSlots
+    cache = StateCache(StateSpec(DIMS, num_layers=2), num_slots=4, dtype=torch.float32,
+                       device="cpu")
+    for layer in cache.layers:
+        layer.conv.normal_()
+        layer.ssm.normal_()
+    kept = [layer.ssm[3].clone() for layer in cache.layers]
+    slots = torch.tensor([3, 1])
+    metadata = SimpleNamespace(max_query_len=1, request_slots=slots, request_slots_cpu=[3, 1],
+                               query_lens_cpu=[1, 1], seq_lens_cpu=[8, 1])
+    batch = cache.batch(metadata)
+    assert isinstance(batch, DecodeSlots) and batch.slots is slots
+    for layer, ssm in zip(cache.layers, kept):
+        assert not layer.conv[1].any() and not layer.ssm[1].any()
+        torch.testing.assert_close(layer.ssm[3], ssm)
 
 
 def test_refuses_speculation():

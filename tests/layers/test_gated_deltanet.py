@@ -122,3 +122,12 @@ def test_state_spec_sizes():
     assert spec.bytes_per_request(torch.bfloat16) == 3 * (56 * 3 * 2 + 4 * 8 * 6 * 4)
     with pytest.raises(ValueError, match="linear_num_value_heads"):
         GatedDeltaNetDims(32, 3, 4, 8, 6, 4, 1e-6)
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_decode_slots_as_a_graph_runs_them(use_triton, check_decode_slots):
+    """Decode with device slots and padding rows on a scratch slot (what a CUDA graph
+    replays) equals the per-request decode; the Triton kernels under the interpreter."""
+    pytest.importorskip("triton")
+    _, layer, spec = _layers()
+    check_decode_slots(layer, spec.empty_layer(4, torch.float32, "cpu"), 32, use_triton)

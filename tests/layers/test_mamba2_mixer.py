@@ -73,3 +73,14 @@ def check_against_hf(use_triton: bool, device) -> None:
 
 def test_chunked_prefill_then_decode_matches_hf():
     check_against_hf(use_triton=False, device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_decode_slots_as_a_graph_runs_them(use_triton, check_decode_slots):
+    """Decode with device slots and padding rows on a scratch slot (what a CUDA graph
+    replays) equals the per-request decode; the Triton kernels under the interpreter."""
+    pytest.importorskip("triton")
+    config, hf_mixer = _hf_mixer()
+    mixer, _ = _ours(config, hf_mixer, use_triton, torch.device("cpu"))
+    state = MambaLayerState.empty(mixer.dims, 4, torch.float32)
+    check_decode_slots(mixer, state, config.hidden_size, use_triton)

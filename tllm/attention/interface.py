@@ -45,8 +45,10 @@ class AttentionMetadata:
     # token sees its whole image), for tllm.attention.causal_limits; None: its own position
     causal_limits: torch.Tensor | None = None
     # each request's batch slot, where layers with per-request state (state-space models'
-    # Mamba layers: tllm/kv_cache/state_cache.py) keep it; host-side
+    # Mamba layers: tllm/kv_cache/state_cache.py) keep it; host-side, and on the device
+    # ([num_seqs] int64: decode steps' mixers read it, so that a CUDA graph can replay them)
     request_slots_cpu: list[int] = field(default_factory=list)
+    request_slots: torch.Tensor | None = None
 
     def for_layer(self, layer: int) -> AttentionMetadata:
         """The metadata model layer `layer` (model-wide index) attends with."""

@@ -22,8 +22,13 @@ overwrites it: it is a slot, not a list of blocks.
   blocks and come back into its next slot (tllm/kv_cache/state_swap.py).
 - What is not correct yet, and therefore refused: speculative decoding (rejected drafts
   would have to roll the state back), refused by `check_hybrid_args`; beam search (a forked beam needs
-  its parent's state: refused per request by the executor); CUDA graphs (the mixer builds
-  its launch arguments on the host: build.py runs eagerly).
+  its parent's state: refused per request by the executor).
+- CUDA graphs. Decode steps (one token per request) reach the mixers as `DecodeSlots`: the
+  slots as a device tensor and nothing from the host, so a decode graph replays them; the
+  graph's padding rows use a scratch row past the last slot (`pad_slot`), and a request at
+  position 0 in such a step (a one-token prompt) has its slot zeroed before the step
+  (`reset_new`), outside the graph. Steps with prompt tokens run eagerly (piecewise graphs
+  would have to split at the mixers too).
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ import logging
 import torch
 
 from tllm.kv_cache.state_checkpoints import StateCheckpoints
-from tllm.layers.mamba2 import LayerStateSpec, MambaBatch
+from tllm.layers.mamba2 import DecodeSlots, LayerStateSpec, MambaBatch
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +49,36 @@ class StateCache:
     def __init__(self, spec: LayerStateSpec, num_slots: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         self.spec = spec
-        self.layers = [spec.empty_layer(num_slots, dtype, device)
+        self.pad_slot = num_slots   # a scratch row: a decode graph's padding rows use it
+        self.layers = [spec.empty_layer(num_slots + 1, dtype, device)
                        for _ in range(spec.num_layers)]
         logger.info("state cache: %d layers x %d slots, %.2f MiB per request", spec.num_layers,
                     num_slots, spec.bytes_per_request(dtype) / 2**20)
         self.checkpoints: StateCheckpoints | None = None   # with prefix reuse on
         self.swap = None   # a StateSwap (state_swap.py) with swap preemption
 
-    def batch(self, metadata) -> MambaBatch:
-        """The step's requests for the mixers, with the checkpoints they save."""
+    def batch(self, metadata) -> MambaBatch | DecodeSlots:
+        """The step's requests for the mixers: a decode step's device slots (its new
+        requests' slots zeroed here), or every segment with the checkpoints it saves."""
+        if metadata.max_query_len == 1 and metadata.request_slots is not None:
+            self.reset_new(metadata)
+            return DecodeSlots(metadata.request_slots)
         batch = MambaBatch.from_metadata(metadata)
         return batch if self.checkpoints is None else self.checkpoints.plan(batch)
+
+    def reset_new(self, metadata) -> None:
+        """Zero the state of every request of the step that starts at position 0, in all
+        layers (decode steps: the mixers do it per layer for the others). From the host
+        lists alone: a graph capture's metadata has none, so nothing is captured."""
+        fresh = [slot for slot, query, context in zip(metadata.request_slots_cpu,
+                                                      metadata.query_lens_cpu,
+                                                      metadata.seq_lens_cpu)
+                 if context == query]
+        if fresh:
+            rows = torch.tensor(fresh, device=self.layers[0].ssm.device)
+            for layer in self.layers:
+                layer.conv.index_fill_(0, rows, 0)
+                layer.ssm.index_fill_(0, rows, 0)
 
 
 def build_state_cache(model, args, dtype: torch.dtype,

@@ -21,9 +21,9 @@ from torch import nn
 
 from tllm.kernels import gated_delta_ref
 from tllm.layers.linear import Linear
-from tllm.layers.mamba2 import (LayerStateSpec, MambaBatch, MambaLayerState, conv_segments,
-                                conv_segments_triton, reset_new_requests, run_passes,
-                                save_states, segments)
+from tllm.layers.mamba2 import (DecodeSlots, LayerStateSpec, MambaBatch, MambaLayerState,
+                                conv_segments, conv_segments_triton, conv_step_slots,
+                                reset_new_requests, run_passes, save_states, segments)
 
 
 @dataclass(frozen=True)
@@ -96,27 +96,52 @@ class GatedDeltaNet(nn.Module):
     def _uses_triton(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.use_triton is None else self.use_triton
 
-    def forward(self, hidden: torch.Tensor, batch: MambaBatch,
+    def forward(self, hidden: torch.Tensor, batch: MambaBatch | DecodeSlots,
                 state: MambaLayerState) -> torch.Tensor:
         d = self.dims
-        reset_new_requests(batch, state)
         qkv, z, b, a = self._project(hidden)
         use_triton = self._uses_triton(hidden)
+        weight = self.conv1d.weight[:, 0]
+        if isinstance(batch, DecodeSlots):  # one token each, device slots (graph-safe)
+            qkv = conv_step_slots(qkv, batch.slots, state.conv, weight, None, use_triton)
+            y = self._delta_step(*self._rule_inputs(qkv, b, a), batch.slots, state)
+            return self._gated_out(y, z, hidden.dtype)
+        reset_new_requests(batch, state)
         passes = batch.passes()
         conv = conv_segments_triton if use_triton else conv_segments
-        qkv = run_passes(lambda sub, t: conv(t, sub, state.conv, self.conv1d.weight[:, 0], None),
+        qkv = run_passes(lambda sub, t: conv(t, sub, state.conv, weight, None),
                          (qkv,), passes, lambda saves: save_states(saves, state, conv=True))
-        q, k, v = qkv.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
-        inputs = (q.unflatten(-1, (d.num_k_heads, d.head_k_dim)),
-                  k.unflatten(-1, (d.num_k_heads, d.head_k_dim)),
-                  v.unflatten(-1, (d.num_v_heads, d.head_v_dim)),
-                  -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()),
-                  b.float().sigmoid())
         rule = self._delta_rule_triton if use_triton else self._delta_rule
-        y = run_passes(lambda sub, *t: rule(*t, sub, state), inputs, passes,
-                       lambda saves: save_states(saves, state, conv=False))
-        y = gated_rms_norm(y, z, self.norm.weight, d.eps).to(hidden.dtype)
+        y = run_passes(lambda sub, *t: rule(*t, sub, state), self._rule_inputs(qkv, b, a),
+                       passes, lambda saves: save_states(saves, state, conv=False))
+        return self._gated_out(y, z, hidden.dtype)
+
+    def _rule_inputs(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """(q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]) from the conv's output."""
+        d = self.dims
+        q, k, v = qkv.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
+        return (q.unflatten(-1, (d.num_k_heads, d.head_k_dim)),
+                k.unflatten(-1, (d.num_k_heads, d.head_k_dim)),
+                v.unflatten(-1, (d.num_v_heads, d.head_v_dim)),
+                -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()),
+                b.float().sigmoid())
+
+    def _gated_out(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        y = gated_rms_norm(y, z, self.norm.weight, self.dims.eps).to(dtype)
         return self.out_proj(y.flatten(-2))
+
+    def _delta_step(self, q, k, v, g, beta, slots: torch.Tensor,
+                    state: MambaLayerState) -> torch.Tensor:
+        """The single-step rule for one token per request at `slots` (a device tensor)."""
+        if self._uses_triton(v):
+            from tllm.kernels.triton.gated_delta import gated_delta_step
+            return gated_delta_step(state.ssm, slots, q, k, v, g, beta,
+                                    self.dims.head_k_dim ** -0.5)
+        q, k = self._queries_keys(q, k)
+        recurrent = state.ssm[slots].float()
+        out = gated_delta_ref.gated_delta_step_ref(q, k, v, g, beta, recurrent)
+        state.ssm[slots] = recurrent.to(state.ssm.dtype)
+        return out
 
     def _project(self, hidden: torch.Tensor):
         """(q|k|v [T, conv_dim], z [T, Hv, Dv], b, a [T, Hv]). The checkpoint groups the
@@ -142,7 +167,6 @@ class GatedDeltaNet(nn.Module):
 
     def _delta_rule(self, q, k, v, g, beta, batch: MambaBatch,
                     state: MambaLayerState) -> torch.Tensor:
-        q, k = self._queries_keys(q, k)
         out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
         decode_rows, decode_slots = [], []
         for start, length, slot in segments(batch):
@@ -151,17 +175,14 @@ class GatedDeltaNet(nn.Module):
                 decode_slots.append(slot)
                 continue
             part = slice(start, start + length)
+            qn, kn = self._queries_keys(q[part], k[part])
             out[part], final = gated_delta_ref.gated_delta_chunked_ref(
-                q[part], k[part], v[part], g[part], beta[part], state.ssm[slot],
-                self.dims.chunk_size)
+                qn, kn, v[part], g[part], beta[part], state.ssm[slot], self.dims.chunk_size)
             state.ssm[slot] = final
         if decode_rows:
-            slots = torch.tensor(decode_slots, device=v.device)
-            recurrent = state.ssm[slots].float()
-            out[decode_rows] = gated_delta_ref.gated_delta_step_ref(
-                q[decode_rows], k[decode_rows], v[decode_rows], g[decode_rows],
-                beta[decode_rows], recurrent)
-            state.ssm[slots] = recurrent.to(state.ssm.dtype)
+            rows = torch.tensor(decode_rows, device=v.device)
+            out[rows] = self._delta_step(*_rows((q, k, v, g, beta), rows),
+                                         torch.tensor(decode_slots, device=v.device), state)
         return out
 
     def _delta_rule_triton(self, q, k, v, g, beta, batch: MambaBatch,

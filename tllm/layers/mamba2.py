@@ -134,6 +134,21 @@ class MambaBatch:
         return [first.result(), rest.result()]
 
 
+@dataclass(frozen=True)
+class DecodeSlots:
+    """A decode step (one token per request, none at position 0) as the mixers read it
+    under a CUDA graph: each row's state slot as a device tensor [B] int64, with no host
+    list, so one capture serves every batch of its size. Padding rows name the state
+    cache's scratch slot. (StateCache.batch gives this; it zeroes new requests' slots
+    itself, outside any graph.)"""
+    slots: torch.Tensor
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """One token per request: 0, 1, ..., B (int32, on the slots' device)."""
+        return torch.arange(self.slots.numel() + 1, dtype=torch.int32,
+                            device=self.slots.device)
+
+
 @dataclass
 class _Pass:
     """A sub-batch being built (MambaBatch.passes)."""
@@ -181,9 +196,11 @@ class Mamba2Mixer(nn.Module):
     def _uses_triton(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.use_triton is None else self.use_triton
 
-    def forward(self, hidden: torch.Tensor, batch: MambaBatch,
+    def forward(self, hidden: torch.Tensor, batch: MambaBatch | DecodeSlots,
                 state: MambaLayerState) -> torch.Tensor:
         d = self.dims
+        if isinstance(batch, DecodeSlots):
+            return self._decode(hidden, batch.slots, state)
         reset_new_requests(batch, state)
         gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
         use_triton = self._uses_triton(hidden)
@@ -199,9 +216,42 @@ class Mamba2Mixer(nn.Module):
                   C.unflatten(-1, (d.num_groups, d.state_size)))
         y = run_passes(lambda sub, *t: scan(*t, sub, state), inputs, passes,
                         lambda saves: save_states(saves, state, conv=False))
-        y = mamba_ref.gated_rms_norm_ref(y.flatten(-2).to(hidden.dtype), gate,
+        return self._gated_out(y, gate)
+
+    def _gated_out(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        d = self.dims
+        y = mamba_ref.gated_rms_norm_ref(y.flatten(-2).to(gate.dtype), gate,
                                          self.norm.weight, d.inner_size // d.num_groups, d.eps)
         return self.out_proj(y)
+
+    def _decode(self, hidden: torch.Tensor, slots: torch.Tensor,
+                state: MambaLayerState) -> torch.Tensor:
+        """One token per request (DecodeSlots): no host value read, so a graph captures it."""
+        d = self.dims
+        gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        xbc = conv_step_slots(xbc, slots, state.conv, weight, bias, self._uses_triton(hidden))
+        x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
+                             d.num_groups * d.state_size], dim=-1)
+        x = x.unflatten(-1, (d.num_heads, d.head_dim))
+        B, C = (t.unflatten(-1, (d.num_groups, d.state_size)) for t in (B, C))
+        if self._uses_triton(hidden):
+            from tllm.kernels.triton.mamba_ssd import ssd_state_update
+            y = ssd_state_update(state.ssm, slots, x, dt, self.dt_bias,
+                                 -torch.exp(self.A_log.float()), B, C, self.D, d.dt_limit)
+        else:
+            y = self._state_update_ref(x, dt, B, C, slots, state)
+        return self._gated_out(y, gate)
+
+    def _state_update_ref(self, x, dt, B, C, slots: torch.Tensor,
+                          state: MambaLayerState) -> torch.Tensor:
+        """The torch single-step update of rows at `slots` (dt raw)."""
+        ssm = state.ssm[slots]
+        y = mamba_ref.ssd_state_update_ref(
+            ssm, x, mamba_ref.discretize_dt(dt, self.dt_bias, self.dims.dt_limit),
+            -torch.exp(self.A_log.float()), B, C, self.D)
+        state.ssm[slots] = ssm
+        return y
 
     def _conv(self, xbc: torch.Tensor, batch: MambaBatch,
               state: MambaLayerState) -> torch.Tensor:
@@ -215,7 +265,6 @@ class Mamba2Mixer(nn.Module):
 
     def _scan(self, x, dt, B, C, batch: MambaBatch, state: MambaLayerState) -> torch.Tensor:
         A = -torch.exp(self.A_log.float())
-        dt = mamba_ref.discretize_dt(dt, self.dt_bias, self.dims.dt_limit)
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
         decode_rows, decode_slots = [], []
         for start, length, slot in segments(batch):
@@ -225,15 +274,13 @@ class Mamba2Mixer(nn.Module):
                 continue
             part = slice(start, start + length)
             y[part], final = mamba_ref.ssd_chunk_scan_ref(
-                x[part], dt[part], A, B[part], C[part], self.D, state.ssm[slot],
-                self.dims.chunk_size)
+                x[part], mamba_ref.discretize_dt(dt[part], self.dt_bias, self.dims.dt_limit),
+                A, B[part], C[part], self.D, state.ssm[slot], self.dims.chunk_size)
             state.ssm[slot] = final
         if decode_rows:
-            slots = torch.tensor(decode_slots, device=x.device)
-            ssm = state.ssm[slots]
-            y[decode_rows] = mamba_ref.ssd_state_update_ref(
-                ssm, x[decode_rows], dt[decode_rows], A, B[decode_rows], C[decode_rows], self.D)
-            state.ssm[slots] = ssm
+            rows = torch.tensor(decode_rows, device=x.device)
+            y[rows] = self._state_update_ref(x[rows], dt[rows], B[rows], C[rows],
+                                             torch.tensor(decode_slots, device=x.device), state)
         return y
 
 
@@ -278,10 +325,9 @@ def conv_segments(x: torch.Tensor, batch: MambaBatch, conv_state: torch.Tensor,
             x[start:start + length], conv_state[slot], weight, bias)
         out[start:start + length] = part
     if decode_rows:
-        slots = torch.tensor(decode_slots, device=x.device)
-        rows = conv_state[slots]
-        out[decode_rows] = mamba_ref.causal_conv1d_step_ref(x[decode_rows], rows, weight, bias)
-        conv_state[slots] = rows
+        rows = torch.tensor(decode_rows, device=x.device)
+        out[rows] = conv_step_slots(x[rows], torch.tensor(decode_slots, device=x.device),
+                                    conv_state, weight, bias, use_triton=False)
     return out
 
 
@@ -294,6 +340,21 @@ def conv_segments_triton(x: torch.Tensor, batch: MambaBatch, conv_state: torch.T
     slots = torch.tensor(batch.slots, device=x.device)
     return causal_conv1d_varlen(x.contiguous(), conv_state, slots, cu, weight, bias,
                                 max(batch.seq_lens, default=0))
+
+
+def conv_step_slots(x: torch.Tensor, slots: torch.Tensor, conv_state: torch.Tensor,
+                    weight: torch.Tensor, bias: torch.Tensor | None,
+                    use_triton: bool) -> torch.Tensor:
+    """One token per request (row i at slot slots[i]): the conv + SiLU step, each slot's row
+    of `conv_state` advanced in place; device tensors only (DecodeSlots)."""
+    if use_triton:
+        from tllm.kernels.triton.causal_conv1d import causal_conv1d_varlen
+        cu = DecodeSlots(slots).cu_seqlens()
+        return causal_conv1d_varlen(x.contiguous(), conv_state, slots, cu, weight, bias, 1)
+    rows = conv_state[slots]
+    out = mamba_ref.causal_conv1d_step_ref(x, rows, weight, bias)
+    conv_state[slots] = rows
+    return out
 
 
 def run_passes(fn, inputs: tuple[torch.Tensor, ...], passes, save) -> torch.Tensor:

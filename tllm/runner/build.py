@@ -109,13 +109,16 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
     # a pooling-only model's steps all pool (never a decode graph); piecewise graphs of
-    # encoders are untried; state-space layers loop over requests on the host: all eager
+    # encoders are untried; state-space layers: decode graphs only (their prompt segments
+    # are planned on the host; state_cache.py)
     if (mapping.pp_size == 1 and not getattr(model, "is_multimodal", False)
-            and getattr(model, "pooling_task", None) is None and not has_state):
-        graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len)
-        piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
-                                           graphs.pool if graphs is not None else None)
-        if graphs is None and lora is None:
+            and getattr(model, "pooling_task", None) is None):
+        graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len,
+                                   state_cache)
+        if not has_state:
+            piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
+                                               graphs.pool if graphs is not None else None)
+        if graphs is None and lora is None and not has_state:
             graphs = build_cpu_compiled(model, kv_cache, args, device, backend, max_seq_len)
     return RankParts(config, model, kv_cache, graphs, piecewise, device, dtype, max_seq_len,
                      source, lora)
@@ -135,7 +138,8 @@ def build_lora(model, args: LlmArgs, dtype: torch.dtype, device: torch.device):
 
 
 def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: torch.device,
-                      backend: str, max_seq_len: int) -> CudaGraphRunner | None:
+                      backend: str, max_seq_len: int,
+                      state_cache=None) -> CudaGraphRunner | None:
     config = args.cuda_graph_config
     if config is None or device.type != "cuda" or backend != "triton":
         return None
@@ -146,6 +150,8 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
         model = CompiledDecodeModel(model)
     graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device,
                              verify_query_len(args))
+    if state_cache is not None:
+        graphs.bind_state_cache(state_cache)
     try:  # an optimisation only: without it the first prefills compile their kernels
         graphs.warm_up_eager(eager_model)
     except Exception as exc:

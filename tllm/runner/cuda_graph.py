@@ -66,6 +66,10 @@ class CudaGraphRunner:
                                     for _ in range(kv_cache.num_groups - 1)]
         self.group_block_tables = [torch.zeros_like(self.block_tables)
                                    for _ in range(kv_cache.num_groups - 1)]
+        # each request's state slot (hybrid models' mixers read it); padding rows take the
+        # state cache's scratch row (bind_state_cache)
+        self.request_slots = torch.zeros(max_bs, dtype=torch.long, device=device)
+        self.state_cache = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None  # the graphs' memory pool, once captured
@@ -73,6 +77,16 @@ class CudaGraphRunner:
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
+
+    def bind_state_cache(self, state_cache) -> None:
+        """A hybrid model's state cache: padding rows update its scratch row, and a
+        replay's new requests get their slots zeroed first (StateCache.reset_new)."""
+        self.state_cache = state_cache
+        self.request_slots.fill_(state_cache.pad_slot)
+
+    @property
+    def _pad_slot(self) -> int:
+        return 0 if self.state_cache is None else self.state_cache.pad_slot
 
     def _metadata(self, batch_size: int, query_len: int,
                   eager: bool = False) -> AttentionMetadata:
@@ -92,7 +106,11 @@ class CudaGraphRunner:
             seq_lens=self.seq_lens[:batch_size], block_tables=self.block_tables[:batch_size],
             max_query_len=query_len, max_seq_len=query_len if eager else self.max_seq_len,
             tokens_per_block=self.kv_cache.tokens_per_block,
-            query_lens_cpu=[query_len] * batch_size, seq_lens_cpu=[query_len] * batch_size)
+            query_lens_cpu=[query_len] * batch_size, seq_lens_cpu=[query_len] * batch_size,
+            # a captured step reads the slots on the device only; an eager warm-up's prompt
+            # segments are planned on the host
+            request_slots_cpu=[self._pad_slot] * batch_size if eager else [],
+            request_slots=self.request_slots[:batch_size])
         if self.group_slot_mappings:
             metadata.add_group_views(self.kv_cache.layer_groups, [
                 (slots[:num_tokens], tables[:batch_size])
@@ -185,6 +203,10 @@ class CudaGraphRunner:
         self.slot_mapping[n:rows].fill_(-1)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens)
         self.seq_lens[num_seqs:padded].fill_(0)
+        if self.state_cache is not None:
+            self.request_slots[:num_seqs].copy_(metadata.request_slots)
+            self.request_slots[num_seqs:padded].fill_(self.state_cache.pad_slot)
+            self.state_cache.reset_new(metadata)
         if not is_decode:  # padding requests own no rows
             self.verify_query_start_loc[:num_seqs + 1].copy_(metadata.query_start_loc)
             self.verify_query_start_loc[num_seqs + 1:padded + 1].fill_(n)

@@ -66,8 +66,10 @@ def step_tensors(arrays: StepArrays, input_ids: np.ndarray, logit_rows: np.ndarr
                  longs: Uploader, ints: Uploader) -> StepTensors:
     """The step's inputs on the device, in two transfers (64-bit and 32-bit values)."""
     groups = len(arrays.group_slot_mappings)
-    ids, positions, slots, rows, *group_slots = longs.upload(
-        [input_ids, arrays.positions, arrays.slot_mapping, logit_rows,
+    request_slots = (arrays.request_slots if arrays.request_slots is not None
+                     else np.zeros(0, dtype=np.int64))
+    ids, positions, slots, rows, device_request_slots, *group_slots = longs.upload(
+        [input_ids, arrays.positions, arrays.slot_mapping, logit_rows, request_slots,
          *arrays.group_slot_mappings])
     query_start_loc, seq_lens, tables, *group_tables = ints.upload(
         [arrays.query_start_loc, arrays.seq_lens, arrays.block_tables,
@@ -79,7 +81,8 @@ def step_tensors(arrays: StepArrays, input_ids: np.ndarray, logit_rows: np.ndarr
         max_query_len=int(query_lens.max()), max_seq_len=int(arrays.seq_lens.max()),
         tokens_per_block=tokens_per_block,
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=arrays.seq_lens.tolist(),
-        request_slots_cpu=[] if arrays.request_slots is None else arrays.request_slots.tolist())
+        request_slots_cpu=request_slots.tolist(),
+        request_slots=None if arrays.request_slots is None else device_request_slots)
     if groups:
         metadata.add_group_views(layer_groups, list(zip(group_slots, group_tables)))
     return StepTensors(ids, metadata, rows)

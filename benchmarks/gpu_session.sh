@@ -18,6 +18,9 @@
 #   bash benchmarks/gpu_session.sh round4       # the GPU suite, FP8 experts' capture, MTP
 #   bash benchmarks/gpu_session.sh models_h200  # issues 33 and 37's models (an H200 call)
 #   bash benchmarks/gpu_session.sh visual39     # issue 39: FLUX.1 / Wan 2.2, TeaCache, FP8
+#   bash benchmarks/gpu_session.sh round5       # the GPU suite, MTP (2026-12-06, sixth)
+#   bash benchmarks/gpu_session.sh models33     # issue 33's models (an H200 call)
+#   bash benchmarks/gpu_session.sh models37b    # issue 37's models (an H200 call)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -201,6 +204,21 @@ case $section in
     # three engine builds (plain, k = 1, k = 3): the plain one alone took 54 s on an H100
     step gpu_mtp 160 python3 benchmarks/gpu_mtp.py --budget 150 --out "$OUT/gpu_mtp.json"
     ;;
+  round5)  # 2026-12-06 (sixth): the GPU suite (now with hybrid decode graphs), MTP's speed-up
+    export PYTHONUNBUFFERED=1
+    GPU_SUITE_TIMEOUT=380 bash benchmarks/gpu_suite.sh
+    step gpu_mtp 160 python3 benchmarks/gpu_mtp.py --budget 150 --out "$OUT/gpu_mtp.json"
+    ;;
+  models33)  # issue 33's models in one call (Mixtral BF16 needs an H200; on an H100 it skips)
+    export PYTHONUNBUFFERED=1
+    step models33 585 python3 benchmarks/gpu_models.py --budget 570 --max-batch-size 512 \
+      --parts floor,mixtral_fp8,qwen3moe,mixtral
+    ;;
+  models37b)  # issue 37's models in one call (Qwen3-Next-24l and Llama-4-24l need an H200)
+    export PYTHONUNBUFFERED=1
+    step models37b 585 python3 benchmarks/gpu_models.py --budget 570 --max-batch-size 512 \
+      --parts floor,gptoss,nemotron,qwen3next,llama4
+    ;;
   round4b)  # the fixes of round4's failures (block fp8 GEMM with 16-column blocks, the MTP
     # head's router dtype), MTP at a known acceptance, GPT-OSS-20B and Nemotron-H-8B (issue 37)
     export PYTHONUNBUFFERED=1
@@ -218,6 +236,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

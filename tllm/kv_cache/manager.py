@@ -12,9 +12,9 @@ request holds one block table per group, and a window group's table gives the bl
 window has passed back to the pool, leaving the null block (never written, never read: the
 attention mask hides those positions) in their place.
 
-Two parts are mixed in from modules of their own: beams sharing blocks with copy-on-write
-(tllm.kv_cache.beam_blocks) and disaggregated serving's KV import and export
-(tllm.kv_cache.transfer)."""
+Three parts are mixed in from modules of their own: beams sharing blocks with copy-on-write
+(tllm.kv_cache.beam_blocks), disaggregated serving's KV import and export
+(tllm.kv_cache.transfer) and swap preemption (tllm.kv_cache.swap)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -28,6 +28,7 @@ from tllm.kv_cache.groups import (KVCacheLayout, first_live_block, plan_layout,
                                   window_peak_blocks)
 from tllm.kv_cache.offload import DiskBlockStore, HostBlockStore
 from tllm.kv_cache.prefix import PrefixHit, PrefixIndex, chain_hash, group_key
+from tllm.kv_cache.swap import BlockSwapping, Swapped
 from tllm.kv_cache.transfer import DisaggBlockTransfer, stored_tensors
 from tllm.request import Request
 from tllm.scheduler.interface import ResourceManager, ScheduledBatch
@@ -52,17 +53,8 @@ class KVCacheStats:
         return self.blocks_reused / self.blocks_needed if self.blocks_needed else 0.0
 
 
-@dataclass
-class _Swapped:
-    data: list[list[torch.Tensor | None]]  # per group, block contents in host memory
-    num_computed_tokens: int
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(d is not None for group in self.data for d in group)
-
-
-class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
+class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, BlockSwapping,
+                     ResourceManager):
     """Owns the (key, value) tensors, each shaped [num_blocks, tokens_per_block,
     num_kv_heads, head_dim]: one pair per layer, or with several groups one pair per slot
     (`kv_caches` lists each layer's pair either way). With `keys_only` a pair holds one
@@ -119,7 +111,7 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         self.stats = KVCacheStats()
         self._tables: dict[str, BlockTable] = {}
         self._num_reserved = 0
-        self._swapped: dict[str, _Swapped] = {}
+        self._swapped: dict[str, Swapped] = {}
         self._group_blocks = [0] * self.layout.num_groups  # distinct blocks each group holds
         # Tables changed in place since the model runner last asked (request id -> first
         # changed index), and those with blocks or a copy promised for the coming step.
@@ -309,52 +301,6 @@ class KVCacheManager(BeamBlockSharing, DisaggBlockTransfer, ResourceManager):
         for g, blocks in enumerate(table.groups):
             self._release(g, [b for b in blocks if b != self.null_block])
         self._set_reserved(table, 0)
-
-    # ---- preemption ----
-
-    def is_swapped(self, request: Request) -> bool:
-        return request.request_id in self._swapped
-
-    def swap_out(self, request: Request) -> bool:
-        """Move a request's blocks to host memory and free them on the device; False when the
-        host tier has no room (the caller then recomputes instead)."""
-        table = self._tables[request.request_id]
-        num_live = sum(table.num_live(g) for g in range(self.num_groups))
-        num_swapped = sum(s.num_blocks for s in self._swapped.values())
-        if num_swapped + num_live > self.host_capacity_blocks:
-            return False
-        data = [[None if b == self.null_block else self._read_block(b).to("cpu") for b in t]
-                for t in table.groups]
-        self.free(request)
-        self._swapped[request.request_id] = _Swapped(data, request.num_computed_tokens)
-        self.stats.blocks_swapped_out += num_live
-        return True
-
-    def _swap_in(self, request: Request) -> Admission | None:
-        swapped = self._swapped[request.request_id]
-        num_computed = swapped.num_computed_tokens
-        live = [sum(d is not None for d in group) for group in swapped.data]
-        # without a reservation, room for the tokens it computes next must be there now
-        room = sum(max(0, self._admission_need(request, g, num_computed) - live[g])
-                   for g in range(self.num_groups))
-        if self._available() < sum(live) + room:
-            return None
-        del self._swapped[request.request_id]
-        groups = []
-        for g, group in enumerate(swapped.data):
-            block_ids = iter(self._allocate(g, live[g]))
-            groups.append([self.null_block if d is None else next(block_ids) for d in group])
-            for block_id, contents in zip(groups[-1], group):
-                if contents is not None:
-                    self._write_block(block_id, contents)
-        num_null = [sum(d is None for d in group) for group in swapped.data]
-        table = BlockTable(groups, num_null)
-        self._tables[request.request_id] = table
-        if self.reserve_full_generation:
-            self._set_reserved(table, self._future_need(request, table, num_computed))
-        self._publish(request, num_computed)
-        self.stats.blocks_swapped_in += sum(live)
-        return Admission(num_computed)
 
     # ---- how many blocks a group needs ----
 

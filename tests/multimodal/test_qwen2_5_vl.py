@@ -174,3 +174,25 @@ def test_file_urls_only_under_the_allowed_folder(tiny_qwen_vl, tmp_path):
     with make_llm(path) as llm:
         with pytest.raises(ValueError, match="file:// image URLs are off"):
             chat(llm, f"file://{allowed / 'a.png'}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_graphs_replay_steps_without_image_tokens(tiny_qwen_vl):
+    """A VLM's decode steps (no image token) replay CUDA graphs, their M-RoPE positions
+    (shifted past each request's images) copied into the graph's buffer: the tokens of an
+    eager engine, and steps replayed."""
+    path, _, _ = tiny_qwen_vl
+    cases = prompts_with_images()
+    inputs = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
+              for text, images in cases]
+    with make_llm(path, cuda_graph_config=None) as llm:
+        eager = [o.outputs[0].token_ids for o in llm.generate(inputs, params(), use_tqdm=False)]
+    with make_llm(path) as llm:
+        graphs = llm._engine.executor.runner.cuda_graphs
+        assert graphs is not None and graphs.mrope_positions is not None
+        replays = []
+        run = graphs.run
+        graphs.run = lambda *args: replays.append(1) or run(*args)
+        graphed = [o.outputs[0].token_ids
+                   for o in llm.generate(inputs, params(), use_tqdm=False)]
+    assert replays and graphed == eager

@@ -109,16 +109,17 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
     # a pooling-only model's steps all pool (never a decode graph); piecewise graphs of
-    # encoders are untried; state-space layers: decode graphs only (their prompt segments
-    # are planned on the host; state_cache.py)
-    if (mapping.pp_size == 1 and not getattr(model, "is_multimodal", False)
-            and getattr(model, "pooling_task", None) is None):
+    # encoders are untried; state-space layers and vision-language models: decode graphs
+    # only (prompt segments of the one are planned on the host, image rows of the other
+    # replace embeddings: both eager)
+    decode_only = has_state or getattr(model, "is_multimodal", False)
+    if mapping.pp_size == 1 and getattr(model, "pooling_task", None) is None:
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len,
                                    state_cache)
-        if not has_state:
+        if not decode_only:
             piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
                                                graphs.pool if graphs is not None else None)
-        if graphs is None and lora is None and not has_state:
+        if graphs is None and lora is None and not decode_only:
             graphs = build_cpu_compiled(model, kv_cache, args, device, backend, max_seq_len)
     return RankParts(config, model, kv_cache, graphs, piecewise, device, dtype, max_seq_len,
                      source, lora)
@@ -149,7 +150,7 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
         from tllm.runner.compiled import CompiledDecodeModel
         model = CompiledDecodeModel(model)
     graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device,
-                             verify_query_len(args))
+                             verify_query_len(args), getattr(eager_model, "uses_mrope", False))
     if state_cache is not None:
         graphs.bind_state_cache(state_cache)
     try:  # an optimisation only: without it the first prefills compile their kernels

@@ -10,7 +10,8 @@ start. The decode attention kernel's grid depends only on the batch size and the
 maximum sequence length, so one capture serves any mix of query lengths 1..verify_query_len
 (requests with fewer drafts, or none). A batch is padded up to the next captured size;
 padding rows (slot -1) write nothing to the KV cache, padding requests have sequence length 0
-and no queries, and their outputs are dropped."""
+and no queries, and their outputs are dropped. A vision-language model's decode steps replay
+too (they carry no image tokens), with its M-RoPE positions in a static buffer of their own."""
 from __future__ import annotations
 
 import bisect
@@ -40,7 +41,7 @@ WARM_UP_QUERY_LENS = (2, 4, 8, 16, 64, 128)
 class CudaGraphRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, batch_sizes: list[int],
                  max_seq_len: int, device: torch.device,
-                 verify_query_len: int | None = None) -> None:
+                 verify_query_len: int | None = None, uses_mrope: bool = False) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.batch_sizes = sorted(set(batch_sizes))
@@ -69,6 +70,9 @@ class CudaGraphRunner:
         # each request's state slot (hybrid models' mixers read it); padding rows take the
         # state cache's scratch row (bind_state_cache)
         self.request_slots = torch.zeros(max_bs, dtype=torch.long, device=device)
+        # an M-RoPE model (Qwen2.5-VL): each token's three positions, shifted past an image
+        self.mrope_positions = (torch.zeros(3, max_tokens, dtype=torch.long, device=device)
+                                if uses_mrope else None)
         self.state_cache = None
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -110,7 +114,9 @@ class CudaGraphRunner:
             # a captured step reads the slots on the device only; an eager warm-up's prompt
             # segments are planned on the host
             request_slots_cpu=[self._pad_slot] * batch_size if eager else [],
-            request_slots=self.request_slots[:batch_size])
+            request_slots=self.request_slots[:batch_size],
+            mrope_positions=(None if self.mrope_positions is None
+                             else self.mrope_positions[:, :num_tokens]))
         if self.group_slot_mappings:
             metadata.add_group_views(self.kv_cache.layer_groups, [
                 (slots[:num_tokens], tables[:batch_size])
@@ -199,6 +205,10 @@ class CudaGraphRunner:
         rows = padded if is_decode else padded * self.verify_query_len
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(metadata.positions)
+        if self.mrope_positions is not None:  # a text-only step's are its positions
+            self.mrope_positions[:, :n].copy_(metadata.positions.expand(3, -1)
+                                              if metadata.mrope_positions is None
+                                              else metadata.mrope_positions)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
         self.slot_mapping[n:rows].fill_(-1)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens)

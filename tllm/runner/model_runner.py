@@ -175,11 +175,12 @@ class ModelRunner:
 
     def _plan(self, inputs: StepInputs, multimodal: StepMultimodal | None = None) -> StepPlan:
         """How this step runs, decided once here and carried in the plan to every rank.
-        Steps with multimodal inputs run eagerly (graphs know neither image embeddings
-        nor M-RoPE positions)."""
+        Steps with image tokens run eagerly (graphs know no image embeddings); a
+        vision-language model's other decode steps replay (graphs take M-RoPE positions)."""
         plan = StepPlan(inputs.diff, inputs.logit_rows,
                         layer_groups=self.kv_cache.layer_groups)
-        graphs = self.cuda_graphs if multimodal is None else None
+        graphs = (self.cuda_graphs if multimodal is None or multimodal.is_text_only
+                  else None)
         num_seqs = len(inputs.diff.slots)
         plan.use_graph = (graphs is not None and not self.capture_layers
                           and inputs.pooling is None

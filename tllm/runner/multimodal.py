@@ -27,6 +27,11 @@ class StepMultimodal:
     # model whose image tokens attend within their image (Gemma 3); None: causal
     causal_limits: np.ndarray | None = None
 
+    @property
+    def is_text_only(self) -> bool:
+        """No image token in the step (a decode graph may run it)."""
+        return self.embeds is None and self.causal_limits is None
+
 
 class EncoderCache:
     """Image embeddings by content hash, least recently used dropped past `max_tokens`

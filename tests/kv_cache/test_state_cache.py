@@ -38,7 +38,7 @@ def test_decode_step_reads_device_slots_and_zeroes_new_requests():
     kept = [layer.ssm[3].clone() for layer in cache.layers]
     slots = torch.tensor([3, 1])
     metadata = SimpleNamespace(max_query_len=1, request_slots=slots, request_slots_cpu=[3, 1],
-                               query_lens_cpu=[1, 1], seq_lens_cpu=[8, 1])
+                               query_lens_cpu=[1, 1], seq_lens_cpu=[8, 1], capture=None)
     batch = cache.batch(metadata)
     assert isinstance(batch, DecodeSlots) and batch.slots is slots
     for layer, ssm in zip(cache.layers, kept):

@@ -46,11 +46,12 @@ def test_cuda_graph_config_is_ignored_on_cpu(tiny_llama):
 
 @cuda
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
-def test_hybrid_decode_graphs_agree_with_eager(tmp_path, family):
+def test_hybrid_graphs_agree_with_eager(tmp_path, family):
     """Mamba-2 / gated DeltaNet decode replayed from graphs: the state slots come from a
     device buffer, padding rows (3 and 13 requests against sizes 1, 2, 4, 8) update the
     scratch row only, and a one-token prompt (position 0 inside a decode step) starts from
-    a zeroed slot; the same tokens as eager steps, which reuse the same slots."""
+    a zeroed slot; prompt steps replay piecewise graphs with the mixers' state updates run
+    between the pieces. The same tokens as eager steps, which reuse the same slots."""
     import importlib
     module = importlib.import_module(f"tests.models.test_{family}_parity")
     model = module.save_tiny(tmp_path)
@@ -63,3 +64,6 @@ def test_hybrid_decode_graphs_agree_with_eager(tmp_path, family):
                             cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4, 8]))
         assert used
         assert graphed == eager
+    with LLM(str(tmp_path), dtype="float32", max_batch_size=16, max_num_tokens=64,
+             kv_cache_config=KvCacheConfig(tokens_per_block=16, max_tokens=8192)) as llm:
+        assert llm._engine.executor.runner.piecewise is not None  # captured, not refused

@@ -27,8 +27,9 @@ overwrites it: it is a slot, not a list of blocks.
   slots as a device tensor and nothing from the host, so a decode graph replays them; the
   graph's padding rows use a scratch row past the last slot (`pad_slot`), and a request at
   position 0 in such a step (a one-token prompt) has its slot zeroed before the step
-  (`reset_new`), outside the graph. Steps with prompt tokens run eagerly (piecewise graphs
-  would have to split at the mixers too).
+  (`reset_new`), outside the graph. Steps with prompt tokens replay piecewise graphs: the
+  mixers' projections are captured and their state update runs between the pieces, as
+  attention does (`DeferredBatch`), with the step's batch planned once for every layer.
 """
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ import logging
 import torch
 
 from tllm.kv_cache.state_checkpoints import StateCheckpoints
-from tllm.layers.mamba2 import DecodeSlots, LayerStateSpec, MambaBatch
+from tllm.layers.mamba2 import LayerStateSpec, MambaBatch
+from tllm.layers.state_batch import DecodeSlots, DeferredBatch
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +58,26 @@ class StateCache:
                     num_slots, spec.bytes_per_request(dtype) / 2**20)
         self.checkpoints: StateCheckpoints | None = None   # with prefix reuse on
         self.swap = None   # a StateSwap (state_swap.py) with swap preemption
+        self._planned: tuple = (None, None)   # (the step's metadata, its batch)
 
-    def batch(self, metadata) -> MambaBatch | DecodeSlots:
+    def batch(self, metadata) -> MambaBatch | DecodeSlots | DeferredBatch:
         """The step's requests for the mixers: a decode step's device slots (its new
-        requests' slots zeroed here), or every segment with the checkpoints it saves."""
+        requests' slots zeroed here), or every segment with the checkpoints it saves; under
+        a piecewise capture, the deferral. Planned once per step (a piecewise replay asks
+        once per layer)."""
+        if metadata.capture is not None:
+            return DeferredBatch(metadata.capture, metadata, self.batch)
+        if self._planned[0] is metadata:
+            return self._planned[1]
         if metadata.max_query_len == 1 and metadata.request_slots is not None:
             self.reset_new(metadata)
-            return DecodeSlots(metadata.request_slots)
-        batch = MambaBatch.from_metadata(metadata)
-        return batch if self.checkpoints is None else self.checkpoints.plan(batch)
+            batch = DecodeSlots(metadata.request_slots)
+        else:
+            batch = MambaBatch.from_metadata(metadata)
+            if self.checkpoints is not None:
+                batch = self.checkpoints.plan(batch)
+        self._planned = (metadata, batch)
+        return batch
 
     def reset_new(self, metadata) -> None:
         """Zero the state of every request of the step that starts at position 0, in all

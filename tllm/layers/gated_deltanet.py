@@ -21,9 +21,10 @@ from torch import nn
 
 from tllm.kernels import gated_delta_ref
 from tllm.layers.linear import Linear
-from tllm.layers.mamba2 import (DecodeSlots, LayerStateSpec, MambaBatch, MambaLayerState,
-                                conv_segments, conv_segments_triton, conv_step_slots,
-                                reset_new_requests, run_passes, save_states, segments)
+from tllm.layers.mamba2 import (LayerStateSpec, MambaBatch, MambaLayerState, conv_segments,
+                                conv_segments_triton, conv_step_slots, reset_new_requests,
+                                run_passes, save_states, segments)
+from tllm.layers.state_batch import DecodeSlots, DeferredBatch
 
 
 @dataclass(frozen=True)
@@ -96,25 +97,35 @@ class GatedDeltaNet(nn.Module):
     def _uses_triton(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.use_triton is None else self.use_triton
 
-    def forward(self, hidden: torch.Tensor, batch: MambaBatch | DecodeSlots,
+    def forward(self, hidden: torch.Tensor, batch: MambaBatch | DecodeSlots | DeferredBatch,
                 state: MambaLayerState) -> torch.Tensor:
-        d = self.dims
         qkv, z, b, a = self._project(hidden)
-        use_triton = self._uses_triton(hidden)
+        if isinstance(batch, DeferredBatch):   # piecewise capture: runs between the pieces
+            y = batch.defer(self._core, (qkv, b, a), state, like=z)
+        else:
+            y = self._core(qkv, b, a, state, batch)
+        y = gated_rms_norm(y, z, self.norm.weight, self.dims.eps)
+        return self.out_proj(y.flatten(-2))
+
+    def _core(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+              state: MambaLayerState, batch: MambaBatch | DecodeSlots) -> torch.Tensor:
+        """conv -> gated delta rule, reading and advancing the requests' state: y [T, Hv,
+        Dv] in qkv's dtype (as HF's layer casts back before its norm)."""
+        use_triton = self._uses_triton(qkv)
         weight = self.conv1d.weight[:, 0]
         if isinstance(batch, DecodeSlots):  # one token each, device slots (graph-safe)
-            qkv = conv_step_slots(qkv, batch.slots, state.conv, weight, None, use_triton)
-            y = self._delta_step(*self._rule_inputs(qkv, b, a), batch.slots, state)
-            return self._gated_out(y, z, hidden.dtype)
+            out = conv_step_slots(qkv, batch.slots, state.conv, weight, None, use_triton)
+            return self._delta_step(*self._rule_inputs(out, b, a), batch.slots,
+                                    state).to(qkv.dtype)
         reset_new_requests(batch, state)
         passes = batch.passes()
         conv = conv_segments_triton if use_triton else conv_segments
-        qkv = run_passes(lambda sub, t: conv(t, sub, state.conv, weight, None),
+        out = run_passes(lambda sub, t: conv(t, sub, state.conv, weight, None),
                          (qkv,), passes, lambda saves: save_states(saves, state, conv=True))
         rule = self._delta_rule_triton if use_triton else self._delta_rule
-        y = run_passes(lambda sub, *t: rule(*t, sub, state), self._rule_inputs(qkv, b, a),
+        y = run_passes(lambda sub, *t: rule(*t, sub, state), self._rule_inputs(out, b, a),
                        passes, lambda saves: save_states(saves, state, conv=False))
-        return self._gated_out(y, z, hidden.dtype)
+        return y.to(qkv.dtype)
 
     def _rule_inputs(self, qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """(q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]) from the conv's output."""
@@ -125,10 +136,6 @@ class GatedDeltaNet(nn.Module):
                 v.unflatten(-1, (d.num_v_heads, d.head_v_dim)),
                 -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float()),
                 b.float().sigmoid())
-
-    def _gated_out(self, y: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        y = gated_rms_norm(y, z, self.norm.weight, self.dims.eps).to(dtype)
-        return self.out_proj(y.flatten(-2))
 
     def _delta_step(self, q, k, v, g, beta, slots: torch.Tensor,
                     state: MambaLayerState) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from tllm.kernels import mamba_ref
 from tllm.layers.linear import Linear
+from tllm.layers.state_batch import DecodeSlots, DeferredBatch
 
 
 @dataclass(frozen=True)
@@ -134,21 +135,6 @@ class MambaBatch:
         return [first.result(), rest.result()]
 
 
-@dataclass(frozen=True)
-class DecodeSlots:
-    """A decode step (one token per request, none at position 0) as the mixers read it
-    under a CUDA graph: each row's state slot as a device tensor [B] int64, with no host
-    list, so one capture serves every batch of its size. Padding rows name the state
-    cache's scratch slot. (StateCache.batch gives this; it zeroes new requests' slots
-    itself, outside any graph.)"""
-    slots: torch.Tensor
-
-    def cu_seqlens(self) -> torch.Tensor:
-        """One token per request: 0, 1, ..., B (int32, on the slots' device)."""
-        return torch.arange(self.slots.numel() + 1, dtype=torch.int32,
-                            device=self.slots.device)
-
-
 @dataclass
 class _Pass:
     """A sub-batch being built (MambaBatch.passes)."""
@@ -196,52 +182,61 @@ class Mamba2Mixer(nn.Module):
     def _uses_triton(self, x: torch.Tensor) -> bool:
         return x.is_cuda if self.use_triton is None else self.use_triton
 
-    def forward(self, hidden: torch.Tensor, batch: MambaBatch | DecodeSlots,
+    def forward(self, hidden: torch.Tensor, batch: MambaBatch | DecodeSlots | DeferredBatch,
                 state: MambaLayerState) -> torch.Tensor:
         d = self.dims
-        if isinstance(batch, DecodeSlots):
-            return self._decode(hidden, batch.slots, state)
-        reset_new_requests(batch, state)
         gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
-        use_triton = self._uses_triton(hidden)
+        if isinstance(batch, DeferredBatch):   # piecewise capture: runs between the pieces
+            y = batch.defer(self._core, (xbc, dt), state, like=gate)
+        else:
+            y = self._core(xbc, dt, state, batch)
+        y = mamba_ref.gated_rms_norm_ref(y, gate, self.norm.weight,
+                                         d.inner_size // d.num_groups, d.eps)
+        return self.out_proj(y)
+
+    def _core(self, xbc: torch.Tensor, dt: torch.Tensor, state: MambaLayerState,
+              batch: MambaBatch | DecodeSlots) -> torch.Tensor:
+        """conv -> SSD scan, reading and advancing the requests' state: y [T, inner] in
+        xbc's dtype."""
+        d = self.dims
+        if isinstance(batch, DecodeSlots):
+            return self._decode_core(xbc, dt, state, batch.slots)
+        reset_new_requests(batch, state)
+        use_triton = self._uses_triton(xbc)
         passes = batch.passes()
         conv = self._conv_triton if use_triton else self._conv
         xbc = run_passes(lambda sub, t: conv(t, sub, state), (xbc,), passes,
                           lambda saves: save_states(saves, state, conv=True))
+        x, B, C = self._split_xbc(xbc)
+        scan = self._scan_triton if use_triton else self._scan
+        y = run_passes(lambda sub, *t: scan(*t, sub, state), (x, dt, B, C), passes,
+                        lambda saves: save_states(saves, state, conv=False))
+        return y.flatten(-2).to(xbc.dtype)
+
+    def _split_xbc(self, xbc: torch.Tensor):
+        """x [T, H, P], B and C [T, G, N] from the conv's output."""
+        d = self.dims
         x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
                              d.num_groups * d.state_size], dim=-1)
-        scan = self._scan_triton if use_triton else self._scan
-        inputs = (x.unflatten(-1, (d.num_heads, d.head_dim)), dt,
-                  B.unflatten(-1, (d.num_groups, d.state_size)),
-                  C.unflatten(-1, (d.num_groups, d.state_size)))
-        y = run_passes(lambda sub, *t: scan(*t, sub, state), inputs, passes,
-                        lambda saves: save_states(saves, state, conv=False))
-        return self._gated_out(y, gate)
+        return (x.unflatten(-1, (d.num_heads, d.head_dim)),
+                B.unflatten(-1, (d.num_groups, d.state_size)),
+                C.unflatten(-1, (d.num_groups, d.state_size)))
 
-    def _gated_out(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        d = self.dims
-        y = mamba_ref.gated_rms_norm_ref(y.flatten(-2).to(gate.dtype), gate,
-                                         self.norm.weight, d.inner_size // d.num_groups, d.eps)
-        return self.out_proj(y)
-
-    def _decode(self, hidden: torch.Tensor, slots: torch.Tensor,
-                state: MambaLayerState) -> torch.Tensor:
+    def _decode_core(self, xbc: torch.Tensor, dt: torch.Tensor, state: MambaLayerState,
+                     slots: torch.Tensor) -> torch.Tensor:
         """One token per request (DecodeSlots): no host value read, so a graph captures it."""
         d = self.dims
-        gate, xbc, dt = self.in_proj(hidden).split([d.inner_size, d.conv_dim, d.num_heads], -1)
-        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
-        xbc = conv_step_slots(xbc, slots, state.conv, weight, bias, self._uses_triton(hidden))
-        x, B, C = xbc.split([d.inner_size, d.num_groups * d.state_size,
-                             d.num_groups * d.state_size], dim=-1)
-        x = x.unflatten(-1, (d.num_heads, d.head_dim))
-        B, C = (t.unflatten(-1, (d.num_groups, d.state_size)) for t in (B, C))
-        if self._uses_triton(hidden):
+        use_triton = self._uses_triton(xbc)
+        out = conv_step_slots(xbc, slots, state.conv, self.conv1d.weight[:, 0],
+                              self.conv1d.bias, use_triton)
+        x, B, C = self._split_xbc(out)
+        if use_triton:
             from tllm.kernels.triton.mamba_ssd import ssd_state_update
             y = ssd_state_update(state.ssm, slots, x, dt, self.dt_bias,
                                  -torch.exp(self.A_log.float()), B, C, self.D, d.dt_limit)
         else:
             y = self._state_update_ref(x, dt, B, C, slots, state)
-        return self._gated_out(y, gate)
+        return y.flatten(-2).to(xbc.dtype)
 
     def _state_update_ref(self, x, dt, B, C, slots: torch.Tensor,
                           state: MambaLayerState) -> torch.Tensor:

@@ -109,17 +109,17 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
     # a pooling-only model's steps all pool (never a decode graph); piecewise graphs of
-    # encoders are untried; state-space layers and vision-language models: decode graphs
-    # only (prompt segments of the one are planned on the host, image rows of the other
-    # replace embeddings: both eager)
-    decode_only = has_state or getattr(model, "is_multimodal", False)
+    # encoders are untried; a vision-language model's image rows replace embeddings: its
+    # steps with prompt tokens run eagerly
+    multimodal = getattr(model, "is_multimodal", False)
     if mapping.pp_size == 1 and getattr(model, "pooling_task", None) is None:
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len,
                                    state_cache)
-        if not decode_only:
+        if not multimodal:
             piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
-                                               graphs.pool if graphs is not None else None)
-        if graphs is None and lora is None and not decode_only:
+                                               graphs.pool if graphs is not None else None,
+                                               state_cache)
+        if graphs is None and lora is None and not multimodal and not has_state:
             graphs = build_cpu_compiled(model, kv_cache, args, device, backend, max_seq_len)
     return RankParts(config, model, kv_cache, graphs, piecewise, device, dtype, max_seq_len,
                      source, lora)
@@ -186,8 +186,8 @@ def build_cpu_compiled(model, kv_cache: KVCacheManager, args: LlmArgs, device: t
 
 
 def build_piecewise_graphs(model, kv_cache: KVCacheManager, args: LlmArgs,
-                           device: torch.device, backend: str,
-                           pool) -> PiecewiseGraphRunner | None:
+                           device: torch.device, backend: str, pool,
+                           state_cache=None) -> PiecewiseGraphRunner | None:
     """Graphs for steps with prompt tokens: everything but attention (runner/piecewise.py),
     in the decode graphs' memory pool (one step runs at a time)."""
     config = args.cuda_graph_config
@@ -196,7 +196,8 @@ def build_piecewise_graphs(model, kv_cache: KVCacheManager, args: LlmArgs,
         return None
     graphs = PiecewiseGraphRunner(model, kv_cache,
                                   token_buckets(args.max_num_tokens, config.token_buckets),
-                                  device, pool)
+                                  device, pool,
+                                  None if state_cache is None else state_cache.pad_slot)
     try:
         graphs.capture()
     except RuntimeError as exc:  # a model that syncs with the host mid-forward

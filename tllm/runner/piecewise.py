@@ -4,7 +4,8 @@ bucket, and attention runs eagerly between the pieces with the step's own metada
 launch grids follow the step's query and context lengths, which change every step). A mixed
 step then costs a few dozen graph replays and one attention call a layer instead of
 hundreds of eager launches (vLLM's piecewise graphs, without a compiler: the forward itself
-is cut where it reaches an attention backend).
+is cut where it reaches an attention backend, or a state-space mixer's state update:
+layers/state_batch.py).
 
 Capture runs the model's forward once per bucket with `AttentionMetadata.capture` set: each
 attention call ends the graph being captured, is recorded (its inputs are tensors of the
@@ -78,10 +79,12 @@ class PiecewiseRecorder:
         self._next_piece()
 
     def defer(self, method: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              kv_cache, metadata: AttentionMetadata, *rest) -> torch.Tensor:
-        """End the piece being captured at this attention call; its output buffer."""
+              kv_cache, metadata: AttentionMetadata, *rest,
+              like: torch.Tensor | None = None) -> torch.Tensor:
+        """End the piece being captured at this attention call; its output buffer (shaped
+        as q, or as `like`: a state-space mixer's update, layers/state_batch.py)."""
         self.pieces[-1].capture_end()
-        out = self._outputs(q)
+        out = self._outputs(q if like is None else like)
         self.calls.append(AttentionCall(method, (alias(q), alias(k), alias(v), kv_cache, *rest),
                                         self._views[id(metadata)], out))
         self._next_piece()
@@ -120,8 +123,10 @@ class PiecewiseGraph:
 
 class PiecewiseGraphRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, buckets: list[int],
-                 device: torch.device, pool=None) -> None:
+                 device: torch.device, pool=None, state_pad_slot: int | None = None) -> None:
         self.model = model
+        # a hybrid's warm-ups prefill the state cache's scratch row (None: no state)
+        self.state_pad_slot = state_pad_slot
         self.kv_cache = kv_cache
         self.buckets = sorted(set(buckets))
         self.device = device
@@ -209,7 +214,8 @@ class PiecewiseGraphRunner:
             seq_lens=torch.tensor([bucket], dtype=torch.int32, device=self.device),
             block_tables=tables, max_query_len=bucket, max_seq_len=bucket,
             tokens_per_block=self.kv_cache.tokens_per_block,
-            query_lens_cpu=[bucket], seq_lens_cpu=[bucket])
+            query_lens_cpu=[bucket], seq_lens_cpu=[bucket],
+            request_slots_cpu=[] if self.state_pad_slot is None else [self.state_pad_slot])
         if self.kv_cache.num_groups > 1:
             metadata.add_group_views(self.kv_cache.layer_groups, [
                 (self._slots[:bucket], tables) for _ in range(self.kv_cache.num_groups - 1)])

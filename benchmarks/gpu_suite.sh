@@ -45,7 +45,7 @@ FILES=(
   tests/models/test_hybrid_prefix_reuse.py tests/models/test_gpt_oss_parity.py
   tests/models/test_llama4_parity.py tests/models/test_moe_parity.py
   tests/models/test_qwen3_next_parity.py tests/layers/test_gated_deltanet.py
-  tests/layers/test_fp8_moe.py tests/models/test_fp8_moe_models.py
+  tests/layers/test_fp8_moe.py tests/models/test_fp8_moe_models.py tests/layers/test_moe_load.py
   tests/multimodal tests/pooling/test_pooling_models.py tests/pooling/test_pooling_api.py
   tests/llmapi/test_deterministic.py tests/speculative
   tests/sampling/test_beam_search.py

@@ -314,6 +314,9 @@ class LlmArgs(BaseModel):
     # alone or in any batch, chunking and prefix reuse (tllm.layers.batch_invariant,
     # tllm.attention.invariant); slower. Turns CUDA graphs off.
     deterministic: bool = False
+    # Count the tokens each MoE layer routes to each expert (get_stats' moe_expert_load and
+    # moe_load_balancedness; tllm.layers.moe_load): a small cost per MoE layer and step.
+    moe_load_stats: bool = False
     # Whose modeling code runs: "tllm" (our own model files), "transformers" (transformers'
     # modules with our paged KV cache and attention plugged in), "auto" (ours where we have
     # the architecture, else transformers').

@@ -178,6 +178,10 @@ class PyExecutor:
                 # a vision-language model's encoder: images encoded, found in its cache
                 **(self.runner.multimodal.cache.stats()
                    if getattr(self.runner, "multimodal", None) is not None else {}),
+                # tokens routed to each expert (moe_load_stats)
+                **(self.runner.rank.expert_load.snapshot()
+                   if getattr(self.runner, "rank", None) is not None
+                   and self.runner.rank.expert_load is not None else {}),
                 # a hybrid's state checkpoints and swaps
                 **{k: v for manager in self.resource_managers
                    if hasattr(manager, "state_stats") for k, v in manager.state_stats().items()},

@@ -25,7 +25,7 @@ _LLM_FLAGS = ("dtype", "device", "max_batch_size", "max_num_tokens", "max_seq_le
               "max_lora_rank", "max_cpu_loras", "revision", "download_dir",
               "generation_config", "limit_mm_per_prompt", "allowed_local_media_path",
               "allowed_media_domains",
-              "deterministic")
+              "deterministic", "moe_load_stats")
 # Flags that set a field of kv_cache_config: dest -> field.
 _KV_CACHE_FLAGS = {"kv_cache_tokens": "max_tokens",
                    "kv_cache_free_memory_fraction": "free_memory_fraction",
@@ -75,6 +75,9 @@ def add_engine_args(group, help_text: Mapping[str, str] | None = None) -> None:
     group.add_argument("--deterministic", action="store_true", default=None,
                        help="batch-invariant mode: a request's tokens and logprobs are the "
                             "same bits alone or in any batch (slower; no CUDA graphs)")
+    group.add_argument("--moe-load-stats", action="store_true", default=None,
+                       help="MoE models: count the tokens each layer routes to each expert "
+                            "(get_stats, /metrics' tllm:moe_load_balancedness)")
     group.add_argument("--model-impl", choices=["auto", "tllm", "transformers"],
                        help="whose modeling code runs (default auto: tllm's where it has the "
                             "architecture, else transformers' with tllm's KV cache)")

@@ -18,6 +18,7 @@ from tllm.layers.batch_invariant import make_batch_invariant
 from tllm.kv_cache.groups import KVCacheLayout, plan_layout
 from tllm.kv_cache.manager import KVCacheManager
 from tllm.kv_cache.state_cache import build_state_cache
+from tllm.layers.moe_load import ExpertLoad
 from tllm.config import CapacitySchedulerPolicy, KvCacheConfig, LlmArgs
 from tllm.runner.cuda_graph import DEFAULT_BATCH_SIZES, CudaGraphRunner
 from tllm.runner.piecewise import PiecewiseGraphRunner, token_buckets
@@ -96,6 +97,8 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
                         show_progress=mapping.rank == 0)  # one bar, not one per rank
     if args.deterministic:
         make_batch_invariant(model, device)
+    if args.moe_load_stats:  # before any graph is captured: the graphs count too
+        model.expert_load = ExpertLoad.attach(model, device)
     lora = build_lora(model, args, dtype, device)  # before the KV cache takes the memory
     state_cache = build_state_cache(model, args, dtype, device)  # so does this
     has_state = state_cache is not None

@@ -133,6 +133,7 @@ class RankModel:
         self.lora = lora                # this rank's tllm.lora.layers.LoraModel, or None
         self._longs = Uploader(device, torch.int64)
         self._ints = Uploader(device, torch.int32)
+        self.expert_load = getattr(model, "expert_load", None)  # moe_load_stats
 
     def run(self, plan: StepPlan, arrays: StepArrays | None = None,
             input_ids: np.ndarray | None = None,
@@ -163,6 +164,8 @@ class RankModel:
             token_types, on_hidden = pooling
             if token_types is not None:
                 tensors.token_type_ids = torch.from_numpy(token_types).to(self.device)
+        if self.expert_load is not None:
+            self.expert_load.begin_step(plan.num_tokens)
         return run_plan(self.model, self.kv_caches, self.graphs, self.piecewise, plan,
                         tensors, on_hidden)
 

@@ -323,6 +323,10 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric(self._model, stats.get(key, 0))
             yield counter
+        if "moe_load_balancedness" in stats:
+            yield self._gauge("tllm:moe_load_balancedness", "Mean over MoE layers of mean / "
+                              "max tokens routed per expert (1: even; moe_load_stats).",
+                              stats["moe_load_balancedness"])
         if "spec_draft_tokens" in stats:
             yield self._gauge("tllm:spec_decode_acceptance_rate", "Accepted / drafted "
                               "tokens.", stats["spec_acceptance_rate"])

@@ -21,6 +21,7 @@
 #   bash benchmarks/gpu_session.sh round5       # the GPU suite, MTP (2026-12-06, sixth)
 #   bash benchmarks/gpu_session.sh models33     # issue 33's models (an H200 call)
 #   bash benchmarks/gpu_session.sh models37b    # issue 37's models (an H200 call)
+#   bash benchmarks/gpu_session.sh today6       # the day's GPU tests, Nemotron-H-8B (short)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -209,6 +210,20 @@ case $section in
     GPU_SUITE_TIMEOUT=380 bash benchmarks/gpu_suite.sh
     step gpu_mtp 160 python3 benchmarks/gpu_mtp.py --budget 150 --out "$OUT/gpu_mtp.json"
     ;;
+  today6)  # 2026-12-06 (sixth), one short call: the GPU tests of the day's changes (hybrid
+    # decode and piecewise graphs, VLM decode graphs, expert load stats; the fifth session's
+    # block-fp8 and MTP fixes), then Nemotron-H-8B at batch 1 and max load with its graphs
+    export PYTHONUNBUFFERED=1
+    step day_tests 200 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+      tests/runner/test_cuda_graph.py tests/layers/test_moe_load.py \
+      tests/models/test_nemotron_h_parity.py tests/models/test_qwen3_next_parity.py \
+      tests/models/test_granite_hybrid_parity.py tests/models/test_hybrid_prefix_reuse.py \
+      tests/multimodal/test_qwen2_5_vl.py tests/multimodal/test_gemma3_vl.py \
+      tests/models/test_fp8_moe_models.py tests/speculative/test_mtp.py \
+      tests/layers/test_mamba2_mixer.py tests/layers/test_gated_deltanet.py
+    step nemotron 250 python3 benchmarks/gpu_models.py --parts floor,nemotron --budget 240 \
+      --max-batch-size 256
+    ;;
   models33)  # issue 33's models in one call (Mixtral BF16 needs an H200; on an H100 it skips)
     export PYTHONUNBUFFERED=1
     step models33 585 python3 benchmarks/gpu_models.py --budget 570 --max-batch-size 512 \
@@ -236,6 +251,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

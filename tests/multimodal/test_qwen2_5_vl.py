@@ -177,10 +177,11 @@ def test_file_urls_only_under_the_allowed_folder(tiny_qwen_vl, tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_decode_graphs_replay_steps_without_image_tokens(tiny_qwen_vl):
-    """A VLM's decode steps (no image token) replay CUDA graphs, their M-RoPE positions
-    (shifted past each request's images) copied into the graph's buffer: the tokens of an
-    eager engine, and steps replayed."""
+def test_graphs_replay_steps_without_image_tokens(tiny_qwen_vl):
+    """A VLM's steps without image tokens replay CUDA graphs (decode) or piecewise graphs
+    (text prompts, and prompt chunks after an image), their M-RoPE positions (shifted past
+    each request's images) copied into the graphs' buffers: the tokens of an eager engine,
+    and steps replayed."""
     path, _, _ = tiny_qwen_vl
     cases = prompts_with_images()
     inputs = [{"prompt": text, "multi_modal_data": {"image": images}} if images else text
@@ -190,6 +191,7 @@ def test_decode_graphs_replay_steps_without_image_tokens(tiny_qwen_vl):
     with make_llm(path) as llm:
         graphs = llm._engine.executor.runner.cuda_graphs
         assert graphs is not None and graphs.mrope_positions is not None
+        assert llm._engine.executor.runner.piecewise.mrope_positions is not None
         replays = []
         run = graphs.run
         graphs.run = lambda *args: replays.append(1) or run(*args)

@@ -112,17 +112,16 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
         lora.token_slots.is_active = True  # graphs capture the LoRA ops (slots read at replay)
     graphs = piecewise = None
     # a pooling-only model's steps all pool (never a decode graph); piecewise graphs of
-    # encoders are untried; a vision-language model's image rows replace embeddings: its
-    # steps with prompt tokens run eagerly
-    multimodal = getattr(model, "is_multimodal", False)
+    # encoders are untried; a vision-language model's steps with image rows run eagerly
+    # (model_runner.py's _plan)
     if mapping.pp_size == 1 and getattr(model, "pooling_task", None) is None:
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len,
                                    state_cache)
-        if not multimodal:
-            piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
-                                               graphs.pool if graphs is not None else None,
-                                               state_cache)
-        if graphs is None and lora is None and not multimodal and not has_state:
+        piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,
+                                           graphs.pool if graphs is not None else None,
+                                           state_cache)
+        if (graphs is None and lora is None and not has_state
+                and not getattr(model, "is_multimodal", False)):
             graphs = build_cpu_compiled(model, kv_cache, args, device, backend, max_seq_len)
     return RankParts(config, model, kv_cache, graphs, piecewise, device, dtype, max_seq_len,
                      source, lora)
@@ -200,7 +199,8 @@ def build_piecewise_graphs(model, kv_cache: KVCacheManager, args: LlmArgs,
     graphs = PiecewiseGraphRunner(model, kv_cache,
                                   token_buckets(args.max_num_tokens, config.token_buckets),
                                   device, pool,
-                                  None if state_cache is None else state_cache.pad_slot)
+                                  None if state_cache is None else state_cache.pad_slot,
+                                  getattr(model, "uses_mrope", False))
     try:
         graphs.capture()
     except RuntimeError as exc:  # a model that syncs with the host mid-forward

@@ -11,7 +11,8 @@ maximum sequence length, so one capture serves any mix of query lengths 1..verif
 (requests with fewer drafts, or none). A batch is padded up to the next captured size;
 padding rows (slot -1) write nothing to the KV cache, padding requests have sequence length 0
 and no queries, and their outputs are dropped. A vision-language model's decode steps replay
-too (they carry no image tokens), with its M-RoPE positions in a static buffer of their own."""
+too (they carry no image tokens), with its M-RoPE positions in a static buffer of their own
+(as its piecewise graphs have for prompt steps without image tokens)."""
 from __future__ import annotations
 
 import bisect
@@ -22,6 +23,7 @@ from torch import nn
 
 from tllm.attention.interface import AttentionMetadata
 from tllm.kv_cache.manager import KVCacheManager, cdiv
+from tllm.runner.piecewise import copy_mrope_positions
 
 logger = logging.getLogger(__name__)
 
@@ -205,10 +207,8 @@ class CudaGraphRunner:
         rows = padded if is_decode else padded * self.verify_query_len
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(metadata.positions)
-        if self.mrope_positions is not None:  # a text-only step's are its positions
-            self.mrope_positions[:, :n].copy_(metadata.positions.expand(3, -1)
-                                              if metadata.mrope_positions is None
-                                              else metadata.mrope_positions)
+        if self.mrope_positions is not None:
+            copy_mrope_positions(self.mrope_positions, metadata)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
         self.slot_mapping[n:rows].fill_(-1)
         self.seq_lens[:num_seqs].copy_(metadata.seq_lens)

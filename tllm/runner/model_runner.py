@@ -176,18 +176,18 @@ class ModelRunner:
     def _plan(self, inputs: StepInputs, multimodal: StepMultimodal | None = None) -> StepPlan:
         """How this step runs, decided once here and carried in the plan to every rank.
         Steps with image tokens run eagerly (graphs know no image embeddings); a
-        vision-language model's other decode steps replay (graphs take M-RoPE positions)."""
+        vision-language model's other steps replay (graphs take M-RoPE positions)."""
         plan = StepPlan(inputs.diff, inputs.logit_rows,
                         layer_groups=self.kv_cache.layer_groups)
-        graphs = (self.cuda_graphs if multimodal is None or multimodal.is_text_only
-                  else None)
+        text_only = multimodal is None or multimodal.is_text_only
+        graphs = self.cuda_graphs if text_only else None
         num_seqs = len(inputs.diff.slots)
         plan.use_graph = (graphs is not None and not self.capture_layers
                           and inputs.pooling is None
                           and graphs.can_run(plan.num_tokens, num_seqs,
                                              inputs.arrays.max_query_len))
         plan.use_piecewise = (not plan.use_graph and self.piecewise is not None
-                              and multimodal is None
+                              and text_only
                               and not self.capture_layers
                               and self.piecewise.can_run(plan.num_tokens))
         plan.ids_from_driver = self.parallel is not None

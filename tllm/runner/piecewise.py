@@ -123,7 +123,8 @@ class PiecewiseGraph:
 
 class PiecewiseGraphRunner:
     def __init__(self, model: nn.Module, kv_cache: KVCacheManager, buckets: list[int],
-                 device: torch.device, pool=None, state_pad_slot: int | None = None) -> None:
+                 device: torch.device, pool=None, state_pad_slot: int | None = None,
+                 uses_mrope: bool = False) -> None:
         self.model = model
         # a hybrid's warm-ups prefill the state cache's scratch row (None: no state)
         self.state_pad_slot = state_pad_slot
@@ -135,6 +136,9 @@ class PiecewiseGraphRunner:
         self.input_ids = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_tokens, dtype=torch.long, device=device)
         self._slots = torch.full((max_tokens,), -1, dtype=torch.long, device=device)
+        # an M-RoPE model rotates q and k inside the pieces: by these (runner/cuda_graph.py)
+        self.mrope_positions = (torch.zeros(3, max_tokens, dtype=torch.long, device=device)
+                                if uses_mrope else None)
         self.graphs: dict[int, PiecewiseGraph] = {}
         self._outputs: dict[tuple, torch.Tensor] = {}  # attention outputs, by shape
 
@@ -151,6 +155,8 @@ class PiecewiseGraphRunner:
         bucket = self.buckets[bisect.bisect_left(self.buckets, n)]
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(metadata.positions)  # for code that reads them outside
+        if self.mrope_positions is not None:
+            copy_mrope_positions(self.mrope_positions, metadata)
         return self.graphs[bucket].replay(metadata, n)
 
     def release(self) -> None:
@@ -215,11 +221,21 @@ class PiecewiseGraphRunner:
             block_tables=tables, max_query_len=bucket, max_seq_len=bucket,
             tokens_per_block=self.kv_cache.tokens_per_block,
             query_lens_cpu=[bucket], seq_lens_cpu=[bucket],
-            request_slots_cpu=[] if self.state_pad_slot is None else [self.state_pad_slot])
+            request_slots_cpu=[] if self.state_pad_slot is None else [self.state_pad_slot],
+            mrope_positions=(None if self.mrope_positions is None
+                             else self.mrope_positions[:, :bucket]))
         if self.kv_cache.num_groups > 1:
             metadata.add_group_views(self.kv_cache.layer_groups, [
                 (self._slots[:bucket], tables) for _ in range(self.kv_cache.num_groups - 1)])
         return metadata
+
+
+def copy_mrope_positions(buffer: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """A step's M-RoPE positions into a graph's buffer [3, tokens] (a step built without
+    them: its plain positions, three times)."""
+    n = metadata.positions.shape[0]
+    buffer[:, :n].copy_(metadata.positions.expand(3, -1) if metadata.mrope_positions is None
+                        else metadata.mrope_positions)
 
 
 def alias(tensor: torch.Tensor) -> torch.Tensor:

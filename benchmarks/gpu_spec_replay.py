@@ -181,7 +181,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
     smoke = args.smoke
-    model = "dummy:smollm2-135m" if smoke and args.model == DEFAULT_MODEL else args.model
+    model = args.model
+    if smoke and args.model == DEFAULT_MODEL:  # SmolLM2 ties its head: --planted needs another
+        model = _smoke_untied_model() if args.planted else "dummy:smollm2-135m"
     osl = 16 if smoke else args.osl
     kwargs = dict(dtype="float32" if smoke else args.dtype,
                   device="cpu" if smoke else "cuda", max_batch_size=1,
@@ -243,6 +245,20 @@ def main() -> int:
         print(f"| {r['corrupt']:.3f} | {r['mean_accepted_length']:.2f} | {r['tok_s']:.1f} | "
               f"{r['speedup']:.2f}x | {r['identical']} |")
     return 0
+
+
+def _smoke_untied_model() -> str:
+    """A tiny random Llama with an untied LM head, in a temporary folder (--smoke
+    --planted on the CPU)."""
+    import tempfile
+    import transformers
+    path = Path(tempfile.mkdtemp()) / "tiny_untied_llama"
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return str(path)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ model has experts, a top-k softmax MoE; Granite's multipliers on the embeddings,
 branches, the attention scale and the logits.
 
 Mamba layers keep their per-request state in the state cache (tllm/kv_cache/state_cache.py),
-as NemotronH's do. The experts run as a torch loop over the experts chosen. One rank only,
-unquantized, for now."""
+as NemotronH's do. The experts are tllm's FusedMoE (the checkpoint's stacked input_linear /
+output_linear are its gate_up / down), so the fused MoE kernels and CUDA graphs serve them.
+One rank only, unquantized, for now."""
 from __future__ import annotations
 
+import re
 from typing import Iterable
 
 import torch
@@ -18,12 +20,16 @@ from tllm.attention.interface import AttentionBackend, AttentionMetadata, KVCach
 from tllm.kernels.moe_routing import MoeRouting, route_experts
 from tllm.layers.linear import Linear
 from tllm.layers.mamba2 import Mamba2Dims, Mamba2Mixer, StateSpec
+from tllm.layers.moe import W2, W13, FusedMoE
 from tllm.layers.norm import RMSNorm
 from tllm.layers.quant import embedding_layer, lm_head_layer
 from tllm.layers.rotary import rotary_embedding
 from tllm.models.hybrid_weights import (check_single_rank_unquantized, expected_by_name,
                                          load_by_name)
 from tllm.models.registry import register_model
+
+# a checkpoint's stacked experts: "<layer>.block_sparse_moe.input_linear.weight" (gate_up)
+_STACKED_EXPERTS = re.compile(r"^(.*\.block_sparse_moe)\.(input|output)_linear\.weight$")
 
 
 def mamba_dims(config) -> Mamba2Dims:
@@ -82,8 +88,9 @@ class GraniteSharedMLP(nn.Module):
 
 
 class GraniteMoE(nn.Module):
-    """Top-k of the router's logits, softmax over those k; SwiGLU experts stored stacked
-    (input_linear [E, 2I, D], output_linear [E, D, I]) as the checkpoint has them."""
+    """Top-k of the router's logits, softmax over those k; SwiGLU experts, which the
+    checkpoint stores stacked (input_linear [E, 2I, D]: gate rows then up rows; output_linear
+    [E, D, I]), loaded into a FusedMoE."""
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -93,23 +100,11 @@ class GraniteMoE(nn.Module):
         self.routing = MoeRouting(self.top_k, topk_first=True)
         self.router = nn.Module()
         self.router.layer = Linear(hidden, num)
-        self.input_linear = nn.Module()
-        self.input_linear.weight = nn.Parameter(torch.empty(num, 2 * size, hidden),
-                                                requires_grad=False)
-        self.output_linear = nn.Module()
-        self.output_linear.weight = nn.Parameter(torch.empty(num, hidden, size),
-                                                 requires_grad=False)
+        self.experts = FusedMoE(num, hidden, size)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = route_experts(self.router.layer(hidden), self.routing)
-        weights = weights.to(hidden.dtype)
-        out = torch.zeros_like(hidden)
-        for expert in ids.unique().tolist():
-            token, slot = (ids == expert).nonzero(as_tuple=True)
-            gate, up = (hidden[token] @ self.input_linear.weight[expert].t()).chunk(2, dim=-1)
-            h = (F.silu(gate) * up) @ self.output_linear.weight[expert].t()
-            out.index_add_(0, token, h * weights[token, slot, None])
-        return out
+        return self.experts(hidden, weights, ids)
 
 
 class GraniteHybridLayer(nn.Module):
@@ -203,8 +198,19 @@ class GraniteMoeHybridForCausalLM(nn.Module):
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
-            loaded.add(load_by_name(self, params, name, tensor))
+            if match := _STACKED_EXPERTS.fullmatch(name):
+                experts = self.get_submodule(f"{match[1]}.experts")
+                keys = experts.load_stacked(W13 if match[2] == "input" else W2, tensor)
+                loaded |= {f"{match[1]}.experts.{key}" for key in keys}
+            else:
+                loaded.add(load_by_name(self, params, name, tensor))
         return loaded
 
     def expected_weights(self) -> set[str]:
-        return expected_by_name(self, self.tied)
+        """Every parameter's key, the experts' per expert and shard."""
+        experts = [(n, m) for n, m in self.named_modules() if isinstance(m, FusedMoE)]
+        expected = {key for key in expected_by_name(self, self.tied)
+                    if not any(key.startswith(f"{n}.") for n, _ in experts)}
+        for name, module in experts:
+            expected |= {f"{name}.{key}" for key in module.expected_keys()}
+        return expected

@@ -80,6 +80,29 @@ def test_fused_experts_matches_reference(device, dtype, num_tokens, num_experts,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 4, 1), (13, 8, 2), (29, 16, 6)])
+def test_relu2_experts_match_reference(device, dtype, num_tokens, num_experts, top_k):
+    """Nemotron-H's non-gated squared-ReLU experts on the same kernels (w1 [E, I, H])."""
+    hidden = torch.randn(num_tokens, HIDDEN).to(dtype).to(device)
+    w1 = (torch.randn(num_experts, INTER, HIDDEN) / HIDDEN ** 0.5).to(dtype).to(device)
+    w2 = (torch.randn(num_experts, HIDDEN, INTER) / INTER ** 0.5).to(dtype).to(device)
+    weights, ids = routing(num_tokens, top_k, num_experts, device)
+    out = fused_moe.fused_experts_triton(hidden, w1, w2, weights, ids, activation="relu2")
+    assert out.shape == hidden.shape and out.dtype == dtype
+    want = moe.relu2_experts_ref(hidden.float().cpu(), w1.float().cpu(), w2.float().cpu(),
+                                 weights.cpu(), ids.cpu())
+    err = relative_error(out.cpu(), want)
+    assert err < TOL[dtype], err
+
+
+def test_relu2_experts_refuse_mismatched_weights():
+    with pytest.raises(ValueError, match="w1"):
+        moe.relu2_experts(torch.randn(2, HIDDEN), torch.randn(4, INTER, HIDDEN),
+                          torch.randn(4, INTER, HIDDEN), torch.ones(2, 1),
+                          torch.zeros(2, 1, dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("expert_start", [0, 3])
 def test_expert_parallel_pairs_elsewhere_add_nothing(device, dtype, expert_start):
     # this rank holds 4 of 10 experts; int32 ids, as a router may hand them over

@@ -26,6 +26,34 @@ def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return fused_experts_ref(hidden, w13, w2, topk_weights, topk_ids, expert_start)
 
 
+def relu2_experts(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Non-gated squared-ReLU experts (Nemotron-H's): each routed pair computes
+    relu(x w1[e]^T)^2 w2[e]^T, a token's output the routing-weighted sum. hidden [T, H];
+    w1 [E, I, H]; w2 [E, H, I]; topk_* [T, k]. On CUDA the fused MoE kernels (no host
+    sync: CUDA graphs hold it), else a torch loop over the experts chosen."""
+    if w1.dim() != 3 or w2.shape != (w1.shape[0], w1.shape[2], w1.shape[1]):
+        raise ValueError(f"w1 [E, I, H] and w2 [E, H, I] expected, got {tuple(w1.shape)} "
+                         f"and {tuple(w2.shape)}")
+    if hidden.is_cuda:
+        from tllm.kernels.triton.fused_moe import fused_experts_triton
+        return fused_experts_triton(hidden, w1, w2, topk_weights, topk_ids,
+                                    activation="relu2")
+    return relu2_experts_ref(hidden, w1, w2, topk_weights, topk_ids)
+
+
+def relu2_experts_ref(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """relu2_experts in torch (summed in float32, as the kernels do)."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in topk_ids.unique().tolist():
+        token, slot = (topk_ids == expert).nonzero(as_tuple=True)
+        h = torch.relu(hidden[token] @ w1[expert].t()).square()
+        out.index_add_(0, token, (h @ w2[expert].t()).float()
+                       * topk_weights[token, slot, None].float())
+    return out.to(hidden.dtype)
+
+
 def check_experts_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        expert_start: int) -> None:

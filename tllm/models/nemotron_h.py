@@ -126,9 +126,6 @@ class NemotronHForCausalLM(nn.Module):
         if self.tied:
             self.lm_head.weight = self.embeddings.weight
         self.state_cache = None   # bound at start-up (bind_state_cache)
-        # the MoE blocks' expert loop reads the routing on the host (nemotron_h_moe.py):
-        # a CUDA graph cannot hold it, so such a model's steps run eagerly
-        self.cuda_graph_safe = MOE not in self.kinds
 
     def _indices(self, kind: str) -> list[int]:
         return [i for i, k in enumerate(self.kinds) if k == kind]

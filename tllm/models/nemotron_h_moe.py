@@ -3,8 +3,9 @@ scores, the correction bias in the choice, groups, renormalised and scaled weigh
 non-gated squared-ReLU experts, an optional latent projection around the experts, and a
 shared expert on the block's input.
 
-The experts run as a loop over the experts a step's tokens chose, in torch (tllm's fused
-MoE kernels assume gated SwiGLU experts): correct everywhere, not yet fast on a GPU."""
+The experts run on tllm's fused MoE kernels with a squared-ReLU, non-gated first GEMM
+(tllm.kernels.moe.relu2_experts: no host sync, so CUDA graphs hold them), a torch loop over
+the experts chosen on a CPU."""
 from __future__ import annotations
 
 import re
@@ -12,6 +13,7 @@ import re
 import torch
 from torch import nn
 
+from tllm.kernels.moe import relu2_experts
 from tllm.layers.grouped_topk import GroupedRouting, grouped_topk
 from tllm.layers.linear import Linear, _copy_checked
 
@@ -30,13 +32,7 @@ class NemotronHExperts(nn.Module):
                                       requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():
-            token, slot = (ids == expert).nonzero(as_tuple=True)
-            h = torch.relu(x[token] @ self.up_proj[expert].t()).square()
-            h = (h @ self.down_proj[expert].t()) * weights[token, slot, None].to(x.dtype)
-            out.index_add_(0, token, h)
-        return out
+        return relu2_experts(x, self.up_proj, self.down_proj, weights, ids)
 
 
 class NemotronHMoE(nn.Module):

@@ -114,11 +114,7 @@ def build_rank(args: LlmArgs, device: torch.device) -> RankParts:
     # a pooling-only model's steps all pool (never a decode graph); piecewise graphs of
     # encoders are untried; a vision-language model's steps with image rows run eagerly
     # (model_runner.py's _plan)
-    if not getattr(model, "cuda_graph_safe", True):
-        if device.type == "cuda" and args.cuda_graph_config is not None:
-            logger.info("CUDA graphs off: this model's forward reads device values on the "
-                        "host")
-    elif mapping.pp_size == 1 and getattr(model, "pooling_task", None) is None:
+    if mapping.pp_size == 1 and getattr(model, "pooling_task", None) is None:
         graphs = build_cuda_graphs(model, kv_cache, args, device, backend, max_seq_len,
                                    state_cache)
         piecewise = build_piecewise_graphs(model, kv_cache, args, device, backend,

@@ -183,13 +183,14 @@ def _expert_gemm_kernel(out_ptr, a_ptr, w_ptr, sorted_ptr, block_expert_ptr, num
                         topk_weights_ptr, N, K, num_pairs, num_tiles_m,
                         stride_am, stride_we, stride_wn, stride_om,
                         ROWS_PER_A: tl.constexpr, GATED: tl.constexpr,
-                        MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
+                        RELU2: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                         EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
                         PRECISION: tl.constexpr):
     """out[pair, n] = a[pair // ROWS_PER_A] . w[expert(pair), n] for the pairs of one
-    sorted tile. GATED: w holds 2N rows (gate, then up) and out = silu(gate) * up.
-    MUL_WEIGHT: times topk_weights[pair]. Accumulates in fp32 and rounds once."""
+    sorted tile. GATED: w holds 2N rows (gate, then up) and out = silu(gate) * up; RELU2:
+    out = relu(out)^2 (Nemotron-H's non-gated experts). MUL_WEIGHT: times topk_weights[pair].
+    Accumulates in fp32 and rounds once."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
@@ -234,6 +235,9 @@ def _expert_gemm_kernel(out_ptr, a_ptr, w_ptr, sorted_ptr, block_expert_ptr, num
             acc_up = tl.dot(a, w_up, acc_up, input_precision=PRECISION)
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
+    if RELU2:
+        acc = tl.maximum(acc, 0.0)
+        acc = acc * acc
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weights_ptr + pairs, mask=is_pair, other=0.0)[:, None]
     out = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -243,7 +247,7 @@ def _expert_gemm_kernel(out_ptr, a_ptr, w_ptr, sorted_ptr, block_expert_ptr, num
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, blocks: PairBlocks, tile: GemmTile,
                 group_m: int = 1, rows_per_a: int = 1, gated: bool = False,
-                topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                topk_weights: torch.Tensor | None = None, relu2: bool = False) -> torch.Tensor:
     """One grouped GEMM over the sorted pairs: a [P / rows_per_a, K] (the hidden rows,
     rows_per_a = top_k, or the intermediate, rows_per_a = 1), w [E, N (2N if gated), K]
     -> [P, N] in a's dtype; rows of pairs not placed (other ranks' experts) are not written."""
@@ -257,7 +261,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, blocks: PairBlocks, tile: Gemm
     _expert_gemm_kernel[grid](
         out, a, w, blocks.sorted_pairs, blocks.block_expert, blocks.num_padded, weights,
         n, k, blocks.num_pairs, blocks.max_blocks, a.stride(0), w.stride(0), w.stride(1),
-        out.stride(0), ROWS_PER_A=rows_per_a, GATED=gated,
+        out.stride(0), ROWS_PER_A=rows_per_a, GATED=gated, RELU2=relu2,
         MUL_WEIGHT=topk_weights is not None, BLOCK_M=blocks.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_M=group_m, EVEN_K=k % tile.block_k == 0,
         DOT_FP32=needs_fp32_dot(_expert_gemm_kernel, a.dtype),
@@ -326,17 +330,20 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
 
 def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         expert_start: int = 0, config: MoeConfig | None = None
-                         ) -> torch.Tensor:
-    """tllm.kernels.moe.fused_experts on the Triton kernels (arguments checked there)."""
+                         expert_start: int = 0, config: MoeConfig | None = None,
+                         activation: str = "silu_gated") -> torch.Tensor:
+    """tllm.kernels.moe.fused_experts on the Triton kernels (arguments checked there);
+    `activation` "relu2": w13 is the up projection alone [E, I, H] and the intermediate is
+    relu(x W^T)^2 (tllm.kernels.moe.relu2_experts)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
     cfg = config or moe_config(num_tokens, top_k, num_experts)
     blocks = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
+    relu2 = activation == "relu2"
     inter = expert_gemm(hidden, w13, blocks, cfg.gate_up, cfg.group_m, rows_per_a=top_k,
-                        gated=True)
+                        gated=not relu2, relu2=relu2)
     pair_out = expert_gemm(inter, w2, blocks, cfg.down, cfg.group_m,
                            topk_weights=topk_weights.float().contiguous())
     return sum_top_k(pair_out, topk_ids, num_experts, expert_start)

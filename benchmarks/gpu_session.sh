@@ -220,7 +220,8 @@ case $section in
       tests/models/test_granite_hybrid_parity.py tests/models/test_hybrid_prefix_reuse.py \
       tests/multimodal/test_qwen2_5_vl.py tests/multimodal/test_gemma3_vl.py \
       tests/models/test_fp8_moe_models.py tests/speculative/test_mtp.py \
-      tests/layers/test_mamba2_mixer.py tests/layers/test_gated_deltanet.py
+      tests/layers/test_mamba2_mixer.py tests/layers/test_gated_deltanet.py \
+      tests/kernels/test_fused_moe.py tests/layers/test_state_batch.py
     step nemotron 250 python3 benchmarks/gpu_models.py --parts floor,nemotron --budget 240 \
       --max-batch-size 256
     ;;

@@ -16,11 +16,12 @@ NUM_NEW = 6
 
 
 def test_padding_rows_do_not_count_and_balancedness():
-    layers = [SimpleNamespace(num_experts=4), SimpleNamespace(num_experts=3)]
+    layers = [SimpleNamespace(num_experts=4, expert_load_hook=None),
+              SimpleNamespace(num_experts=3, expert_load_hook=None)]
     load = ExpertLoad(layers, torch.device("cpu"))
     load.begin_step(2)   # rows 2.. are a graph's padding
-    layers[0].load(torch.tensor([[0, 1], [1, 3], [2, 2]]))
-    layers[1].load(torch.tensor([[2], [2], [0]]))
+    layers[0].expert_load_hook(torch.tensor([[0, 1], [1, 3], [2, 2]]))
+    layers[1].expert_load_hook(torch.tensor([[2], [2], [0]]))
     stats = load.snapshot()
     assert stats["moe_expert_load"] == [[1, 2, 0, 1], [0, 0, 2]]
     # layer 0: mean 1 / max 2; layer 1: mean 2/3 / max 2
@@ -37,15 +38,21 @@ def _run(path, prompts, **kwargs) -> dict:
         return llm.get_stats()
 
 
-def _check_totals(stats: dict, model, prompts) -> None:
-    config = model.config
+def _check_totals(stats: dict, prompts, num_layers: int, num_experts: int,
+                  top_k: int) -> None:
     # every prompt token and every generated token but the last goes through the model
     tokens = sum(len(p) for p in prompts) + len(prompts) * (NUM_NEW - 1)
     load = stats["moe_expert_load"]
-    assert len(load) == config.num_hidden_layers
-    assert all(len(row) == config.num_local_experts for row in load)
-    assert [sum(row) for row in load] == [config.num_experts_per_tok * tokens] * len(load)
+    assert len(load) == num_layers
+    assert all(len(row) == num_experts for row in load)
+    assert [sum(row) for row in load] == [top_k * tokens] * num_layers
     assert 0 < stats["moe_load_balancedness"] <= 1
+
+
+def _check_mixtral(stats: dict, model, prompts) -> None:
+    config = model.config
+    _check_totals(stats, prompts, config.num_hidden_layers, config.num_local_experts,
+                  config.num_experts_per_tok)
 
 
 def _model_and_prompts(tmp_path):
@@ -57,7 +64,19 @@ def _model_and_prompts(tmp_path):
 
 def test_counts_add_up_to_the_tokens_run(tmp_path):
     model, prompts = _model_and_prompts(tmp_path)
-    _check_totals(_run(tmp_path, prompts, device="cpu"), model, prompts)
+    _check_mixtral(_run(tmp_path, prompts, device="cpu"), model, prompts)
+
+
+def test_nemotron_h_experts_count_too(tmp_path):
+    """Nemotron 3's MoE blocks (their own squared-ReLU experts, not a FusedMoE)."""
+    from tests.models.test_hf_parity import make_prompts
+    from tests.models.test_nemotron_h_parity import TINY, save_tiny
+    save_tiny(tmp_path, layers_block_type=["mamba", "moe", "attention", "moe"],
+              n_routed_experts=8, moe_intermediate_size=32,
+              moe_shared_expert_intermediate_size=48, num_experts_per_tok=2, n_group=2,
+              topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True)
+    prompts = make_prompts(TINY["vocab_size"])[:4]
+    _check_totals(_run(tmp_path, prompts, device="cpu"), prompts, 2, 8, 2)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -65,7 +84,7 @@ def test_graph_padding_rows_do_not_count(tmp_path):
     """5 requests decode in graphs of 1, 2, 4, 8 (padded to 8), prompts in piecewise ones."""
     model, prompts = _model_and_prompts(tmp_path)
     stats = _run(tmp_path, prompts, cuda_graph_config=CudaGraphConfig(batch_sizes=[1, 2, 4, 8]))
-    _check_totals(stats, model, prompts)
+    _check_mixtral(stats, model, prompts)
 
 
 def test_a_model_without_experts_is_refused(tiny_llama):

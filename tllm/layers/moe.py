@@ -110,7 +110,7 @@ class FusedMoE(nn.Module):
         self.quant = method if method is not None else moe_method(quant_config, prefix)
         self.quant.create_weights(self, self.num_local_experts, hidden_size,
                                   self.intermediate_size)
-        self.load = None   # counts the routing when asked (moe_load.py's ExpertLoad)
+        self.expert_load_hook = None   # counts the routing when asked (moe_load.py)
 
     def add_expert_param(self, name: str, tensor: torch.Tensor,
                          intermediate_dim: int | None, units: int = 1) -> None:
@@ -122,8 +122,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        if self.load is not None:
-            self.load(topk_ids)
+        if self.expert_load_hook is not None:
+            self.expert_load_hook(topk_ids)
         return comm.tp_all_reduce(self.quant.apply(self, hidden, topk_weights, topk_ids))
 
     def process_after_loading(self) -> None:

@@ -3,7 +3,7 @@ expert since start, to find hot experts and judge an expert-parallel placement (
 DeepSeek's EPLB balances). Off by default (`LlmArgs(moe_load_stats=True)`): it costs one
 small index_add per MoE layer and step.
 
-Counting stays on the device and inside CUDA graphs: each FusedMoE adds its step's top-k
+Counting stays on the device and inside CUDA graphs: each MoE layer adds its step's top-k
 expert ids into its row of one [layers, experts] counter, masked to the step's real tokens
 (`valid_tokens`, set before every forward: a graph's padding rows route stale inputs and
 must not count, and warm-ups before the first step count nothing). `snapshot` copies the
@@ -23,13 +23,14 @@ class ExpertLoad:
                                   device=device)
         self.valid_tokens = torch.zeros((), dtype=torch.int64, device=device)
         for row, layer in enumerate(layers):
-            layer.load = partial(self.record, row)
+            layer.expert_load_hook = partial(self.record, row)
 
     @classmethod
     def attach(cls, model: nn.Module, device: torch.device) -> "ExpertLoad":
-        """Count for every MoE layer of `model` (ValueError: it has none)."""
-        from tllm.layers.moe import FusedMoE
-        layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        """Count for every MoE layer of `model`: the modules with `num_experts` and an
+        `expert_load_hook` they call with each forward's top-k ids (FusedMoE, Nemotron-H's
+        experts). ValueError: it has none."""
+        layers = [m for m in model.modules() if hasattr(m, "expert_load_hook")]
         if not layers:
             raise ValueError("moe_load_stats: the model has no mixture-of-experts layers")
         return cls(layers, device)

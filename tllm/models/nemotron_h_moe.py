@@ -26,12 +26,16 @@ class NemotronHExperts(nn.Module):
 
     def __init__(self, num_experts: int, dim: int, intermediate_size: int) -> None:
         super().__init__()
+        self.num_experts = num_experts
+        self.expert_load_hook = None   # moe_load_stats (tllm/layers/moe_load.py)
         self.up_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, dim),
                                     requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, intermediate_size),
                                       requires_grad=False)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+        if self.expert_load_hook is not None:
+            self.expert_load_hook(ids)
         return relu2_experts(x, self.up_proj, self.down_proj, weights, ids)
 
 

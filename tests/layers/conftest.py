@@ -19,6 +19,11 @@ SCRATCH_SLOT = 3      # slots 0-2 are requests' (two live: _DECODE_SLOTS), 3 the
 _DECODE_SLOTS = [2, 0]
 
 
+def triton_device(use_triton: bool) -> torch.device:
+    """Where a test's Triton kernels run: the GPU when there is one, else the interpreter."""
+    return torch.device("cuda" if use_triton and torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture
 def check_decode_slots():
     """check(mixer, state, hidden_size, use_triton): DecodeSlots (device slots, padding rows
@@ -33,10 +38,11 @@ def _check_decode_slots(mixer, state, hidden_size: int, use_triton: bool) -> Non
     state.conv.normal_()       # mid-sequence state (both requests past position 0)
     state.ssm.normal_()
     graph_state = copy.deepcopy(state)
-    x = torch.randn(len(_DECODE_SLOTS), hidden_size)
+    device = state.ssm.device
+    x = torch.randn(len(_DECODE_SLOTS), hidden_size, device=device)
     want = mixer(x, MambaBatch([1] * len(_DECODE_SLOTS), _DECODE_SLOTS, [5, 9]), state)
-    padded = torch.cat([x, torch.randn(2, hidden_size)])   # two padding rows
-    slots = torch.tensor(_DECODE_SLOTS + [SCRATCH_SLOT] * 2)
+    padded = torch.cat([x, torch.randn(2, hidden_size, device=device)])   # padding rows
+    slots = torch.tensor(_DECODE_SLOTS + [SCRATCH_SLOT] * 2, device=device)
     got = mixer(padded, DecodeSlots(slots), graph_state)
     torch.testing.assert_close(got[:len(_DECODE_SLOTS)], want, atol=1e-5, rtol=1e-4)
     for name in ("conv", "ssm"):

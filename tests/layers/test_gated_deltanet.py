@@ -129,5 +129,8 @@ def test_decode_slots_as_a_graph_runs_them(use_triton, check_decode_slots):
     """Decode with device slots and padding rows on a scratch slot (what a CUDA graph
     replays) equals the per-request decode; the Triton kernels under the interpreter."""
     pytest.importorskip("triton")
+    from tests.layers.conftest import triton_device
+    device = triton_device(use_triton)
     _, layer, spec = _layers()
-    check_decode_slots(layer, spec.empty_layer(4, torch.float32, "cpu"), 32, use_triton)
+    check_decode_slots(layer.to(device), spec.empty_layer(4, torch.float32, device), 32,
+                       use_triton)

@@ -81,6 +81,8 @@ def test_decode_slots_as_a_graph_runs_them(use_triton, check_decode_slots):
     replays) equals the per-request decode; the Triton kernels under the interpreter."""
     pytest.importorskip("triton")
     config, hf_mixer = _hf_mixer()
-    mixer, _ = _ours(config, hf_mixer, use_triton, torch.device("cpu"))
-    state = MambaLayerState.empty(mixer.dims, 4, torch.float32)
+    from tests.layers.conftest import triton_device
+    device = triton_device(use_triton)
+    mixer, _ = _ours(config, hf_mixer, use_triton, device)
+    state = MambaLayerState.empty(mixer.dims, 4, torch.float32, device)
     check_decode_slots(mixer, state, config.hidden_size, use_triton)

@@ -56,8 +56,8 @@ def test_module_holds_the_checkpoint_tensors(tiny_v3_with_mtp):
     with LLM(str(path), speculative_config=MTPDecodingConfig(max_draft_len=1),
              kv_cache_config={"max_tokens": 256}) as llm:
         head = llm._engine.executor.speculation.drafter.head
-        assert torch.equal(head.eh_proj.weight, tensors["model.layers.3.eh_proj.weight"])
-        assert torch.equal(head.block.self_attn.kv_b_proj.weight,
+        assert torch.equal(head.eh_proj.weight.cpu(), tensors["model.layers.3.eh_proj.weight"])
+        assert torch.equal(head.block.self_attn.kv_b_proj.weight.cpu(),
                            tensors["model.layers.3.self_attn.kv_b_proj.weight"])
         assert head.embed_tokens is llm._engine.executor.runner.model.embed_tokens
 

@@ -38,7 +38,7 @@ import logging
 import torch
 
 from tllm.kv_cache.state_checkpoints import StateCheckpoints
-from tllm.layers.mamba2 import LayerStateSpec, MambaBatch
+from tllm.layers.mamba2 import LayerStateSpec, MambaBatch, reset_new_requests
 from tllm.layers.state_batch import DecodeSlots, DeferredBatch
 
 logger = logging.getLogger(__name__)
@@ -83,15 +83,7 @@ class StateCache:
         """Zero the state of every request of the step that starts at position 0, in all
         layers (decode steps: the mixers do it per layer for the others). From the host
         lists alone: a graph capture's metadata has none, so nothing is captured."""
-        fresh = [slot for slot, query, context in zip(metadata.request_slots_cpu,
-                                                      metadata.query_lens_cpu,
-                                                      metadata.seq_lens_cpu)
-                 if context == query]
-        if fresh:
-            rows = torch.tensor(fresh, device=self.layers[0].ssm.device)
-            for layer in self.layers:
-                layer.conv.index_fill_(0, rows, 0)
-                layer.ssm.index_fill_(0, rows, 0)
+        reset_new_requests(MambaBatch.from_metadata(metadata), *self.layers)
 
 
 def build_state_cache(model, args, dtype: torch.dtype,

@@ -197,7 +197,7 @@ class GatedDeltaNet(nn.Module):
         """All prefill segments in one launch, all decode rows in another (a step of one
         kind reads its inputs where they lie); the kernels normalise and scale q and k
         themselves (raw, per key head, here)."""
-        from tllm.kernels.triton.gated_delta import gated_delta_prefill, gated_delta_step
+        from tllm.kernels.triton.gated_delta import gated_delta_prefill
         scale, inputs, device = self.dims.head_k_dim ** -0.5, (q, k, v, g, beta), v.device
         parts = list(segments(batch))
         prefill = [(s, n, slot) for s, n, slot in parts if n > 1]
@@ -210,13 +210,13 @@ class GatedDeltaNet(nn.Module):
             return gated_delta_prefill(state.ssm, prefill_slots, cu.to(device), *inputs, scale,
                                        max_len=max_len)
         if not prefill:
-            return gated_delta_step(state.ssm, decode_slots, *inputs, scale)
+            return self._delta_step(*inputs, decode_slots, state)
         out = torch.empty(v.shape, dtype=torch.float32, device=device)
         rows = torch.cat([torch.arange(s, s + n) for s, n, _ in prefill]).to(device)
         out[rows] = gated_delta_prefill(state.ssm, prefill_slots, cu.to(device),
                                         *_rows(inputs, rows), scale, max_len=max_len)
         rows = torch.tensor([s for s, _ in decode], device=device)
-        out[rows] = gated_delta_step(state.ssm, decode_slots, *_rows(inputs, rows), scale)
+        out[rows] = self._delta_step(*_rows(inputs, rows), decode_slots, state)
         return out
 
 

@@ -225,22 +225,20 @@ class Mamba2Mixer(nn.Module):
     def _decode_core(self, xbc: torch.Tensor, dt: torch.Tensor, state: MambaLayerState,
                      slots: torch.Tensor) -> torch.Tensor:
         """One token per request (DecodeSlots): no host value read, so a graph captures it."""
-        d = self.dims
         use_triton = self._uses_triton(xbc)
         out = conv_step_slots(xbc, slots, state.conv, self.conv1d.weight[:, 0],
                               self.conv1d.bias, use_triton)
         x, B, C = self._split_xbc(out)
-        if use_triton:
-            from tllm.kernels.triton.mamba_ssd import ssd_state_update
-            y = ssd_state_update(state.ssm, slots, x, dt, self.dt_bias,
-                                 -torch.exp(self.A_log.float()), B, C, self.D, d.dt_limit)
-        else:
-            y = self._state_update_ref(x, dt, B, C, slots, state)
-        return y.flatten(-2).to(xbc.dtype)
+        return self._state_update(x, dt, B, C, slots, state).flatten(-2).to(xbc.dtype)
 
-    def _state_update_ref(self, x, dt, B, C, slots: torch.Tensor,
-                          state: MambaLayerState) -> torch.Tensor:
-        """The torch single-step update of rows at `slots` (dt raw)."""
+    def _state_update(self, x, dt, B, C, slots: torch.Tensor,
+                      state: MambaLayerState) -> torch.Tensor:
+        """The single-step update of one token per row at `slots` (dt raw): y fp32."""
+        if self._uses_triton(x):
+            from tllm.kernels.triton.mamba_ssd import ssd_state_update
+            return ssd_state_update(state.ssm, slots, x, dt, self.dt_bias,
+                                    -torch.exp(self.A_log.float()), B, C, self.D,
+                                    self.dims.dt_limit)
         ssm = state.ssm[slots]
         y = mamba_ref.ssd_state_update_ref(
             ssm, x, mamba_ref.discretize_dt(dt, self.dt_bias, self.dims.dt_limit),
@@ -274,15 +272,15 @@ class Mamba2Mixer(nn.Module):
             state.ssm[slot] = final
         if decode_rows:
             rows = torch.tensor(decode_rows, device=x.device)
-            y[rows] = self._state_update_ref(x[rows], dt[rows], B[rows], C[rows],
-                                             torch.tensor(decode_slots, device=x.device), state)
+            y[rows] = self._state_update(x[rows], dt[rows], B[rows], C[rows],
+                                         torch.tensor(decode_slots, device=x.device), state)
         return y
 
 
     def _scan_triton(self, x, dt, B, C, batch: MambaBatch,
                      state: MambaLayerState) -> torch.Tensor:
         """All prefill segments in one chunked-scan launch, all decode rows in one update."""
-        from tllm.kernels.triton.mamba_ssd import ssd_chunk_scan, ssd_state_update
+        from tllm.kernels.triton.mamba_ssd import ssd_chunk_scan
         A = -torch.exp(self.A_log.float())
         args = (self.dt_bias, A)
         y = torch.empty(x.shape, dtype=torch.float32, device=x.device)
@@ -299,8 +297,7 @@ class Mamba2Mixer(nn.Module):
         if decode:
             rows = torch.tensor([s for s, _ in decode], device=x.device)
             slots = torch.tensor([slot for _, slot in decode], device=x.device)
-            y[rows] = ssd_state_update(state.ssm, slots, x[rows], dt[rows], *args, B[rows],
-                                       C[rows], self.D, self.dims.dt_limit)
+            y[rows] = self._state_update(x[rows], dt[rows], B[rows], C[rows], slots, state)
         return y
 
 
@@ -381,13 +378,15 @@ def save_states(saves: list[tuple[int, int]], state: MambaLayerState, conv: bool
         saved.index_copy_(0, rows, source[slots])
 
 
-def reset_new_requests(batch: MambaBatch, state: MambaLayerState) -> None:
-    """A request at position 0 starts from zero state, whatever its slot held before."""
+def reset_new_requests(batch: MambaBatch, *states: MambaLayerState) -> None:
+    """A request at position 0 starts from zero state, whatever its slot held before (in
+    each layer's `states`)."""
     fresh = [slot for slot, start in zip(batch.slots, batch.starts) if start == 0]
     if fresh:
-        rows = torch.tensor(fresh, device=state.ssm.device)
-        state.conv.index_fill_(0, rows, 0)
-        state.ssm.index_fill_(0, rows, 0)
+        rows = torch.tensor(fresh, device=states[0].ssm.device)
+        for state in states:
+            state.conv.index_fill_(0, rows, 0)
+            state.ssm.index_fill_(0, rows, 0)
 
 
 def segments(batch: MambaBatch):

@@ -113,7 +113,7 @@ def profile_replay(llm: LLM, num_replays: int = 30, context: int = 256) -> dict:
     """Replays of the batch-1 decode graph as one request `context` tokens in would run it
     (block table of block 0, no KV write: slot -1)."""
     graphs = llm._engine.executor.runner.cuda_graphs
-    graph, _ = graphs.graphs[1]
+    graph = graphs.graphs[1][0]
     graphs.seq_lens[:1].fill_(context)
     graphs.slot_mapping[:1].fill_(-1)
     for _ in range(5):

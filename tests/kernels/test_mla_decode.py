@@ -5,7 +5,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tllm.attention.mla import mla_attention_ref  # noqa: E402
+from tllm.attention.mla import mla_attention_ref, query_rows_as_sequences  # noqa: E402
 from tllm.attention.testing import make_paged_batch, relative_error  # noqa: E402
 from tllm.kernels.triton.mla_decode import mla_decode_attention, mla_decode_ref  # noqa: E402
 
@@ -53,6 +53,31 @@ def test_torch_path_matches_reference():
     ours = mla_attention_ref(q, cache, m, 32, scale)
     ref = mla_decode_ref(q, cache, m.block_tables, m.seq_lens, 32, scale)
     assert relative_error(ours, ref) < 1e-5
+
+
+@pytest.mark.parametrize("query_lens", [[2, 2, 2], [4, 1, 3, 2]])
+def test_query_rows_as_sequences_give_causal_attention(device, query_lens):
+    """A verify step (several query tokens per sequence, causal) through the decode kernel,
+    a query row at a time, equals the batched torch path; rows past the last sequence's (a
+    CUDA graph's padding) see no keys and leave the real rows alone."""
+    batch = make_paged_batch(query_lens, [0, 37, 5, 20][:len(query_lens)], 4, 1, 40, 4,
+                             torch.float32, device)
+    q, cache, m = batch.q, batch.kv_cache[0], batch.metadata
+    padding = 3
+    padded_q = torch.cat([q, torch.randn(padding, *q.shape[1:], device=device)])
+    lens, tables = query_rows_as_sequences(m.query_start_loc, m.seq_lens, m.block_tables,
+                                           padded_q.shape[0])
+    assert lens[-padding:].tolist() == [0] * padding
+    out = mla_decode_attention(padded_q, cache, tables, lens, 32, 0.2, m.max_seq_len)
+    ref = mla_attention_ref(q.cpu(), cache.cpu(), _on_cpu(m), 32, 0.2)
+    assert relative_error(out[:q.shape[0]].cpu(), ref) < 1e-5
+
+
+def _on_cpu(metadata):
+    import dataclasses
+    return dataclasses.replace(metadata, **{
+        name: getattr(metadata, name).cpu() for name in
+        ("positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
 
 
 def test_rejects_a_cache_of_another_width(device):

@@ -76,7 +76,7 @@ def test_verify_graph_buffers_replay_a_mixed_step_like_eager(tiny_llama):
     with eager_llm(path) as llm:
         model, kv = llm._engine.executor.runner.model, llm._engine.kv_cache
         runner = CudaGraphRunner(model, kv, [1, 4], 64, DEVICE, verify_query_len=5)
-        runner.verify_graphs = {bs: (graph, graph.logits) for bs in (1, 4)
+        runner.verify_graphs = {bs: (graph, graph.logits, None) for bs in (1, 4)
                                 for graph in [EagerReplay(runner, bs, 5)]}
         for k, v in kv.kv_caches:  # the cached prefixes: random keys and values
             k.normal_()

@@ -85,3 +85,30 @@ def test_bf16_module_keeps_its_router_in_float32(tiny_v3_with_mtp):
                            use_tqdm=False)
         assert len(out.outputs[0].token_ids) == 6
         assert llm.get_stats()["spec_draft_tokens"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_verify_steps_replay_graphs_with_the_hidden_states(tiny_v3_with_mtp):
+    """With MTP the decode and verify steps replay CUDA graphs that hold the target's last
+    hidden state too (MLA's verify rows through the decode kernel): the tokens are those
+    without speculation, and the verify graphs did run."""
+    from tllm import LLM, KvCacheConfig, SamplingParams
+    path, _ = tiny_v3_with_mtp
+    batch = [{"prompt_token_ids": p} for p in prompts() + [list(range(3, 20))]]
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    outputs = {}
+    for spec in (None, MTPDecodingConfig(max_draft_len=2)):
+        with LLM(str(path), dtype="float32", max_num_tokens=24, max_batch_size=3,
+                 speculative_config=spec,
+                 kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=2048)) as llm:
+            graphs = llm._engine.executor.runner.cuda_graphs
+            replays = []
+            run = graphs.run
+            graphs.run = lambda ids, metadata: replays.append(metadata.max_query_len) or run(
+                ids, metadata)
+            out = llm.generate(batch, params, use_tqdm=False)
+            outputs[spec is None] = [o.outputs[0].token_ids for o in out]
+        if spec is not None:
+            assert graphs.verify_graphs and graphs.collect_hidden is not None
+            assert max(replays) > 1  # verify steps replayed
+    assert outputs[False] == outputs[True]

@@ -82,6 +82,27 @@ def mla_attention_ref(q: torch.Tensor, cache: torch.Tensor, metadata: AttentionM
 
 
 _MAX_PLANS = 4  # this step's plan, and a few kept across the layers' turns
+# Steps whose queries are this short (decode, speculative verify, a draft head's catch-up)
+# take the Triton kernel, a query row at a time (each reads its context once per head
+# block); longer prompt chunks take the batched torch path, which reads it once.
+MAX_KERNEL_QUERIES = 8
+
+
+def query_rows_as_sequences(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_tables: torch.Tensor,
+                            num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row of a step as a one-token sequence for the decode kernel: row t of
+    sequence i (rows query_start_loc[i]:[i+1]) sees the first seq_lens[i] - (end_i - t) + 1
+    tokens (causal); rows past the last sequence's (a graph's padding) see none. Device
+    ops only (no host sync). Returns (row_seq_lens [T] int32, row_block_tables [T, W])."""
+    num_seqs = query_start_loc.shape[0] - 1
+    rows = torch.arange(num_tokens, dtype=query_start_loc.dtype,
+                        device=query_start_loc.device)
+    seq = (torch.searchsorted(query_start_loc, rows, right=True) - 1).clamp_(0, num_seqs - 1)
+    ends = query_start_loc[seq + 1]
+    lens = seq_lens[seq] - (ends - rows) + 1
+    lens = torch.where(rows < query_start_loc[num_seqs], lens, 0).clamp_(min=0)
+    return lens.to(torch.int32), block_tables.index_select(0, seq)
 
 
 class MlaAttentionBackend:
@@ -94,6 +115,7 @@ class MlaAttentionBackend:
         self.scale = scale
         self._plans: list[tuple[AttentionMetadata, torch.dtype, list[AttentionGroup]]] = []
         self._buffers = GatherBuffers()
+        self._rows: tuple[AttentionMetadata, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def forward(self, q: torch.Tensor, entry: torch.Tensor, kv_cache: KVCache,
                 metadata: AttentionMetadata,
@@ -104,12 +126,18 @@ class MlaAttentionBackend:
             return metadata.capture.defer(self._deferred, q, entry, entry, kv_cache,
                                           metadata, kv_scales)
         cache = kv_cache[0]
-        if q.is_cuda and metadata.is_decode_only and cache.dtype == q.dtype:
+        if (q.is_cuda and metadata.max_query_len <= MAX_KERNEL_QUERIES
+                and cache.dtype == q.dtype):
             from tllm.kernels.triton.mla_decode import mla_decode_attention
             write_latent_cache(entry, cache, metadata.slot_mapping)
-            return mla_decode_attention(q, cache, metadata.block_tables, metadata.seq_lens,
-                                        self.latent_dim, self.scale, metadata.max_seq_len,
-                                        query_start_loc=metadata.query_start_loc)
+            if metadata.is_decode_only:
+                return mla_decode_attention(q, cache, metadata.block_tables,
+                                            metadata.seq_lens, self.latent_dim, self.scale,
+                                            metadata.max_seq_len,
+                                            query_start_loc=metadata.query_start_loc)
+            row_lens, row_tables = self._query_rows(metadata, q.shape[0])
+            return mla_decode_attention(q, cache, row_tables, row_lens, self.latent_dim,
+                                        self.scale, metadata.max_seq_len)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             # the plan is built on the host from this step's lengths: a graph would replay
             # a stale one (the engine turns decode graphs off on this error)
@@ -117,6 +145,18 @@ class MlaAttentionBackend:
         write_latent_cache(entry, cache, metadata.slot_mapping, kv_scales[0])
         return mla_attention_ref(q, cache, metadata, self.latent_dim, self.scale,
                                  kv_scales[0], self._groups(q, cache, metadata), self._buffers)
+
+    def _query_rows(self, metadata: AttentionMetadata,
+                    num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's query rows as one-token sequences (made once per step, on the device,
+        so a verify graph captures it): each row's causal context length and its block table
+        row."""
+        if self._rows is not None and self._rows[0] is metadata:
+            return self._rows[1]
+        rows = query_rows_as_sequences(metadata.query_start_loc, metadata.seq_lens,
+                                       metadata.block_tables, num_tokens)
+        self._rows = (metadata, rows)
+        return rows
 
     def _deferred(self, q, entry, _entry, kv_cache, metadata, kv_scales):
         """Run between piecewise graphs, where the output must have q's shape."""

@@ -153,6 +153,7 @@ def build_cuda_graphs(model, kv_cache: KVCacheManager, args: LlmArgs, device: to
         model = CompiledDecodeModel(model)
     graphs = CudaGraphRunner(model, kv_cache, sizes, max_seq_len, device,
                              verify_query_len(args), getattr(eager_model, "uses_mrope", False))
+    graphs.hooks_run = not config.torch_compile  # (a drafter's hidden-state hooks)
     if state_cache is not None:
         graphs.bind_state_cache(state_cache)
     try:  # an optimisation only: without it the first prefills compile their kernels
@@ -215,10 +216,14 @@ def build_piecewise_graphs(model, kv_cache: KVCacheManager, args: LlmArgs,
 
 def verify_query_len(args: LlmArgs) -> int | None:
     """The query length verify graphs are captured at (the last token and k drafts), when
-    speculation runs without hidden-state capture and k drafts fit the decode kernel."""
+    speculation runs and k drafts fit the decode kernel; a drafter reading hidden states
+    (EAGLE-3, MTP) needs its hooks in the graphs, which a torch.compile'd forward may skip."""
     from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES  # CUDA only
     spec = args.speculative_config
-    if spec is None or spec.decoding_type in ("Eagle", "MTP"):  # hidden states: eager
+    if spec is None:
+        return None
+    compiled = args.cuda_graph_config is not None and args.cuda_graph_config.torch_compile
+    if spec.decoding_type in ("Eagle", "MTP") and compiled:
         return None
     query_len = 1 + spec.max_draft_len
     return query_len if query_len <= MAX_DECODE_QUERIES else None

@@ -12,7 +12,11 @@ maximum sequence length, so one capture serves any mix of query lengths 1..verif
 padding rows (slot -1) write nothing to the KV cache, padding requests have sequence length 0
 and no queries, and their outputs are dropped. A vision-language model's decode steps replay
 too (they carry no image tokens), with its M-RoPE positions in a static buffer of their own
-(as its piecewise graphs have for prompt steps without image tokens)."""
+(as its piecewise graphs have for prompt steps without image tokens).
+
+A drafter that reads the target's hidden states (EAGLE-3, MTP) has the runner hook the layers
+it names; `collect_hidden` then puts their concatenation inside every graph, and a replay
+leaves it in `replayed_hidden` beside the logits."""
 from __future__ import annotations
 
 import bisect
@@ -23,6 +27,8 @@ from torch import nn
 
 from tllm.attention.interface import AttentionMetadata
 from tllm.kv_cache.manager import KVCacheManager, cdiv
+from typing import Callable
+
 from tllm.runner.piecewise import copy_mrope_positions
 
 logger = logging.getLogger(__name__)
@@ -76,9 +82,17 @@ class CudaGraphRunner:
         self.mrope_positions = (torch.zeros(3, max_tokens, dtype=torch.long, device=device)
                                 if uses_mrope else None)
         self.state_cache = None
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # batch size -> (graph, its logits, its hidden states when collected)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                     torch.Tensor | None]] = {}
+        self.verify_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor,
+                                            torch.Tensor | None]] = {}
         self.pool = None  # the graphs' memory pool, once captured
+        # a drafter's hidden states (collect_hidden_states): made inside each graph
+        self.collect_hidden: Callable[[], torch.Tensor] | None = None
+        self.replayed_hidden: torch.Tensor | None = None
+        # forward hooks run in the eager model's layers; a torch.compile'd one may not
+        self.hooks_run = True
 
     @property
     def max_batch_size(self) -> int:
@@ -163,8 +177,17 @@ class CudaGraphRunner:
             self.verify_query_start_loc.copy_(torch.arange(
                 0, query_len * len(self.verify_query_start_loc), query_len,
                 dtype=torch.int32, device=self.device))
-            for batch_size in reversed(sizes):
-                graphs[batch_size] = self._capture_one(batch_size, query_len, pool, stream)
+            try:
+                for batch_size in reversed(sizes):
+                    graphs[batch_size] = self._capture_one(batch_size, query_len, pool, stream)
+            except RuntimeError as exc:
+                if graphs is self.graphs:
+                    raise
+                # e.g. an attention path planned on the host: verify steps run eagerly
+                torch.cuda.synchronize(self.device)
+                logger.warning("verify CUDA graphs off (%s)", str(exc).splitlines()[0][:200])
+                graphs.clear()
+                self.verify_query_len, self.verify_batch_sizes = None, []
         self.seq_lens.zero_()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # the warm-ups' memory
@@ -172,6 +195,17 @@ class CudaGraphRunner:
                     f" and verify batch sizes {self.verify_batch_sizes} "
                     f"({self.verify_query_len} tokens a request)" if self.verify_query_len
                     else "")
+
+    def collect_hidden_states(self, collect: Callable[[], torch.Tensor]) -> bool:
+        """Capture the graphs again with `collect()` (the hooked layers' hidden states,
+        concatenated) inside each; False where hooks cannot run in the captured forward."""
+        if not self.hooks_run:
+            return False
+        self.collect_hidden = collect
+        if self.graphs:
+            self.release()
+            self.capture()
+        return True
 
     def release(self) -> None:
         """Drop the graphs and their pool (sleep: they name the released KV cache and
@@ -185,11 +219,14 @@ class CudaGraphRunner:
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up: compile kernels, settle the allocator
                 self._forward(batch_size, query_len)
+            if self.collect_hidden is not None:
+                self.collect_hidden()  # the warm-ups' hidden states are dropped
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             logits = self._forward(batch_size, query_len)
-        return graph, logits
+            hidden = self.collect_hidden() if self.collect_hidden is not None else None
+        return graph, logits, hidden
 
     def can_run(self, num_tokens: int, num_seqs: int, max_query_len: int) -> bool:
         """Whether a captured graph fits this step (every row's logits are computed)."""
@@ -227,6 +264,7 @@ class CudaGraphRunner:
             slots[:n].copy_(view.slot_mapping)
             slots[n:rows].fill_(-1)
             tables[:num_seqs, :width].copy_(view.block_tables)
-        graph, logits = (self.graphs if is_decode else self.verify_graphs)[padded]
+        graph, logits, hidden = (self.graphs if is_decode else self.verify_graphs)[padded]
         graph.replay()
+        self.replayed_hidden = None if hidden is None else hidden[:n]
         return logits[:n]

@@ -80,6 +80,7 @@ class ModelRunner:
         self.shadows = LastStageShadows() if is_pipelined else None
         self._captured: dict[int, torch.Tensor] = {}
         self.capture_layers: tuple[int, ...] = ()
+        self._graphs_collect_hidden = False  # the CUDA graphs hold the captured states
         self.has_drafter = False  # requests may carry drafts (the executor sets it)
         # a vision-language model: image embeddings (encoder cache) and M-RoPE positions
         self.multimodal = (MultimodalInputsBuilder(model, device)
@@ -88,7 +89,8 @@ class ModelRunner:
 
     def capture_hidden_states(self, layers: tuple[int, ...]) -> None:
         """From now on every step also returns these layers' hidden states (each layer's
-        output with its residual added; the steps then run without CUDA graphs)."""
+        output with its residual added). Decode and verify graphs are captured again with
+        them inside; prompt steps run eagerly."""
         def keep(index: int):
             def hook(module, args, output) -> None:
                 hidden, residual = output if isinstance(output, tuple) else (output, None)
@@ -97,6 +99,16 @@ class ModelRunner:
         for index in layers:
             self.model.layers[index].register_forward_hook(keep(index))
         self.capture_layers = tuple(layers)
+        self._graphs_collect_hidden = (self.cuda_graphs is not None and
+                                       self.cuda_graphs.collect_hidden_states(
+                                           self._collected_hidden))
+
+    def _collected_hidden(self) -> torch.Tensor:
+        """The hooked layers' states of the forward just run, concatenated (a layer may be
+        named twice: a shallow target's EAGLE-3 default ids coincide)."""
+        hidden = torch.cat([self._captured[i] for i in self.capture_layers], dim=-1)
+        self._captured.clear()
+        return hidden
 
     def enable_pooling(self, pooler: Pooler) -> None:
         """Serve pooling requests (one rank, or tensor parallelism: rank 0 has every
@@ -165,11 +177,9 @@ class ModelRunner:
             logits = logits[torch.from_numpy(inputs.logit_rows).to(self.device,
                                                                    non_blocking=True)]
         out.sample_logits = logits[:num_sample]
-        if self.capture_layers:
-            # a layer may be named twice (a shallow target: EAGLE-3's default ids coincide)
-            out.hidden_states = torch.cat([self._captured[i] for i in self.capture_layers],
-                                          dim=-1)
-            self._captured.clear()
+        if self.capture_layers:  # a replay's are the graph's buffer: the next one rewrites
+            out.hidden_states = (self.cuda_graphs.replayed_hidden.clone() if plan.use_graph
+                                 else self._collected_hidden())
         out.prompt_logits = logits[num_sample:] if inputs.prompt_rows else None
         return out
 
@@ -182,7 +192,8 @@ class ModelRunner:
         text_only = multimodal is None or multimodal.is_text_only
         graphs = self.cuda_graphs if text_only else None
         num_seqs = len(inputs.diff.slots)
-        plan.use_graph = (graphs is not None and not self.capture_layers
+        plan.use_graph = (graphs is not None
+                          and (not self.capture_layers or self._graphs_collect_hidden)
                           and inputs.pooling is None
                           and graphs.can_run(plan.num_tokens, num_seqs,
                                              inputs.arrays.max_query_len))

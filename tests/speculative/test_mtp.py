@@ -90,8 +90,9 @@ def test_bf16_module_keeps_its_router_in_float32(tiny_v3_with_mtp):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_verify_steps_replay_graphs_with_the_hidden_states(tiny_v3_with_mtp):
     """With MTP the decode and verify steps replay CUDA graphs that hold the target's last
-    hidden state too (MLA's verify rows through the decode kernel): the tokens are those
-    without speculation, and the verify graphs did run."""
+    hidden state too (MLA's verify rows through the decode kernel), and the MTP module's
+    catch-up and chain steps replay its own graphs: the tokens are those without
+    speculation, and every kind of graph did run."""
     from tllm import LLM, KvCacheConfig, SamplingParams
     path, _ = tiny_v3_with_mtp
     batch = [{"prompt_token_ids": p} for p in prompts() + [list(range(3, 20))]]
@@ -106,9 +107,15 @@ def test_verify_steps_replay_graphs_with_the_hidden_states(tiny_v3_with_mtp):
             run = graphs.run
             graphs.run = lambda ids, metadata: replays.append(metadata.max_query_len) or run(
                 ids, metadata)
+            head_replays = []
+            if spec is not None:
+                head = llm._engine.executor.speculation.drafter.graphs
+                head_run = head.run
+                head.run = lambda *a: head_replays.append(a[2].max_query_len) or head_run(*a)
             out = llm.generate(batch, params, use_tqdm=False)
             outputs[spec is None] = [o.outputs[0].token_ids for o in out]
         if spec is not None:
             assert graphs.verify_graphs and graphs.collect_hidden is not None
             assert max(replays) > 1  # verify steps replayed
+            assert 1 in head_replays and max(head_replays) > 1  # chain steps and catch-ups
     assert outputs[False] == outputs[True]

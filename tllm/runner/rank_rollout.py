@@ -148,9 +148,14 @@ class RankRollout:
                     tensor[kv_cache.null_block].zero_()
 
     def _release_graphs(self) -> None:
-        for runner in (self.graphs, self.piecewise):
+        for runner in (self.graphs, self.piecewise, self._draft_graphs):
             if runner is not None:
                 runner.release()
+
+    @property
+    def _draft_graphs(self):
+        """A draft head's CUDA graphs (tllm.speculative.head_graphs), if it has any."""
+        return getattr(self.drafter, "graphs", None)
 
     def _capture_graphs(self) -> None:
         if self.graphs is not None and self.graphs.batch_sizes:
@@ -158,6 +163,8 @@ class RankRollout:
         if self.piecewise is not None:
             self.piecewise.pool = self.graphs.pool if self.graphs is not None else None
             self.piecewise.capture()
+        if self._draft_graphs is not None:
+            self._draft_graphs.capture()
 
     # ---- weights ----
 

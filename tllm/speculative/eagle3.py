@@ -21,6 +21,7 @@ from tllm.models.eagle3 import Eagle3LlamaHead, captured_target_layers
 from tllm.request import Request
 from tllm.speculative.draft_model import (DraftCache, DraftSequence, attention_backend_of,
                                           choose_tokens, draft_kv_cache, stack_drafts)
+from tllm.speculative.head_graphs import build_head_graphs
 from tllm.speculative.interface import Drafter, Drafts, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class Eagle3Drafter(Drafter):
         self.vocab_size = vocab_size
         self.device = device
         self._states: dict[str, _FusedStates] = {}
+        # the head's CUDA graphs (tllm.speculative.head_graphs), where the target has some
+        self.graphs = None
 
     @property
     def hidden_state_layers(self) -> tuple[int, ...]:
@@ -141,14 +144,20 @@ class Eagle3Drafter(Drafter):
         ends = [s + len(f) for s, f in zip(starts, feeds)]
         metadata = self.cache.metadata(seqs, starts, ends)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=self.device)
-        normed, prenorm = self.head(ids, torch.cat(hidden), self.kv_cache.kv_caches, metadata)
         last = torch.cumsum(torch.tensor([len(f) for f in feeds], device=self.device), 0) - 1
-        logits = self.target_logits(self.head.compute_logits(normed[last]))
+        if self.graphs is not None and self.graphs.can_run(metadata):
+            draft_logits, last_prenorm = self.graphs.run(ids, torch.cat(hidden), metadata, last)
+        else:
+            normed, prenorm = self.head(ids, torch.cat(hidden), self.kv_cache.kv_caches,
+                                        metadata)
+            draft_logits, last_prenorm = self.head.compute_logits(normed[last]), prenorm[last]
+        logits = self.target_logits(draft_logits)
         for seq, end in zip(seqs, ends):
             seq.num_computed_tokens = end
         requests = [s.request for s in seqs]
         tokens, probs = choose_tokens(logits, requests, self.vocab_size, [None] * len(seqs))
-        return tokens, probs, prenorm[last]
+        # (a replay's state is its graph's buffer: the next step's torch.cat copies it first)
+        return tokens, probs, last_prenorm
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits placed at their target ids; -inf elsewhere."""
@@ -199,5 +208,8 @@ def build_drafter(config, target_parts) -> Eagle3Drafter:
     layers = captured_target_layers(head.config, target_parts.config.num_hidden_layers,
                                     getattr(config, "eagle3_layers_to_capture", None))
     kv = draft_kv_cache(head, target_parts.kv_cache, target_parts.device, target_parts.dtype)
-    return Eagle3Drafter(head, kv, config.max_draft_len, layers,
-                         target_parts.config.vocab_size, target_parts.device)
+    drafter = Eagle3Drafter(head, kv, config.max_draft_len, layers,
+                            target_parts.config.vocab_size, target_parts.device)
+    drafter.graphs = build_head_graphs(head, kv, target_parts, config.max_draft_len,
+                                       head.config.hidden_size)
+    return drafter

@@ -13,6 +13,7 @@ from tllm.loader.hf import CheckpointError
 from tllm.models.deepseek.mtp import DeepseekMTPHead
 from tllm.speculative.draft_model import draft_kv_cache
 from tllm.speculative.eagle3 import Eagle3Drafter
+from tllm.speculative.head_graphs import build_head_graphs
 
 
 def _layer_tensors(files, prefix: str, device: str):
@@ -57,5 +58,8 @@ def build_drafter(config, target_parts) -> Eagle3Drafter:
     head = load_mtp_head(target_parts)
     kv = draft_kv_cache(head, target_parts.kv_cache, target_parts.device, target_parts.dtype)
     last_layer = target_parts.config.num_hidden_layers - 1
-    return Eagle3Drafter(head, kv, config.max_draft_len, (last_layer,),
-                         target_parts.config.vocab_size, target_parts.device)
+    drafter = Eagle3Drafter(head, kv, config.max_draft_len, (last_layer,),
+                            target_parts.config.vocab_size, target_parts.device)
+    drafter.graphs = build_head_graphs(head, kv, target_parts, config.max_draft_len,
+                                       target_parts.config.hidden_size)
+    return drafter

@@ -66,6 +66,20 @@ def test_align_pairs_default_chunk_many_experts(device):
     assert torch.equal(blocks.block_expert[:used // 16].cpu(), want_experts)
 
 
+@pytest.mark.parametrize("num_tokens,top_k,num_experts,block_m", [
+    (1, 8, 128, 16), (3, 8, 128, 16), (1, 2, 8, 128), (5, 4, 32, 16)])
+def test_align_pairs_default_chunk_decode_sizes(device, num_tokens, top_k, num_experts,
+                                                block_m):
+    """A decode step's few pairs: one chunk and a tile loop sized to them."""
+    _, ids = routing(num_tokens, top_k, num_experts, device)
+    blocks = fused_moe.align_pairs(ids, num_experts, block_m)
+    want_pairs, want_experts = moe.align_pairs_ref(ids, num_experts, block_m)
+    used = int(blocks.num_padded.item())
+    assert torch.equal(blocks.sorted_pairs[:used].cpu(), want_pairs)
+    assert torch.equal(blocks.block_expert[:used // block_m].cpu(), want_experts)
+    assert (blocks.block_expert[used // block_m:] == -1).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_tokens", [1, 13])
 @pytest.mark.parametrize("num_experts,top_k", [(4, 1), (8, 2)])

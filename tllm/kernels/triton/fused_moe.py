@@ -153,7 +153,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
     ids = ids if ids.is_contiguous() else ids.contiguous()
     num_pairs = ids.numel()
     e_pad = max(16, next_pow2(num_experts))
-    chunk = chunk or max(16, min(1024, _ONE_HOT_ELEMENTS // e_pad))
+    # a decode step's few pairs get a chunk (and tile loop) their size: the sort is one
+    # program's latency, which a [64, E] one-hot for 8 pairs only lengthens
+    chunk = chunk or max(16, min(1024, _ONE_HOT_ELEMENTS // e_pad, next_pow2(num_pairs)))
     num_chunks = max(1, cdiv(num_pairs, chunk))
     blocks = max_tiles(num_pairs, num_experts, block_m)
     device = ids.device
@@ -167,7 +169,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
         _count_pairs_kernel[(num_chunks,)](counts, ids, num_pairs, expert_start,
                                            NUM_EXPERTS=num_experts, E_PAD=e_pad, CHUNK=chunk,
                                            num_warps=4)
-    tiles = max(1, min(256, _ONE_HOT_ELEMENTS // max(e_pad, block_m)))
+    tiles = max(1, min(256, _ONE_HOT_ELEMENTS // max(e_pad, block_m), next_pow2(blocks)))
     _place_pairs_kernel[(num_chunks,)](sorted_pairs, block_expert, num_padded, counts, ids,
                                        num_pairs, num_chunks, expert_start, blocks,
                                        NUM_EXPERTS=num_experts, E_PAD=e_pad, CHUNK=chunk,

@@ -160,7 +160,10 @@ class Eagle3Drafter(Drafter):
         return tokens, probs, last_prenorm
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits placed at their target ids; -inf elsewhere."""
+        """Draft-vocabulary logits placed at their target ids; -inf elsewhere (MTP's
+        module predicts the target's own vocabulary: as they are)."""
+        if getattr(self.head, "predicts_target_vocabulary", False):
+            return draft_logits
         out = draft_logits.new_full((draft_logits.shape[0], self.vocab_size), float("-inf"))
         ids = torch.arange(draft_logits.shape[1], device=draft_logits.device)
         out[:, self.head.to_target_ids(ids)] = draft_logits

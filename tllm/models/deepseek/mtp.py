@@ -76,6 +76,8 @@ class DeepseekMTPHead(nn.Module):
     def compute_logits(self, normed: torch.Tensor) -> torch.Tensor:
         return self.shared_head(normed)
 
+    predicts_target_vocabulary = True
+
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids  # the target's vocabulary
 

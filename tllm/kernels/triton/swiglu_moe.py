@@ -10,8 +10,11 @@ E8M0 scales and dequantized in registers (a decode step reads 4.25 bits a weight
 
 A byte holds the codes of reduction columns 2j (low nibble) and 2j + 1 (high nibble), so a
 K tile is two dots: the even columns of x against the low nibbles, the odd ones against the
-high. FP4 codes times powers of two are exact in bf16, so the dequantized tile equals the
-reference decoder's (tllm.kernels.mxfp4) before the dot.
+high. Each weight is built as float32 bits from its code and its block's scale byte with a
+dozen integer ops (_e2m1_times_scale: no exp2, no float math), then cast to the activations'
+dtype; FP4 codes times powers of two are exact in bf16, so the dequantized tile equals the
+reference decoder's (tllm.kernels.mxfp4) before the dot. tl.dot_scaled is the alternative
+(MXFP4_DOTS); MXFP4's own tile table is _MXFP4_CONFIGS.
 
 Reference: tllm.kernels.swiglu_moe.swiglu_experts_ref (over dequantize_mxfp4)."""
 from __future__ import annotations
@@ -27,28 +30,41 @@ from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
 
 
 @triton.jit
-def _fp4_values(codes, factor):
-    """e2m1 codes (uint8, 0..15) times `factor` (fp32): bit 3 the sign, bits 2-1 the
-    exponent (bias 1), bit 0 the mantissa; exponent 0 is subnormal (0 or 0.5)."""
-    exponent = ((codes >> 1) & 3).to(tl.float32)
-    mantissa = (codes & 1).to(tl.float32)
-    magnitude = tl.where(exponent == 0.0, 0.5 * mantissa,
-                         (1.0 + 0.5 * mantissa) * tl.math.exp2(exponent - 1.0))
-    return tl.where((codes & 8) != 0, -magnitude, magnitude) * factor
+def _e2m1_times_scale(codes, scale_shift):
+    """e2m1 `codes` (int32, 0..15) times 2^(scale - 127), assembled as float32 bits with
+    integer ops (no exp2, no float math). A code is sign bit 3, exponent e bits 2-1 (bias
+    1), mantissa m bit 0, e == 0 subnormal (0 or 0.5): a nonzero code's biased float32
+    exponent is e + 126 (0.5 is 2^-1, no mantissa) and the scale adds scale - 127. The
+    exponent and mantissa are built one bit low (`half`: exponent at bit 22), so exponents
+    up to 126 + 3 + 128 fit in int32 and every scale byte is exact but for one case: a
+    biased exponent <= 0 flushes to zero where ldexp keeps a float32 subnormal (scales 0
+    and 1, never a checkpoint's). 255 and up is inf, as ldexp gives.
+    scale_shift = (scale - 127) << 22, once per byte (_scale_shift)."""
+    magnitude = codes & 7                                  # e << 1 | m
+    half = (magnitude << 21) + ((126 << 22) - tl.where(magnitude == 1, 1 << 21, 0))
+    half += scale_shift
+    bits = tl.where((magnitude != 0) & (half >= 1 << 22), tl.minimum(half, 255 << 22) << 1, 0)
+    return (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _scale_shift(scale):
+    """An E8M0 scale byte -> (scale - 127) << 22, for _e2m1_times_scale."""
+    return (scale.to(tl.int32) - 127) << 22
 
 
 @triton.jit
 def _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair,
                BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """acc += x[:, k0:k0+BLOCK_K] . W[n, k0:k0+BLOCK_K]^T for one tile of rows (a_base) and
-    weight rows (w_base: their bytes, s_base: their scales)."""
+    weight rows (w_base: their bytes, s_base: their scales), dequantized from bits."""
     offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)          # byte columns
     j_ok = offs_j < K // 2
-    packed = tl.load(w_base + offs_j[:, None], mask=j_ok[:, None], other=0)
-    scale = tl.load(s_base + (offs_j // 16)[:, None], mask=j_ok[:, None], other=127)
-    factor = tl.math.exp2(scale.to(tl.float32) - 127.0)
-    w_even = _fp4_values(packed & 15, factor)
-    w_odd = _fp4_values(packed >> 4, factor)
+    packed = tl.load(w_base + offs_j[:, None], mask=j_ok[:, None], other=0).to(tl.int32)
+    shift = _scale_shift(tl.load(s_base + (offs_j // 16)[:, None], mask=j_ok[:, None],
+                                 other=127))              # one per byte: both nibbles'
+    w_even = _e2m1_times_scale(packed & 15, shift)
+    w_odd = _e2m1_times_scale(packed >> 4, shift)
     a_mask = is_pair[:, None] & j_ok[None, :]
     a_even = tl.load(a_base + 2 * offs_j[None, :], mask=a_mask, other=0.0)
     a_odd = tl.load(a_base + 2 * offs_j[None, :] + 1, mask=a_mask, other=0.0)
@@ -59,6 +75,21 @@ def _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair,
         w_even, w_odd = w_even.to(a_even.dtype), w_odd.to(a_even.dtype)
     acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
     return tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _dot_mxfp4_scaled(acc, a_base, w_base, s_rows, k0, K, is_pair, BLOCK_K: tl.constexpr):
+    """_dot_mxfp4 by tl.dot_scaled (bf16 activations): Triton's own e2m1 upcast and scale
+    multiply (on Hopper, bf16 MMAs after it). s_rows: the weight rows' scale pointers as a
+    column [BLOCK_N, 1]."""
+    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(w_base + offs_j[:, None], mask=(offs_j < K // 2)[:, None], other=0)
+    offs_g = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    scale = tl.load(s_rows + offs_g[None, :], mask=(offs_g < K // 32)[None, :], other=127)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    a = tl.load(a_base + offs_k[None, :], mask=is_pair[:, None] & (offs_k < K)[None, :],
+                other=0.0)
+    return tl.dot_scaled(a, None, "bf16", packed, scale, "e2m1", acc, fast_math=True)
 
 
 @triton.jit
@@ -80,12 +111,12 @@ def _swiglu_expert_gemm_kernel(
         num_padded_ptr, topk_weights_ptr, N, K, num_pairs, num_tiles_m, alpha, limit,
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
         ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-        MXFP4: tl.constexpr, HAS_BIAS: tl.constexpr,
+        MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, n] for the pairs of one sorted tile (fused_moe's _expert_gemm_kernel, with
-    plain or MXFP4 weights (w_ptr: their bytes), a bias, and GPT-OSS's activation when
-    GATED)."""
+    plain or MXFP4 weights (w_ptr: their bytes; SCALED_DOT: by tl.dot_scaled), a bias, and
+    GPT-OSS's activation when GATED)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
@@ -103,11 +134,17 @@ def _swiglu_expert_gemm_kernel(
     a_base = a_ptr + (pairs // ROWS_PER_A).to(tl.int64)[:, None] * stride_am
     w_base = w_ptr + expert * stride_we + rows_n[None, :] * stride_wn
     s_base = scales_ptr + expert * stride_se + rows_n[None, :] * stride_sn
+    s_rows = scales_ptr + expert * stride_se + rows_n[:, None] * stride_sn
     bias_base = bias_ptr + expert * stride_bias + rows_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if MXFP4:
+        if SCALED_DOT:
+            acc = _dot_mxfp4_scaled(acc, a_base, w_base, s_rows, k0, K, is_pair, BLOCK_K)
+            if GATED:
+                acc_up = _dot_mxfp4_scaled(acc_up, a_base, w_base + N * stride_wn,
+                                           s_rows + N * stride_sn, k0, K, is_pair, BLOCK_K)
+        elif MXFP4:
             acc = _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
                              PRECISION)
             if GATED:
@@ -135,15 +172,49 @@ def _swiglu_expert_gemm_kernel(
              mask=is_pair[:, None] & (offs_n < N)[None, :])
 
 
+# How a K tile of MXFP4 weights meets the activations: "bits" dequantizes in registers
+# (_dot_mxfp4: integer ops, exact, any activation dtype); "scaled" hands the codes and scales
+# to tl.dot_scaled (bf16 activations only), Triton's own upcast. Which is faster on a GPU is
+# benchmarks/gpu_mxfp4_moe.py's question; "bits" is the default.
+MXFP4_DOTS = ("bits", "scaled")
+
+# MXFP4 tiles by the average pairs an expert gets, where they differ from moe_config's
+# (bf16-tuned); past the last row moe_config's. UNTUNED: chosen without a GPU. A K step of
+# MXFP4 carries a quarter of bf16's bytes, so decode takes BLOCK_K 256 to keep as many bytes
+# in flight, and narrow N tiles so the dequantization spreads over every SM; larger M tiles
+# amortize the dequantization over their rows and keep the bf16 tiles. To tune: the sweep of
+# benchmarks/gpu_mxfp4_moe.py.
+_MXFP4_CONFIGS = (
+    (1, MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(32, 256, 4, 3))),
+    (8, MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 256, 4, 3))),
+)
+
+
+def mxfp4_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """The tile configuration of an MXFP4 step (_MXFP4_CONFIGS, then moe_config)."""
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    return next((cfg for limit, cfg in _MXFP4_CONFIGS if per_expert <= limit),
+                None) or moe_config(num_tokens, top_k, num_experts)
+
+
+def _is_scaled_dot(mxfp4_dot: str, dtype: torch.dtype) -> bool:
+    if mxfp4_dot not in MXFP4_DOTS:
+        raise ValueError(f"mxfp4_dot must be one of {MXFP4_DOTS}, got {mxfp4_dot!r}")
+    if mxfp4_dot == "scaled" and dtype != torch.bfloat16:
+        raise ValueError(f"mxfp4_dot 'scaled' needs bf16 activations, got {dtype}")
+    return mxfp4_dot == "scaled"
+
+
 def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | None,
                        bias: torch.Tensor | None, pairs, tile: GemmTile, group_m: int = 1,
                        rows_per_a: int = 1, gated: bool = False, alpha: float = 1.0,
-                       limit: float = 0.0,
-                       topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                       limit: float = 0.0, topk_weights: torch.Tensor | None = None,
+                       mxfp4_dot: str = "bits") -> torch.Tensor:
     """One grouped GEMM over the sorted `pairs` (fused_moe.PairBlocks): a [P / rows_per_a,
     K]; w [E, rows, K] in a's dtype, or with `scales` MXFP4 blocks [E, rows, K / 32, 16]
     and scales [E, rows, K / 32]; bias [E, rows] or None; rows = 2N (gate, then up) if
-    gated, else N -> [P, N] in a's dtype."""
+    gated, else N -> [P, N] in a's dtype. mxfp4_dot: see MXFP4_DOTS."""
+    scaled_dot = scales is not None and _is_scaled_dot(mxfp4_dot, a.dtype)
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2] * BLOCK_SIZE if scales is not None else w.shape[2]
     out = torch.empty(pairs.num_pairs, n, dtype=a.dtype, device=a.device)
@@ -159,7 +230,7 @@ def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
         float(limit), a.stride(0), w.stride(0), w.stride(1), scale_arg.stride(0),
         scale_arg.stride(1), bias_arg.stride(0), out.stride(0), ROWS_PER_A=rows_per_a,
         GATED=gated, MUL_WEIGHT=topk_weights is not None, MXFP4=scales is not None,
-        HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m, BLOCK_N=tile.block_n,
+        SCALED_DOT=scaled_dot, HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, GROUP_M=group_m,
         DOT_FP32=needs_fp32_dot(_swiglu_expert_gemm_kernel, a.dtype),
         PRECISION=dot_precision(a.dtype), num_warps=tile.num_warps,
@@ -173,12 +244,14 @@ def swiglu_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: tor
                           limit: float, expert_start: int = 0,
                           w13_scales: torch.Tensor | None = None,
                           w2_scales: torch.Tensor | None = None,
-                          config: MoeConfig | None = None) -> torch.Tensor:
+                          config: MoeConfig | None = None,
+                          mxfp4_dot: str = "bits") -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] in hidden's
     dtype, or with the scales MXFP4 blocks [E, 2I, H/32, 16] and [E, H, I/32, 16]; biases
     [E, 2I] and [E, H] (w2_bias None: not added, as on all tensor-parallel ranks but one);
     topk_* [T, k] (global ids; this rank holds experts expert_start .. + E - 1). Returns
-    [T, H] in hidden's dtype."""
+    [T, H] in hidden's dtype. MXFP4 weights take mxfp4_moe_config's tiles by default and
+    `mxfp4_dot`'s dequantization (MXFP4_DOTS)."""
     k13 = w13.shape[2] * (BLOCK_SIZE if w13_scales is not None else 1)
     if hidden.dim() != 2 or hidden.shape[1] != k13:
         raise ValueError(f"hidden must be [tokens, {k13}], got {tuple(hidden.shape)}")
@@ -191,11 +264,16 @@ def swiglu_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: tor
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    cfg = config or moe_config(num_tokens, top_k, num_experts)
+    if w13_scales is not None and w2_scales is not None:
+        _is_scaled_dot(mxfp4_dot, hidden.dtype)  # checked before any launch
+        cfg = config or mxfp4_moe_config(num_tokens, top_k, num_experts)
+    else:
+        cfg = config or moe_config(num_tokens, top_k, num_experts)
     pairs = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
     inter = swiglu_expert_gemm(hidden.contiguous(), w13, w13_scales, w13_bias, pairs,
                                cfg.gate_up, cfg.group_m, rows_per_a=top_k, gated=True,
-                               alpha=alpha, limit=limit)
+                               alpha=alpha, limit=limit, mxfp4_dot=mxfp4_dot)
     pair_out = swiglu_expert_gemm(inter, w2, w2_scales, w2_bias, pairs, cfg.down, cfg.group_m,
-                                  topk_weights=topk_weights.float().contiguous())
+                                  topk_weights=topk_weights.float().contiguous(),
+                                  mxfp4_dot=mxfp4_dot)
     return sum_top_k(pair_out, topk_ids, num_experts, expert_start)

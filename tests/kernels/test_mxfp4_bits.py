@@ -1,0 +1,114 @@
+"""The MXFP4 experts kernel's dequantization from bits (integer ops) against the reference
+decoder, over every e2m1 code and a spread of E8M0 scales; tl.dot_scaled's variant and the
+MXFP4 tile table on the whole experts call."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from tllm.attention.testing import relative_error  # noqa: E402
+from tllm.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
+from tllm.kernels.swiglu_moe import swiglu_experts_ref  # noqa: E402
+from tllm.kernels.triton.swiglu_moe import (_e2m1_times_scale, _scale_shift,  # noqa: E402
+                                            mxfp4_moe_config, swiglu_experts_triton)
+
+# the real checkpoints' range (GPT-OSS: about 100-130) and both ends of the byte
+SCALES = (2, 3, 64, 100, 119, 120, 122, 126, 127, 128, 130, 160, 200, 250, 252, 253, 254, 255)
+# scale 1 underflows: code 1 (0.5 * 2^-126 = 2^-127) is a float32 subnormal for ldexp, and
+# the bit path flushes it to +-0 (a biased exponent of 0); the other codes stay exact
+UNDERFLOW_SCALE = 1
+
+
+@triton.jit
+def _dequantize_kernel(out_ptr, codes_ptr, scales_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
+    shift = _scale_shift(tl.load(scales_ptr + offs, mask=mask, other=127))
+    tl.store(out_ptr + offs, _e2m1_times_scale(codes, shift), mask=mask)
+
+
+def bit_path(device, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """float32 values of codes [n] (uint8, 0..15) at scales [n], by the kernel's helpers."""
+    out = torch.empty(codes.numel(), dtype=torch.float32, device=device)
+    _dequantize_kernel[(triton.cdiv(codes.numel(), 256),)](
+        out, codes.to(device), scales.to(device), codes.numel(), BLOCK=256)
+    return out.cpu()
+
+
+def reference(codes: torch.Tensor, scales: torch.Tensor, dtype) -> torch.Tensor:
+    """dequantize_mxfp4 of one code per block (the rest of the block zero)."""
+    blocks = torch.zeros(codes.numel(), 1, 16, dtype=torch.uint8)
+    blocks[:, 0, 0] = codes
+    return dequantize_mxfp4(blocks, scales.reshape(-1, 1), dtype)[:, 0]
+
+
+def all_codes_at(scales) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.arange(16, dtype=torch.uint8).repeat(len(scales))
+    return codes, torch.tensor(scales, dtype=torch.uint8).repeat_interleave(16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_bits_equal_the_reference_decoder(device, dtype):
+    codes, scales = all_codes_at(SCALES)
+    ours = bit_path(device, codes, scales).to(dtype)
+    ref = reference(codes, scales, dtype)
+    bits = torch.int32 if dtype == torch.float32 else torch.int16  # -0.0 and inf alike
+    assert torch.equal(ours.view(bits), ref.view(bits))
+
+
+def test_underflow_flushes_to_signed_zero(device):
+    codes, scales = all_codes_at([UNDERFLOW_SCALE])
+    ours, ref = bit_path(device, codes, scales), reference(codes, scales, torch.float32)
+    subnormal = (ref != 0) & (ref.abs() < torch.finfo(torch.float32).tiny)
+    assert subnormal.tolist() == [c in (1, 9) for c in range(16)]   # +-0.5 * 2^-126
+    assert torch.equal(ours[subnormal], torch.zeros(2))
+    assert torch.equal(torch.signbit(ours), torch.signbit(ref))
+    assert torch.equal(ours[~subnormal].view(torch.int32), ref[~subnormal].view(torch.int32))
+
+
+def experts_case(num_tokens: int, dtype, seed: int = 0):
+    """Random MXFP4 experts (4 of them, H = I = 64), a routing and the float32 reference."""
+    g = torch.Generator().manual_seed(seed)
+    hidden_size = inter = 64
+    w13 = torch.randint(0, 256, (4, 2 * inter, hidden_size // 32, 16), dtype=torch.uint8,
+                        generator=g)
+    w2 = torch.randint(0, 256, (4, hidden_size, inter // 32, 16), dtype=torch.uint8,
+                       generator=g)
+    s13 = torch.randint(120, 124, w13.shape[:-1], dtype=torch.uint8, generator=g)
+    s2 = torch.randint(120, 124, w2.shape[:-1], dtype=torch.uint8, generator=g)
+    b13 = torch.randn(4, 2 * inter, generator=g).to(dtype)
+    b2 = torch.randn(4, hidden_size, generator=g).to(dtype)
+    hidden = torch.randn(num_tokens, hidden_size, generator=g).to(dtype)
+    values, ids = torch.randn(num_tokens, 4, generator=g).topk(2, -1)
+    weights = values.softmax(-1)
+    ref = swiglu_experts_ref(hidden.float(), lambda e: (
+        dequantize_mxfp4(w13[e], s13[e]), b13[e].float(), dequantize_mxfp4(w2[e], s2[e]),
+        b2[e].float()), 4, weights, ids, 1.702, 7.0)
+    return (hidden, w13, b13, w2, b2, weights, ids), (s13, s2), ref
+
+
+@pytest.mark.parametrize("mxfp4_dot", ["bits", "scaled"])
+@pytest.mark.parametrize("num_tokens", [1, 5])
+def test_default_tiles_and_both_dots_match_reference(device, mxfp4_dot, num_tokens):
+    """config None: mxfp4_moe_config's decode tiles (BLOCK_K 256 over K 64: one masked step)."""
+    args, (s13, s2), ref = experts_case(num_tokens, torch.bfloat16)
+    args = [t.to(device) for t in args]
+    out = swiglu_experts_triton(*args[:7], 1.702, 7.0, w13_scales=s13.to(device),
+                                w2_scales=s2.to(device), mxfp4_dot=mxfp4_dot)
+    assert mxfp4_moe_config(num_tokens, 2, 4).gate_up.block_k == 256
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out.float().cpu(), ref) < 1e-2
+
+
+def test_dot_choice_is_checked(device):
+    args, (s13, s2), _ = experts_case(1, torch.float32)
+    args = [t.to(device) for t in args]
+    scales = dict(w13_scales=s13.to(device), w2_scales=s2.to(device))
+    with pytest.raises(ValueError, match="mxfp4_dot"):
+        swiglu_experts_triton(*args, 1.702, 7.0, mxfp4_dot="fast", **scales)
+    with pytest.raises(ValueError, match="bf16"):
+        swiglu_experts_triton(*args, 1.702, 7.0, mxfp4_dot="scaled", **scales)

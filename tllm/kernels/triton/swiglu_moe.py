@@ -230,8 +230,8 @@ def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
         float(limit), a.stride(0), w.stride(0), w.stride(1), scale_arg.stride(0),
         scale_arg.stride(1), bias_arg.stride(0), out.stride(0), ROWS_PER_A=rows_per_a,
         GATED=gated, MUL_WEIGHT=topk_weights is not None, MXFP4=scales is not None,
-        SCALED_DOT=scaled_dot, HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, GROUP_M=group_m,
+        SCALED_DOT=scaled_dot, HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m,
+        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=group_m,
         DOT_FP32=needs_fp32_dot(_swiglu_expert_gemm_kernel, a.dtype),
         PRECISION=dot_precision(a.dtype), num_warps=tile.num_warps,
         num_stages=tile.num_stages)

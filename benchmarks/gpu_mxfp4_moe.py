@@ -198,8 +198,8 @@ class Session:
     def __init__(self, args) -> None:
         self.end = time.perf_counter() + args.budget
         self.out = Path(args.out) if args.out else None
-        self.results: dict = {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                                       "command": " ".join(sys.argv)}}
+        now = datetime.datetime.now().isoformat(timespec="seconds")
+        self.results: dict = {"meta": {"date": now, "command": " ".join(sys.argv)}}
 
     def left(self) -> float:
         return self.end - time.perf_counter()

@@ -12,30 +12,39 @@ import triton.language as tl  # noqa: E402
 from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
 from tllm.kernels.swiglu_moe import swiglu_experts_ref  # noqa: E402
-from tllm.kernels.triton.swiglu_moe import (_e2m1_times_scale, _scale_shift,  # noqa: E402
+from tllm.kernels.triton.swiglu_moe import (_e2m1_times_scale, _scale_bits,  # noqa: E402
                                             mxfp4_moe_config, swiglu_experts_triton)
 
-# the real checkpoints' range (GPT-OSS: about 100-130) and both ends of the byte
-SCALES = (2, 3, 64, 100, 119, 120, 122, 126, 127, 128, 130, 160, 200, 250, 252, 253, 254, 255)
-# scale 1 underflows: code 1 (0.5 * 2^-126 = 2^-127) is a float32 subnormal for ldexp, and
-# the bit path flushes it to +-0 (a biased exponent of 0); the other codes stay exact
-UNDERFLOW_SCALE = 1
+# exact over the scale bytes 2 .. 252: checkpoints' range (GPT-OSS: about 100-130) and more
+EXACT_SCALES = (2, 3, 64, 100, 119, 120, 122, 126, 127, 128, 130, 160, 200, 250, 252)
+# scale bytes 0 and 1 would underflow (code 1 times 2^-127 or 2^-126 is a float32 subnormal
+# for ldexp): the bit path flushes such a block to +-0, all of it (every value < 2^-123)
+UNDERFLOW_SCALES = (0, 1)
+# 253 .. 255 (2^126 and up; 255 is E8M0's NaN) saturate at 252's values (ldexp: up to inf)
+SATURATED_SCALES = (253, 254, 255)
 
 
 @triton.jit
-def _dequantize_kernel(out_ptr, codes_ptr, scales_ptr, n, BLOCK: tl.constexpr):
+def _dequantize_kernel(out_ptr, words_ptr, scales_ptr, n, SHIFT: tl.constexpr,
+                       BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    codes = tl.load(codes_ptr + offs, mask=mask, other=0).to(tl.int32)
-    shift = _scale_shift(tl.load(scales_ptr + offs, mask=mask, other=127))
-    tl.store(out_ptr + offs, _e2m1_times_scale(codes, shift), mask=mask)
+    words = tl.load(words_ptr + offs, mask=mask, other=0)
+    exponent_bits, code_mask = _scale_bits(tl.load(scales_ptr + offs, mask=mask, other=127))
+    tl.store(out_ptr + offs, _e2m1_times_scale(words, SHIFT, exponent_bits, code_mask),
+             mask=mask)
 
 
-def bit_path(device, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """float32 values of codes [n] (uint8, 0..15) at scales [n], by the kernel's helpers."""
+def bit_path(device, codes: torch.Tensor, scales: torch.Tensor, nibble: int) -> torch.Tensor:
+    """float32 values of codes [n] (uint8, 0..15) at scales [n] by the kernel's helpers, each
+    code at `nibble` of an int32 word whose other nibbles are random."""
+    g = torch.Generator().manual_seed(nibble)
+    noise = torch.randint(-2 ** 31, 2 ** 31, codes.shape, dtype=torch.int64, generator=g)
+    words = (noise & ~(15 << 4 * nibble)) | (codes.long() << 4 * nibble)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
     out = torch.empty(codes.numel(), dtype=torch.float32, device=device)
     _dequantize_kernel[(triton.cdiv(codes.numel(), 256),)](
-        out, codes.to(device), scales.to(device), codes.numel(), BLOCK=256)
+        out, words.to(device), scales.to(device), codes.numel(), SHIFT=4 * nibble, BLOCK=256)
     return out.cpu()
 
 
@@ -51,23 +60,30 @@ def all_codes_at(scales) -> tuple[torch.Tensor, torch.Tensor]:
     return codes, torch.tensor(scales, dtype=torch.uint8).repeat_interleave(16)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    bits = torch.int32 if a.dtype == torch.float32 else torch.int16  # -0.0 and inf alike
+    return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_bits_equal_the_reference_decoder(device, dtype):
-    codes, scales = all_codes_at(SCALES)
-    ours = bit_path(device, codes, scales).to(dtype)
+    codes, scales = all_codes_at(EXACT_SCALES)
     ref = reference(codes, scales, dtype)
-    bits = torch.int32 if dtype == torch.float32 else torch.int16  # -0.0 and inf alike
-    assert torch.equal(ours.view(bits), ref.view(bits))
+    for nibble in range(8):
+        assert same_bits(bit_path(device, codes, scales, nibble).to(dtype), ref), nibble
 
 
-def test_underflow_flushes_to_signed_zero(device):
-    codes, scales = all_codes_at([UNDERFLOW_SCALE])
-    ours, ref = bit_path(device, codes, scales), reference(codes, scales, torch.float32)
-    subnormal = (ref != 0) & (ref.abs() < torch.finfo(torch.float32).tiny)
-    assert subnormal.tolist() == [c in (1, 9) for c in range(16)]   # +-0.5 * 2^-126
-    assert torch.equal(ours[subnormal], torch.zeros(2))
+def test_out_of_range_scales_flush_or_saturate(device):
+    codes, scales = all_codes_at(UNDERFLOW_SCALES)
+    ours, ref = bit_path(device, codes, scales, 3), reference(codes, scales, torch.float32)
+    tiny = torch.finfo(torch.float32).tiny
+    assert ((ref != 0) & (ref.abs() < tiny)).any()         # ldexp keeps subnormals there
+    assert torch.equal(ours, torch.zeros(len(codes)))      # +-0: the block flushed
     assert torch.equal(torch.signbit(ours), torch.signbit(ref))
-    assert torch.equal(ours[~subnormal].view(torch.int32), ref[~subnormal].view(torch.int32))
+    codes, scales = all_codes_at(SATURATED_SCALES)
+    ours = bit_path(device, codes, scales, 5)
+    assert torch.isinf(reference(codes, scales, torch.float32)).any()
+    assert same_bits(ours, reference(codes, torch.full_like(scales, 252), torch.float32))
 
 
 def experts_case(num_tokens: int, dtype, seed: int = 0):

@@ -8,13 +8,16 @@ E8M0 scales and dequantized in registers (a decode step reads 4.25 bits a weight
   2. down: [P, H] = (act W2^T + b2) * routing weight;
   3. each token's top-k rows summed in fp32.
 
-A byte holds the codes of reduction columns 2j (low nibble) and 2j + 1 (high nibble), so a
-K tile is two dots: the even columns of x against the low nibbles, the odd ones against the
-high. Each weight is built as float32 bits from its code and its block's scale byte with a
-dozen integer ops (_e2m1_times_scale: no exp2, no float math), then cast to the activations'
-dtype; FP4 codes times powers of two are exact in bf16, so the dequantized tile equals the
-reference decoder's (tllm.kernels.mxfp4) before the dot. tl.dot_scaled is the alternative
-(MXFP4_DOTS); MXFP4's own tile table is _MXFP4_CONFIGS.
+A byte holds the codes of reduction columns 2j (low nibble) and 2j + 1 (high nibble), so an
+int32 word holds columns 8w .. 8w + 7 (nibble i: column 8w + i), all under one scale. A K
+tile is read as words [BLOCK_N, BLOCK_K / 8] and is 8 dots, nibble i's weights against
+columns 8w + i of x. Each weight is built as float32 bits from its code and its block's
+scale with a handful of integer ops (_e2m1_times_scale: no exp2, no float math; the scale's
+part once per word), then cast to the activations' dtype; FP4 codes times powers of two are
+exact in bf16, so the dequantized tile equals the reference decoder's (tllm.kernels.mxfp4)
+before the dot, for every scale a checkpoint uses (_scale_bits). tl.dot_scaled is the
+alternative (MXFP4_DOTS); MXFP4's own tile table is _MXFP4_CONFIGS. SASS instructions per
+weight of the K loop, for sm_90 without a GPU: benchmarks/mxfp4_sass_count.py.
 
 Reference: tllm.kernels.swiglu_moe.swiglu_experts_ref (over dequantize_mxfp4)."""
 from __future__ import annotations
@@ -30,51 +33,55 @@ from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
 
 
 @triton.jit
-def _e2m1_times_scale(codes, scale_shift):
-    """e2m1 `codes` (int32, 0..15) times 2^(scale - 127), assembled as float32 bits with
-    integer ops (no exp2, no float math). A code is sign bit 3, exponent e bits 2-1 (bias
-    1), mantissa m bit 0, e == 0 subnormal (0 or 0.5): a nonzero code's biased float32
-    exponent is e + 126 (0.5 is 2^-1, no mantissa) and the scale adds scale - 127. The
-    exponent and mantissa are built one bit low (`half`: exponent at bit 22), so exponents
-    up to 126 + 3 + 128 fit in int32 and every scale byte is exact but for one case: a
-    biased exponent <= 0 flushes to zero where ldexp keeps a float32 subnormal (scales 0
-    and 1, never a checkpoint's). 255 and up is inf, as ldexp gives.
-    scale_shift = (scale - 127) << 22, once per byte (_scale_shift)."""
-    magnitude = codes & 7                                  # e << 1 | m
-    half = (magnitude << 21) + ((126 << 22) - tl.where(magnitude == 1, 1 << 21, 0))
-    half += scale_shift
-    bits = tl.where((magnitude != 0) & (half >= 1 << 22), tl.minimum(half, 255 << 22) << 1, 0)
-    return (bits | ((codes & 8) << 28)).to(tl.float32, bitcast=True)
+def _e2m1_times_scale(words, shift: tl.constexpr, exponent_bits, code_mask):
+    """The e2m1 codes at bits shift .. shift + 3 of `words` (int32) times their scale, as
+    float32 bits built with integer ops (no exp2, no float math). A code is sign bit 3,
+    exponent e bits 2-1 (bias 1), mantissa m bit 0, e == 0 subnormal (0 or 0.5). A normal
+    code's float32 exponent field is e + 126 plus the scale's scale - 127, its mantissa bit
+    22 is m: (e << 1 | m) << 22 added to `exponent_bits` = (126 + scale - 127) << 23. Code 1
+    (0.5 = 2^-1) is exponent_bits itself and code 0 is 0: exponent_bits times the code.
+    exponent_bits and `code_mask` (7, or 0 to flush the block) come from _scale_bits."""
+    magnitude = (words >> shift) & code_mask               # e << 1 | m
+    bits = tl.where(magnitude >= 2, (magnitude << 22) + exponent_bits,
+                    magnitude * exponent_bits)
+    return (bits | ((words << (28 - shift)) & -(1 << 31))).to(tl.float32, bitcast=True)
 
 
 @triton.jit
-def _scale_shift(scale):
-    """An E8M0 scale byte -> (scale - 127) << 22, for _e2m1_times_scale."""
-    return (scale.to(tl.int32) - 127) << 22
+def _scale_bits(scale):
+    """An E8M0 scale byte -> (exponent_bits, code_mask) for _e2m1_times_scale, once per
+    block. The scale is clamped to the range where every code's exponent stays in 1 .. 254
+    (no wrap, no float32 subnormal): scales 2 .. 252 are exact; 0 and 1 (the whole block
+    below 2^-123) flush the block to zero; 253 .. 255 (2^126 and up, never a checkpoint's)
+    saturate at 2^125 where ldexp gives larger values or inf."""
+    offset = scale.to(tl.int32) - 127
+    return (126 + tl.minimum(offset, 125)) << 23, tl.where(offset < -125, 0, 7)
 
 
 @triton.jit
-def _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair,
+def _dot_mxfp4(acc, a_base, w_words, s_rows, k0, K, is_pair,
                BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """acc += x[:, k0:k0+BLOCK_K] . W[n, k0:k0+BLOCK_K]^T for one tile of rows (a_base) and
-    weight rows (w_base: their bytes, s_base: their scales), dequantized from bits."""
-    offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)          # byte columns
-    j_ok = offs_j < K // 2
-    packed = tl.load(w_base + offs_j[:, None], mask=j_ok[:, None], other=0).to(tl.int32)
-    shift = _scale_shift(tl.load(s_base + (offs_j // 16)[:, None], mask=j_ok[:, None],
-                                 other=127))              # one per byte: both nibbles'
-    w_even = _e2m1_times_scale(packed & 15, shift)
-    w_odd = _e2m1_times_scale(packed >> 4, shift)
-    a_mask = is_pair[:, None] & j_ok[None, :]
-    a_even = tl.load(a_base + 2 * offs_j[None, :], mask=a_mask, other=0.0)
-    a_odd = tl.load(a_base + 2 * offs_j[None, :] + 1, mask=a_mask, other=0.0)
-    if DOT_FP32:
-        a_even, a_odd = a_even.to(tl.float32), a_odd.to(tl.float32)
-    else:
-        # exact: an FP4 value times a power of two fits any float type
-        w_even, w_odd = w_even.to(a_even.dtype), w_odd.to(a_even.dtype)
-    acc = tl.dot(a_even, w_even, acc, input_precision=PRECISION)
-    return tl.dot(a_odd, w_odd, acc, input_precision=PRECISION)
+    weight rows (w_words: their int32 words as a column [BLOCK_N, 1]; s_rows: their scales,
+    likewise), dequantized from bits. Word w holds the codes of columns 8w .. 8w + 7 (nibble
+    i: column 8w + i) under one scale, so a K tile is 8 dots, nibble i's [BLOCK_N, BLOCK_K/8]
+    against columns 8w + i of x, and the scale's part is made once per 8 weights."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)          # word columns
+    w_ok = offs_w < K // 8
+    words = tl.load(w_words + offs_w[None, :], mask=w_ok[None, :], other=0)
+    exponent_bits, code_mask = _scale_bits(tl.load(s_rows + (offs_w // 4)[None, :],
+                                               mask=w_ok[None, :], other=127))
+    a_cols = a_base + 8 * offs_w[None, :]
+    a_mask = is_pair[:, None] & w_ok[None, :]
+    for i in tl.static_range(8):
+        w = _e2m1_times_scale(words, 4 * i, exponent_bits, code_mask)
+        a = tl.load(a_cols + i, mask=a_mask, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+        else:
+            w = w.to(a.dtype)  # exact: an FP4 value times a power of two fits any float type
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
+    return acc
 
 
 @triton.jit
@@ -133,7 +140,8 @@ def _swiglu_expert_gemm_kernel(
     rows_n = (offs_n % N).to(tl.int64)                  # rows past N computed, not stored
     a_base = a_ptr + (pairs // ROWS_PER_A).to(tl.int64)[:, None] * stride_am
     w_base = w_ptr + expert * stride_we + rows_n[None, :] * stride_wn
-    s_base = scales_ptr + expert * stride_se + rows_n[None, :] * stride_sn
+    w_words = (w_ptr + expert * stride_we + rows_n[:, None] * stride_wn).to(
+        tl.pointer_type(tl.int32))                      # MXFP4 rows: 16-byte aligned
     s_rows = scales_ptr + expert * stride_se + rows_n[:, None] * stride_sn
     bias_base = bias_ptr + expert * stride_bias + rows_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -145,11 +153,11 @@ def _swiglu_expert_gemm_kernel(
                 acc_up = _dot_mxfp4_scaled(acc_up, a_base, w_base + N * stride_wn,
                                            s_rows + N * stride_sn, k0, K, is_pair, BLOCK_K)
         elif MXFP4:
-            acc = _dot_mxfp4(acc, a_base, w_base, s_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
+            acc = _dot_mxfp4(acc, a_base, w_words, s_rows, k0, K, is_pair, BLOCK_K, DOT_FP32,
                              PRECISION)
             if GATED:
-                acc_up = _dot_mxfp4(acc_up, a_base, w_base + N * stride_wn,
-                                    s_base + N * stride_sn, k0, K, is_pair, BLOCK_K,
+                acc_up = _dot_mxfp4(acc_up, a_base, w_words + N * stride_wn // 4,
+                                    s_rows + N * stride_sn, k0, K, is_pair, BLOCK_K,
                                     DOT_FP32, PRECISION)
         else:
             acc = _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
@@ -179,15 +187,19 @@ def _swiglu_expert_gemm_kernel(
 MXFP4_DOTS = ("bits", "scaled")
 
 # MXFP4 tiles by the average pairs an expert gets, where they differ from moe_config's
-# (bf16-tuned); past the last row moe_config's. UNTUNED: chosen without a GPU. A K step of
-# MXFP4 carries a quarter of bf16's bytes, so decode takes BLOCK_K 256 to keep as many bytes
-# in flight, and narrow N tiles so the dequantization spreads over every SM; larger M tiles
-# amortize the dequantization over their rows and keep the bf16 tiles. To tune: the sweep of
-# benchmarks/gpu_mxfp4_moe.py.
+# (bf16-tuned); past the last row moe_config's, with BLOCK_K at least MXFP4_MIN_BLOCK_K.
+# UNTUNED: chosen without a GPU. A K step of MXFP4 carries a quarter of bf16's bytes, so
+# decode takes BLOCK_K 256 to keep as many bytes in flight, and narrow N tiles so the
+# dequantization spreads over every SM; larger M tiles amortize the dequantization over
+# their rows and keep the bf16 tiles. To tune: the sweep of benchmarks/gpu_mxfp4_moe.py.
 _MXFP4_CONFIGS = (
     (1, MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(32, 256, 4, 3))),
     (8, MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 256, 4, 3))),
 )
+
+
+# _dot_mxfp4's 8 dots a K step each need 16 columns (tl.dot's least K)
+MXFP4_MIN_BLOCK_K = 128
 
 
 def mxfp4_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
@@ -215,6 +227,11 @@ def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
     and scales [E, rows, K / 32]; bias [E, rows] or None; rows = 2N (gate, then up) if
     gated, else N -> [P, N] in a's dtype. mxfp4_dot: see MXFP4_DOTS."""
     scaled_dot = scales is not None and _is_scaled_dot(mxfp4_dot, a.dtype)
+    block_k = tile.block_k
+    if scales is not None:
+        if w.data_ptr() % 4:
+            raise ValueError("MXFP4 blocks must start on a 4-byte boundary (read as int32)")
+        block_k = max(block_k, MXFP4_MIN_BLOCK_K)
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2] * BLOCK_SIZE if scales is not None else w.shape[2]
     out = torch.empty(pairs.num_pairs, n, dtype=a.dtype, device=a.device)
@@ -231,7 +248,7 @@ def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
         scale_arg.stride(1), bias_arg.stride(0), out.stride(0), ROWS_PER_A=rows_per_a,
         GATED=gated, MUL_WEIGHT=topk_weights is not None, MXFP4=scales is not None,
         SCALED_DOT=scaled_dot, HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m,
-        BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=group_m,
+        BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_FP32=needs_fp32_dot(_swiglu_expert_gemm_kernel, a.dtype),
         PRECISION=dot_precision(a.dtype), num_warps=tile.num_warps,
         num_stages=tile.num_stages)

@@ -62,13 +62,13 @@ def sweep_configs(num_tokens: int, smoke: bool) -> dict:
     def cfg(block_m, gate_up, down, group_m=1):
         return MoeConfig(block_m, GemmTile(*gate_up), GemmTile(*down), group_m)
     if num_tokens <= 8:
-        candidates = {"bf16 table": cfg(16, (32, 128, 4, 4), (64, 128, 4, 4)),
-                      "n32 k256": cfg(16, (32, 256, 4, 3), (32, 256, 4, 3)),
-                      "n16 k256": cfg(16, (16, 256, 4, 4), (16, 256, 4, 4)),
-                      "n64 k256 w8": cfg(16, (64, 256, 8, 3), (64, 256, 8, 3))}
+        candidates = {"gemv n32 k256": cfg(1, (32, 256, 4, 3), (32, 256, 4, 3)),
+                      "gemv n64 k256 w8": cfg(1, (64, 256, 8, 3), (64, 256, 8, 3)),
+                      "m16 n32 k256": cfg(16, (32, 256, 4, 3), (32, 256, 4, 3)),
+                      "m16 bf16 table": cfg(16, (32, 128, 4, 4), (64, 128, 4, 4))}
     else:
-        candidates = {"bf16 table": cfg(32, (64, 128, 4, 3), (128, 128, 4, 3), 8),
-                      "n64 k256": cfg(32, (64, 256, 4, 3), (64, 256, 4, 3), 8),
+        candidates = {"m32 bf16 table": cfg(32, (64, 128, 4, 3), (128, 128, 4, 3), 8),
+                      "m32 n64 k256": cfg(32, (64, 256, 4, 3), (64, 256, 4, 3), 8),
                       "m16 n32 k256": cfg(16, (32, 256, 4, 3), (64, 256, 4, 3)),
                       "m64 n64 k128": cfg(64, (64, 128, 4, 3), (128, 128, 8, 3), 8)}
     return dict(list(candidates.items())[:2]) if smoke else candidates

@@ -12,6 +12,7 @@ import triton.language as tl  # noqa: E402
 from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
 from tllm.kernels.swiglu_moe import swiglu_experts_ref  # noqa: E402
+from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig  # noqa: E402
 from tllm.kernels.triton.swiglu_moe import (_e2m1_times_scale, _scale_bits,  # noqa: E402
                                             mxfp4_moe_config, swiglu_experts_triton)
 
@@ -22,6 +23,7 @@ EXACT_SCALES = (2, 3, 64, 100, 119, 120, 122, 126, 127, 128, 130, 160, 200, 250,
 UNDERFLOW_SCALES = (0, 1)
 # 253 .. 255 (2^126 and up; 255 is E8M0's NaN) saturate at 252's values (ldexp: up to inf)
 SATURATED_SCALES = (253, 254, 255)
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 @triton.jit
@@ -110,14 +112,31 @@ def experts_case(num_tokens: int, dtype, seed: int = 0):
 @pytest.mark.parametrize("mxfp4_dot", ["bits", "scaled"])
 @pytest.mark.parametrize("num_tokens", [1, 5])
 def test_default_tiles_and_both_dots_match_reference(device, mxfp4_dot, num_tokens):
-    """config None: mxfp4_moe_config's decode tiles (BLOCK_K 256 over K 64: one masked step)."""
+    """config None: mxfp4_moe_config's decode tiles (BLOCK_K 256 over K 64: one masked step;
+    at one token block_m 1, the GEMV, for "bits", 16 for "scaled")."""
     args, (s13, s2), ref = experts_case(num_tokens, torch.bfloat16)
     args = [t.to(device) for t in args]
     out = swiglu_experts_triton(*args[:7], 1.702, 7.0, w13_scales=s13.to(device),
                                 w2_scales=s2.to(device), mxfp4_dot=mxfp4_dot)
-    assert mxfp4_moe_config(num_tokens, 2, 4).gate_up.block_k == 256
+    cfg = mxfp4_moe_config(num_tokens, 2, 4, mxfp4_dot)
+    assert cfg.gate_up.block_k == 256
+    assert cfg.block_m == (1 if (mxfp4_dot, num_tokens) == ("bits", 1) else 16)
     assert out.dtype == torch.bfloat16
     assert relative_error(out.float().cpu(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_tokens", [1, 3, 6])
+def test_gemv_tiles_match_reference(device, dtype, num_tokens):
+    """block_m 1: one pair a tile, dequantized weights against x by FMAs (no tl.dot); an
+    expert with several pairs reads its weights once per pair."""
+    args, (s13, s2), ref = experts_case(num_tokens, dtype, seed=num_tokens)
+    args = [t.to(device) for t in args]
+    out = swiglu_experts_triton(*args[:7], 1.702, 7.0, w13_scales=s13.to(device),
+                                w2_scales=s2.to(device),
+                                config=MoeConfig(1, GemmTile(32, 128), GemmTile(16, 256)))
+    assert mxfp4_moe_config(1, 4, 32).block_m == 1        # GPT-OSS's batch-1 decode
+    assert relative_error(out.float().cpu(), ref) < TOL[dtype]
 
 
 def test_dot_choice_is_checked(device):
@@ -128,3 +147,9 @@ def test_dot_choice_is_checked(device):
         swiglu_experts_triton(*args, 1.702, 7.0, mxfp4_dot="fast", **scales)
     with pytest.raises(ValueError, match="bf16"):
         swiglu_experts_triton(*args, 1.702, 7.0, mxfp4_dot="scaled", **scales)
+    with pytest.raises(ValueError, match="block_m 1"):
+        swiglu_experts_triton(*[t.to(torch.bfloat16) if t.is_floating_point() else t
+                                for t in args[:5]], *args[5:], 1.702, 7.0,
+                              mxfp4_dot="scaled", config=MoeConfig(1, GemmTile(32, 128),
+                                                                   GemmTile(32, 128)),
+                              **scales)

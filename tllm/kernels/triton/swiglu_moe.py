@@ -16,11 +16,15 @@ scale with a handful of integer ops (_e2m1_times_scale: no exp2, no float math; 
 part once per word), then cast to the activations' dtype; FP4 codes times powers of two are
 exact in bf16, so the dequantized tile equals the reference decoder's (tllm.kernels.mxfp4)
 before the dot, for every scale a checkpoint uses (_scale_bits). tl.dot_scaled is the
-alternative (MXFP4_DOTS); MXFP4's own tile table is _MXFP4_CONFIGS. SASS instructions per
-weight of the K loop, for sm_90 without a GPU: benchmarks/mxfp4_sass_count.py.
+alternative (MXFP4_DOTS). A tile of one row (block_m 1, batch-1 decode) skips tl.dot: its
+weights stay float32 and meet x in FMAs (_gemv_mxfp4). MXFP4's own tile table is
+_MXFP4_CONFIGS. SASS instructions per weight of the K loop, for sm_90 without a GPU:
+benchmarks/mxfp4_sass_count.py.
 
 Reference: tllm.kernels.swiglu_moe.swiglu_experts_ref (over dequantize_mxfp4)."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -59,6 +63,18 @@ def _scale_bits(scale):
 
 
 @triton.jit
+def _mxfp4_words(w_words, s_rows, k0, K, BLOCK_K: tl.constexpr):
+    """One K tile's words [BLOCK_N, BLOCK_K / 8] and their scales' (exponent_bits,
+    code_mask) (_scale_bits); zero codes past K."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    w_ok = offs_w < K // 8
+    words = tl.load(w_words + offs_w[None, :], mask=w_ok[None, :], other=0)
+    exponent_bits, code_mask = _scale_bits(tl.load(s_rows + (offs_w // 4)[None, :],
+                                               mask=w_ok[None, :], other=127))
+    return words, exponent_bits, code_mask
+
+
+@triton.jit
 def _dot_mxfp4(acc, a_base, w_words, s_rows, k0, K, is_pair,
                BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """acc += x[:, k0:k0+BLOCK_K] . W[n, k0:k0+BLOCK_K]^T for one tile of rows (a_base) and
@@ -66,13 +82,10 @@ def _dot_mxfp4(acc, a_base, w_words, s_rows, k0, K, is_pair,
     likewise), dequantized from bits. Word w holds the codes of columns 8w .. 8w + 7 (nibble
     i: column 8w + i) under one scale, so a K tile is 8 dots, nibble i's [BLOCK_N, BLOCK_K/8]
     against columns 8w + i of x, and the scale's part is made once per 8 weights."""
+    words, exponent_bits, code_mask = _mxfp4_words(w_words, s_rows, k0, K, BLOCK_K)
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)          # word columns
-    w_ok = offs_w < K // 8
-    words = tl.load(w_words + offs_w[None, :], mask=w_ok[None, :], other=0)
-    exponent_bits, code_mask = _scale_bits(tl.load(s_rows + (offs_w // 4)[None, :],
-                                               mask=w_ok[None, :], other=127))
     a_cols = a_base + 8 * offs_w[None, :]
-    a_mask = is_pair[:, None] & w_ok[None, :]
+    a_mask = is_pair[:, None] & (offs_w < K // 8)[None, :]
     for i in tl.static_range(8):
         w = _e2m1_times_scale(words, 4 * i, exponent_bits, code_mask)
         a = tl.load(a_cols + i, mask=a_mask, other=0.0)
@@ -82,6 +95,28 @@ def _dot_mxfp4(acc, a_base, w_words, s_rows, k0, K, is_pair,
             w = w.to(a.dtype)  # exact: an FP4 value times a power of two fits any float type
         acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def _gemv_mxfp4(a_base, w_words, s_rows, K, is_pair, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """x . W[n, :]^T for a tile of one row (BLOCK_M 1) -> [1, BLOCK_N], without tl.dot: the
+    weights stay float32 and meet x in one FMA each, into per-lane sums [BLOCK_N,
+    BLOCK_K / 8] summed once at the end. The next K tile's words are loaded before this
+    one is used (the pipeliner stages only loads that feed a dot)."""
+    partial = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    words, exponent_bits, code_mask = _mxfp4_words(w_words, s_rows, 0, K, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        next_words, next_bits, next_mask = _mxfp4_words(w_words, s_rows, k0 + BLOCK_K, K,
+                                                        BLOCK_K)
+        a_cols = a_base + k0 + 8 * offs_w[None, :]
+        a_mask = is_pair[:, None] & (k0 + 8 * offs_w < K)[None, :]
+        for i in tl.static_range(8):
+            a = tl.load(a_cols + i, mask=a_mask, other=0.0).to(tl.float32)
+            partial += a * _e2m1_times_scale(words, 4 * i, exponent_bits, code_mask)
+        words, exponent_bits, code_mask = next_words, next_bits, next_mask
+    return tl.sum(partial, 1)[None, :]
 
 
 @triton.jit
@@ -113,17 +148,49 @@ def _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
+def _tile_products(a_base, w_base, w_words, s_rows, up_words, up_scales, K, is_pair,
+                   GATED: tl.constexpr, MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
+    """The K loop of tl.dots: (x W^T, x W_up^T if GATED) for a tile, fp32 [BLOCK_M, BLOCK_N];
+    the up rows are up_words bytes and up_scales scales past the gate rows."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if SCALED_DOT:
+            acc = _dot_mxfp4_scaled(acc, a_base, w_base, s_rows, k0, K, is_pair, BLOCK_K)
+            if GATED:
+                acc_up = _dot_mxfp4_scaled(acc_up, a_base, w_base + up_words,
+                                           s_rows + up_scales, k0, K, is_pair, BLOCK_K)
+        elif MXFP4:
+            acc = _dot_mxfp4(acc, a_base, w_words, s_rows, k0, K, is_pair, BLOCK_K, DOT_FP32,
+                             PRECISION)
+            if GATED:
+                acc_up = _dot_mxfp4(acc_up, a_base, w_words + up_words // 4,
+                                    s_rows + up_scales, k0, K, is_pair, BLOCK_K, DOT_FP32,
+                                    PRECISION)
+        else:
+            acc = _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
+                             PRECISION)
+            if GATED:
+                acc_up = _dot_plain(acc_up, a_base, w_base + up_words, k0, K, is_pair,
+                                    BLOCK_K, DOT_FP32, PRECISION)
+    return acc, acc_up
+
+
+@triton.jit
 def _swiglu_expert_gemm_kernel(
         out_ptr, a_ptr, w_ptr, scales_ptr, bias_ptr, sorted_ptr, block_expert_ptr,
         num_padded_ptr, topk_weights_ptr, N, K, num_pairs, num_tiles_m, alpha, limit,
         stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_bias, stride_om,
         ROWS_PER_A: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-        MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
+        MXFP4: tl.constexpr, SCALED_DOT: tl.constexpr, GEMV: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
         GROUP_M: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     """out[pair, n] for the pairs of one sorted tile (fused_moe's _expert_gemm_kernel, with
-    plain or MXFP4 weights (w_ptr: their bytes; SCALED_DOT: by tl.dot_scaled), a bias, and
-    GPT-OSS's activation when GATED)."""
+    plain or MXFP4 weights (w_ptr: their bytes; SCALED_DOT: by tl.dot_scaled; GEMV: one row
+    a tile, no tl.dot), a bias, and GPT-OSS's activation when GATED)."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     group_size = GROUP_M * num_n
@@ -144,27 +211,17 @@ def _swiglu_expert_gemm_kernel(
         tl.pointer_type(tl.int32))                      # MXFP4 rows: 16-byte aligned
     s_rows = scales_ptr + expert * stride_se + rows_n[:, None] * stride_sn
     bias_base = bias_ptr + expert * stride_bias + rows_n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        if SCALED_DOT:
-            acc = _dot_mxfp4_scaled(acc, a_base, w_base, s_rows, k0, K, is_pair, BLOCK_K)
-            if GATED:
-                acc_up = _dot_mxfp4_scaled(acc_up, a_base, w_base + N * stride_wn,
-                                           s_rows + N * stride_sn, k0, K, is_pair, BLOCK_K)
-        elif MXFP4:
-            acc = _dot_mxfp4(acc, a_base, w_words, s_rows, k0, K, is_pair, BLOCK_K, DOT_FP32,
-                             PRECISION)
-            if GATED:
-                acc_up = _dot_mxfp4(acc_up, a_base, w_words + N * stride_wn // 4,
-                                    s_rows + N * stride_sn, k0, K, is_pair, BLOCK_K,
-                                    DOT_FP32, PRECISION)
-        else:
-            acc = _dot_plain(acc, a_base, w_base, k0, K, is_pair, BLOCK_K, DOT_FP32,
-                             PRECISION)
-            if GATED:
-                acc_up = _dot_plain(acc_up, a_base, w_base + N * stride_wn, k0, K, is_pair,
-                                    BLOCK_K, DOT_FP32, PRECISION)
+    up_words, up_scales = N * stride_wn, N * stride_sn   # offsets of the up rows
+    if GEMV:
+        acc = _gemv_mxfp4(a_base, w_words, s_rows, K, is_pair, BLOCK_N, BLOCK_K)
+        acc_up = acc
+        if GATED:
+            acc_up = _gemv_mxfp4(a_base, w_words + up_words // 4, s_rows + up_scales, K,
+                                 is_pair, BLOCK_N, BLOCK_K)
+    else:
+        acc, acc_up = _tile_products(a_base, w_base, w_words, s_rows, up_words, up_scales, K,
+                                     is_pair, GATED, MXFP4, SCALED_DOT, BLOCK_M, BLOCK_N,
+                                     BLOCK_K, DOT_FP32, PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_base).to(tl.float32)[None, :]
         if GATED:
@@ -188,12 +245,15 @@ MXFP4_DOTS = ("bits", "scaled")
 
 # MXFP4 tiles by the average pairs an expert gets, where they differ from moe_config's
 # (bf16-tuned); past the last row moe_config's, with BLOCK_K at least MXFP4_MIN_BLOCK_K.
-# UNTUNED: chosen without a GPU. A K step of MXFP4 carries a quarter of bf16's bytes, so
-# decode takes BLOCK_K 256 to keep as many bytes in flight, and narrow N tiles so the
-# dequantization spreads over every SM; larger M tiles amortize the dequantization over
-# their rows and keep the bf16 tiles. To tune: the sweep of benchmarks/gpu_mxfp4_moe.py.
+# UNTUNED: chosen without a GPU, by the SASS count of benchmarks/mxfp4_sass_count.py. A K
+# step of MXFP4 carries a quarter of bf16's bytes, so decode takes BLOCK_K 256 to keep as
+# many bytes in flight, and narrow N tiles so the dequantization spreads over every SM. At
+# one pair an expert (batch-1 decode) block_m 1: a GEMV per pair (_gemv_mxfp4, ~10 SASS
+# instructions a weight against the 16-row dots' ~12-14, of which 15 rows are padding).
+# Larger M tiles amortize the dequantization over their rows and keep the bf16 tiles. To
+# tune: the sweep of benchmarks/gpu_mxfp4_moe.py.
 _MXFP4_CONFIGS = (
-    (1, MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(32, 256, 4, 3))),
+    (1, MoeConfig(1, GemmTile(32, 256, 4, 3), GemmTile(32, 256, 4, 3))),
     (8, MoeConfig(16, GemmTile(32, 256, 4, 3), GemmTile(64, 256, 4, 3))),
 )
 
@@ -202,11 +262,14 @@ _MXFP4_CONFIGS = (
 MXFP4_MIN_BLOCK_K = 128
 
 
-def mxfp4_moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
-    """The tile configuration of an MXFP4 step (_MXFP4_CONFIGS, then moe_config)."""
+def mxfp4_moe_config(num_tokens: int, top_k: int, num_experts: int,
+                     mxfp4_dot: str = "bits") -> MoeConfig:
+    """The tile configuration of an MXFP4 step (_MXFP4_CONFIGS, then moe_config); "scaled"
+    has no GEMV: 16-row tiles there."""
     per_expert = num_tokens * top_k / max(1, num_experts)
-    return next((cfg for limit, cfg in _MXFP4_CONFIGS if per_expert <= limit),
-                None) or moe_config(num_tokens, top_k, num_experts)
+    cfg = next((cfg for limit, cfg in _MXFP4_CONFIGS if per_expert <= limit),
+               None) or moe_config(num_tokens, top_k, num_experts)
+    return replace(cfg, block_m=16) if cfg.block_m == 1 and mxfp4_dot == "scaled" else cfg
 
 
 def _is_scaled_dot(mxfp4_dot: str, dtype: torch.dtype) -> bool:
@@ -232,6 +295,9 @@ def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
         if w.data_ptr() % 4:
             raise ValueError("MXFP4 blocks must start on a 4-byte boundary (read as int32)")
         block_k = max(block_k, MXFP4_MIN_BLOCK_K)
+    gemv = pairs.block_m == 1
+    if gemv and (scales is None or scaled_dot):
+        raise ValueError("block_m 1 (a GEMV per pair) is for MXFP4 weights by 'bits' only")
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2] * BLOCK_SIZE if scales is not None else w.shape[2]
     out = torch.empty(pairs.num_pairs, n, dtype=a.dtype, device=a.device)
@@ -247,7 +313,7 @@ def swiglu_expert_gemm(a: torch.Tensor, w: torch.Tensor, scales: torch.Tensor | 
         float(limit), a.stride(0), w.stride(0), w.stride(1), scale_arg.stride(0),
         scale_arg.stride(1), bias_arg.stride(0), out.stride(0), ROWS_PER_A=rows_per_a,
         GATED=gated, MUL_WEIGHT=topk_weights is not None, MXFP4=scales is not None,
-        SCALED_DOT=scaled_dot, HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m,
+        SCALED_DOT=scaled_dot, GEMV=gemv, HAS_BIAS=bias is not None, BLOCK_M=pairs.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=group_m,
         DOT_FP32=needs_fp32_dot(_swiglu_expert_gemm_kernel, a.dtype),
         PRECISION=dot_precision(a.dtype), num_warps=tile.num_warps,
@@ -283,7 +349,7 @@ def swiglu_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: tor
         return torch.empty_like(hidden)
     if w13_scales is not None and w2_scales is not None:
         _is_scaled_dot(mxfp4_dot, hidden.dtype)  # checked before any launch
-        cfg = config or mxfp4_moe_config(num_tokens, top_k, num_experts)
+        cfg = config or mxfp4_moe_config(num_tokens, top_k, num_experts, mxfp4_dot)
     else:
         cfg = config or moe_config(num_tokens, top_k, num_experts)
     pairs = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)

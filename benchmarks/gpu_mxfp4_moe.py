@@ -170,9 +170,9 @@ def _us(cell: dict) -> str:
 
 def table(results: dict) -> str:
     rate = results.get("copy_b_s", 0) / 1e9
-    lines = [" GPT-OSS-20B experts: us per call (MXFP4 kernel vs bf16 comparator) ".center(110,
-                                                                                       "="),
-             f"copy bandwidth {rate:.0f} GB/s; floor = the distinct experts' weight bytes / it",
+    lines = [" MoE experts: us per call (MXFP4 kernel vs bf16 comparator) ".center(110, "="),
+             f"shape {results.get('shape')}; copy bandwidth {rate:.0f} GB/s; floor = the "
+             "distinct experts' weight bytes / it",
              f"{'T':>5}{'bits':>10}{'scaled':>10}{'bf16':>10}{'mxfp4 floor':>13}"
              f"{'bf16 floor':>12}{'bits/floor':>12}{'bits|diff|':>12}{'scaled|diff|':>14}"]
     for t, row in results.get("rows", {}).items():

@@ -22,7 +22,7 @@
 #   bash benchmarks/gpu_session.sh models33     # issue 33's models (an H200 call)
 #   bash benchmarks/gpu_session.sh models37b    # issue 37's models (an H200 call)
 #   bash benchmarks/gpu_session.sh today6       # the day's GPU tests, Nemotron-H-8B (short)
-#   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, GPT-OSS (one call)
+#   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, MXFP4 (one call)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -253,19 +253,18 @@ case $section in
     ;;
   today7)  # 2026-12-06 (seventh), one call: the GPU tests of the day's changes (verify and
     # draft-head graphs with hidden states, MLA's multi-query rows, the MXFP4 dequant from
-    # bits, the decode-sized pair sort), MTP's speed-up, GPT-OSS-20B after the MXFP4 fix
+    # bits, the decode-sized pair sort), MTP's speed-up, the MXFP4 experts kernel alone
     export PYTHONUNBUFFERED=1
-    step day_tests 75 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+    step day_tests 70 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py \
       tests/kernels/test_swiglu_moe_kernels.py tests/kernels/test_mxfp4.py \
-      tests/speculative/test_mtp.py tests/speculative/test_eagle3.py \
-      tests/runner/test_verify_graphs.py tests/runner/test_cuda_graph.py \
-      tests/speculative/test_spec_engine.py tests/models/test_deepseek_parity.py \
-      tests/models/test_gpt_oss_parity.py
-    step gpu_mtp 120 python3 benchmarks/gpu_mtp.py --budget 112 --k 1,3 --corrupt 0,0.3 \
+      tests/kernels/test_mxfp4_bits.py tests/speculative/test_mtp.py \
+      tests/speculative/test_eagle3.py tests/runner/test_verify_graphs.py \
+      tests/runner/test_cuda_graph.py tests/speculative/test_spec_engine.py \
+      tests/models/test_deepseek_parity.py tests/models/test_gpt_oss_parity.py
+    step gpu_mtp 90 python3 benchmarks/gpu_mtp.py --budget 84 --k 3 --corrupt 0,0.3 \
       --out "$OUT/gpu_mtp.json"
-    step gptoss 125 python3 benchmarks/gpu_models.py --parts floor,gptoss --budget 118 \
-      --max-batch-size 512
+    step mxfp4 70 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 60
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;

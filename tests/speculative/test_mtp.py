@@ -117,5 +117,6 @@ def test_verify_steps_replay_graphs_with_the_hidden_states(tiny_v3_with_mtp):
         if spec is not None:
             assert graphs.verify_graphs and graphs.collect_hidden is not None
             assert max(replays) > 1  # verify steps replayed
-            assert 1 in head_replays and max(head_replays) > 1  # chain steps and catch-ups
+            assert 1 in head_replays  # the head's steps replayed (a catch-up's length
+            # depends on what the target accepted, which random weights do not fix)
     assert outputs[False] == outputs[True]

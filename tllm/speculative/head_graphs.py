@@ -132,9 +132,9 @@ def build_head_graphs(head: nn.Module, kv_cache: KVCacheManager, target_parts,
     """The head's graphs where the target runs CUDA graphs (the verify graphs' batch sizes);
     None on the CPU, without graphs, or when the capture fails (the head then runs
     eagerly, as it would anyway)."""
-    from tllm.runner.cuda_graph import CudaGraphRunner
-    target_graphs = getattr(target_parts, "graphs", None)  # (a test may give no runner)
-    if not isinstance(target_graphs, CudaGraphRunner):
+    # the target's CUDA graph runner (a CPU build has none, or a compiled CPU decode step)
+    target_graphs = getattr(target_parts, "graphs", None)
+    if getattr(target_graphs, "verify_batch_sizes", None) is None:
         return None
     from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES
     query_len = max_draft_len + 1

@@ -1,5 +1,6 @@
 """FP8 experts in Triton: the grouped GEMMs of tllm.kernels.triton.fused_moe (its pair sort
-`align_pairs`, tile configurations `moe_config` and top-k sum) with e4m3 expert weights.
+`align_pairs` and top-k sum) with e4m3 expert weights, on tile configurations of their own
+(tllm.kernels.triton.fp8_moe_configs).
 
 Two forms of one kernel, by the tile size the step's tokens per expert choose:
   W8A8 (prefill and large batches, 32-row tiles and up): the hidden rows are quantized once
@@ -22,11 +23,10 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton import fp8_quant
+from tllm.kernels.triton.fp8_moe_configs import fp8_moe_config, is_w8a8
 from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, PairBlocks, align_pairs,
-                                           moe_config, sum_top_k)
+                                           sum_top_k)
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
-
-W8A8_MIN_BLOCK_M = 32  # smaller tiles (decode) take the weight-only form
 
 
 @triton.jit
@@ -78,7 +78,8 @@ def _store_pairs(out_ptr, acc, pairs, is_pair, offs_n, N, stride_om, topk_weight
              mask=is_pair[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit
+# the pair and tile counts change with every batch size: one compile serves them all
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _fp8_expert_gemm_kernel(out_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr,
                             block_expert_ptr, num_padded_ptr, topk_weights_ptr, N, K,
                             num_pairs, num_tiles_m, stride_am, stride_asm, stride_ask,
@@ -201,9 +202,10 @@ def fp8_fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_scale:
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    cfg = config or moe_config(num_tokens, top_k, num_experts)
+    cfg = config or fp8_moe_config(num_tokens, top_k, num_experts,
+                                   "channel" if block is None else "block")
     if w8a8 is None:
-        w8a8 = cfg.block_m >= W8A8_MIN_BLOCK_M
+        w8a8 = is_w8a8(cfg)
     blocks = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
     gemm = dict(block=block, blocks=blocks, out_dtype=hidden.dtype, group_m=cfg.group_m)
     a, a_scale = _quantize(hidden, block) if w8a8 else (hidden, None)

@@ -1,7 +1,8 @@
 """The FP8 expert sweep's candidates and its verdicts (benchmarks/gpu_fp8_moe_sweep.py): which
 tiles to time per block_m, the best configuration per (model, scheme, T) from the per-GEMM
-times, and the ready-to-paste `FP8_CONFIGS` of tllm.kernels.triton.fp8_moe_configs. Pure
-Python on the sweep's JSON (no GPU), so the table can be made again from a saved run:
+times, the report, and the ready-to-paste `FP8_CONFIGS` of
+tllm.kernels.triton.fp8_moe_configs. Pure Python on the sweep's JSON (no GPU), so the table
+can be made again from a saved run:
 
     python benchmarks/fp8_moe_table.py RESULTS.json
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 MAX_TILES = 8
 GROUP_M = {16: 1, 32: 8, 64: 8, 128: 16}
@@ -157,7 +159,7 @@ def python_table(results: dict) -> str:
         for model in results.get("models", {}).values():
             for t, per_scheme in model.get("sweep", {}).items():
                 per_bm = per_scheme.get(scheme)
-                if per_bm:
+                if isinstance(per_bm, dict) and per_bm:
                     per_expert = int(t) * model["shape"]["top_k"] / model["shape"]["experts"]
                     points.setdefault(per_expert, []).append(per_bm)
         lines.append(f'    "{scheme}": (')
@@ -168,5 +170,83 @@ def python_table(results: dict) -> str:
     return "\n".join(lines + ["}"])
 
 
+def _us(value) -> str:
+    return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
+
+
+def _lookup(per_bm: dict, cfg: dict, gemm: str, scale_bk):
+    tile = (cfg[gemm]["block_n"], cfg[gemm]["block_k"], cfg[gemm]["num_warps"],
+            cfg[gemm]["num_stages"])
+    if scale_bk:
+        tile = (tile[0], min(tile[1], scale_bk), *tile[2:])
+    bm = cfg["block_m"]
+    return per_bm.get(bm, per_bm.get(str(bm), {})).get(gemm, {}).get(tile_key(tile))
+
+
+def report(res: dict, tables, scale_bks: dict) -> str:
+    """The sweep's table: per (model, scheme, T, GEMM) the bf16 GEMM, the fp8 GEMM at the
+    bf16 table's tile (before), at fp8_moe_config's (now) and the best, with the floors;
+    the fast-accumulation and whole-call lines; the ready-to-paste FP8_CONFIGS. `tables`
+    (shape dict, T, scheme) -> {"bf16_table": cfg dict, "fp8_table": cfg dict}."""
+    rates = res.get("rates", {})
+    lines = [" FP8 experts: per-GEMM tile sweep (us, CUDA graphs) ".center(132, "="),
+             f"copy {rates.get('copy_b_s', 0) / 1e9:.0f} GB/s, fp8 _scaled_mm "
+             f"{rates.get('fp8_mm_flop_s', 0) / 1e12:.0f} TFLOP/s; before = the bf16 table's "
+             "tile on the fp8 kernel, now = fp8_moe_config's (untuned), best = this sweep's",
+             f"{'model':<15}{'scheme':<8}{'T':>5} {'gemm':<8}{'bf16':>8}{'before':>9}"
+             f"{'now':>9}{'best':>9}  {'best tile (bm; n k w s)':<26}{'w floor':>8}"
+             f"{'c floor':>8}{'floor/best':>11}"]
+    for name, model in res.get("models", {}).items():
+        for t, per_scheme in model.get("sweep", {}).items():
+            for scheme, per_bm in per_scheme.items():
+                if scheme not in scale_bks:  # {"error": ...}
+                    lines.append(f"{name} T={t}: {str(per_bm)[:100]}")
+                    continue
+                cur = tables(model["shape"], int(t), scheme)
+                for gemm in ("gate_up", "down"):
+                    lines.append(_summary_line(name, scheme, t, gemm, model, per_bm, cur,
+                                               scale_bks[scheme]))
+    for name, model in res.get("models", {}).items():
+        lines += _fast_accum_lines(name, model)
+    for name, model in res.get("models", {}).items():
+        for t, row in model.get("whole", {}).items():
+            lines.append(f"whole call {name} T={t}: " + ", ".join(
+                f"{k} {_us(v)}" for k, v in row.items()))
+    lines.append(" ready to paste into tllm/kernels/triton/fp8_moe_configs.py ".center(132, "-"))
+    lines.append(python_table(res))
+    return "\n".join(lines)
+
+
+def _fast_accum_lines(name: str, model: dict) -> list[str]:
+    """Per-channel W8A8 tiles without the per-K-tile promotion, next to the promoted time."""
+    lines = []
+    for t, per_gemm in model.get("fast_accum", {}).items():
+        promoted = model["sweep"].get(t, {}).get("channel", {})
+        for gemm, times in per_gemm.items():
+            cells = []
+            for key, us in times.items():
+                bm, tile = key.split("|")
+                per_bm = promoted.get(int(bm), promoted.get(bm, {}))
+                cells.append(f"bm {bm} {tile}: {_us(us)} (promoted "
+                             f"{_us(per_bm.get(gemm, {}).get(tile))})")
+            lines.append(f"fast accumulation {name} T={t} {gemm}: " + ", ".join(cells))
+    return lines
+
+
+def _summary_line(name, scheme, t, gemm, model, per_bm, cur, scale_bk) -> str:
+    best = best_of({f"{bm}|{k}": v for bm, g in per_bm.items()
+                    for k, v in g.get(gemm, {}).items()})
+    floor = model.get("floors", {}).get(t, {}).get(gemm, {})
+    bound = max(floor.values()) if floor else None
+    tile, best_us = (best[0].replace("|", "; "), best[1]) if best else ("-", None)
+    ratio = f"{bound / best_us:.0%}" if bound and best_us else "-"
+    return (f"{name[:14]:<15}{scheme:<8}{t:>5} {gemm:<8}"
+            f"{_us(model.get('bf16', {}).get(t, {}).get(gemm)):>8}"
+            f"{_us(_lookup(per_bm, cur['bf16_table'], gemm, scale_bk)):>9}"
+            f"{_us(_lookup(per_bm, cur['fp8_table'], gemm, scale_bk)):>9}{_us(best_us):>9}  "
+            f"{tile:<26}{_us(floor.get('weight_us')):>8}{_us(floor.get('compute_us')):>8}"
+            f"{ratio:>11}")
+
+
 if __name__ == "__main__":
-    print(python_table(json.loads(open(sys.argv[1]).read())))
+    print(python_table(json.loads(Path(sys.argv[1]).read_text())))

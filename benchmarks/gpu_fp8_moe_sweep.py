@@ -102,7 +102,7 @@ def routings(shape: MoeShape, num_tokens: int, num_experts: int, device) -> list
 
 
 def gemm_calls(gemm: str, block_m: int, tile, block, w: dict, sets: list, top_k: int,
-               num_experts: int) -> list:
+               num_experts: int, fast_accum: bool = False) -> list:
     """One callable per routing: the fp8 GEMM alone on pre-sorted pairs and pre-quantized
     activations (W8A8 at block_m >= 32, else the unquantized rows)."""
     import torch
@@ -121,7 +121,7 @@ def gemm_calls(gemm: str, block_m: int, tile, block, w: dict, sets: list, top_k:
                   else dict(topk_weights=s["weights"]))
         fns.append(lambda a=a, a_s=a_scale, b=blocks, kw=kwargs: fp8_expert_gemm(
             a, a_s, w[name], w[name + "_scale"], block, b, tile, torch.bfloat16,
-            table.GROUP_M[block_m], **kw))
+            table.GROUP_M[block_m], fast_accum=fast_accum, **kw))
     return fns
 
 
@@ -170,6 +170,22 @@ def jobs(shapes: dict, batches, smoke: bool) -> list[tuple]:
     return out
 
 
+FAST_ACCUM_BATCHES = (512, 1024, SMOKE_BATCHES[0])  # the smoke run: its larger T
+
+
+def fast_accum_jobs(shapes: dict, batches) -> list[tuple]:
+    """(model, T, block_m, gemm, tile): the tables' per-channel W8A8 tiles at the largest T,
+    to time once more without the per-K-tile promotion (its cost)."""
+    out = []
+    for num_tokens in (t for t in batches if t in FAST_ACCUM_BATCHES):
+        for name, shape in shapes.items():
+            for cfg in dict.fromkeys(current_tiles(shape, num_tokens, "channel").values()):
+                for gemm in ("gate_up", "down"):
+                    out.append((name, num_tokens, cfg.block_m, gemm,
+                                astuple(getattr(cfg, gemm))))
+    return out
+
+
 def astuple(tile) -> tuple:
     return (tile.block_n, tile.block_k, tile.num_warps, tile.num_stages)
 
@@ -188,6 +204,8 @@ def compile_keys(shapes: dict, batches, smoke: bool) -> list[tuple]:
     for name, shape in shapes.items():
         for t in batches:
             keys["bf16", name, moe_config(t, shape.top_k, shape.experts)] = None
+    for name, _, bm, gemm, tile in fast_accum_jobs(shapes, batches):
+        keys["fast", name, "channel", bm, gemm, tile] = None
     return list(keys)  # in timing order: what the workers leave undone is timed last
 
 
@@ -219,7 +237,7 @@ def compile_worker(args, index: int, count: int) -> int:
                 if (name, scheme) not in weights:
                     weights[name, scheme] = fp8_weights(shape, k, block, device, False)
                 w = weights[name, scheme]
-                gemm_calls(gemm, bm, tile, block, w, sets, k, k)[0]()
+                gemm_calls(gemm, bm, tile, block, w, sets, k, k, kind == "fast")[0]()
             done += 1
         except Exception as exc:  # the timing pass records it
             failed += 1
@@ -248,7 +266,8 @@ def start_workers(args, count: int) -> list:
     base = [sys.executable, __file__, "--models", ",".join(plan(args)[0])]
     if args.cpu_smoke:
         base.append("--cpu-smoke")
-    log = open(Path(tempfile.gettempdir()) / "fp8_moe_sweep_workers.log", "w")
+    log_dir = Path(args.out).parent if args.out else Path(tempfile.gettempdir())
+    log = open(log_dir / "fp8_moe_sweep_workers.log", "w")
     return [subprocess.Popen(base + ["--compile-worker", f"{i}/{count}"], cwd=ROOT,
                              stdout=log, stderr=subprocess.STDOUT) for i in range(count)]
 
@@ -259,6 +278,7 @@ def wait_workers(session: Session, procs: list, deadline: float) -> None:
             proc.wait(timeout=max(0.1, deadline - time.perf_counter()))
         except subprocess.TimeoutExpired:
             proc.kill()  # what it did not compile compiles in the timing pass
+            proc.wait()
     session.results["compile_workers"] = {"count": len(procs),
                                           "exit_codes": [p.returncode for p in procs]}
     session.log(f"compile workers done: exit codes {[p.returncode for p in procs]}")
@@ -276,7 +296,8 @@ def measure_rates(device) -> dict:
     a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
     ones = torch.ones(size, 1, device=device)
     try:
-        us, _ = time_calls([lambda: torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=ones.t(),
+        row = ones.t().contiguous()
+        us, _ = time_calls([lambda: torch._scaled_mm(a, a.t(), scale_a=ones, scale_b=row,
                                                      out_dtype=torch.bfloat16)],
                            device, min_calls=5)
         rates["fp8_mm_flop_s"] = 2 * size ** 3 / (us * 1e-6)
@@ -308,8 +329,9 @@ def timed(fns: list, device) -> float | str:
 
 
 def sweep_point(session: Session, name: str, shape: MoeShape, num_tokens: int, data: dict,
-                device, job_list: list) -> None:
-    """Every job of (model, T): the bf16 baseline, then the fp8 tiles."""
+                device, job_list: list, fast_jobs: list) -> None:
+    """Every job of (model, T): the bf16 baseline, the fp8 tiles, then the fast-accumulation
+    ones."""
     from tllm.kernels.triton.fused_moe import moe_config
     model = session.results["models"][name]
     sets = routings(shape, num_tokens, shape.experts, device)
@@ -327,6 +349,13 @@ def sweep_point(session: Session, name: str, shape: MoeShape, num_tokens: int, d
                          shape.experts)
         times = sweep.setdefault(scheme, {}).setdefault(bm, {}).setdefault(gemm, {})
         times[table.tile_key(tile)] = timed(fns, device)
+    for _, _, bm, gemm, tile in fast_jobs:
+        if session.remaining() < WHOLE_RESERVE_S:
+            return
+        fns = gemm_calls(gemm, bm, tile, None, data["channel"], sets, shape.top_k,
+                         shape.experts, fast_accum=True)
+        model["fast_accum"].setdefault(num_tokens, {}).setdefault(gemm, {})[
+            f"{bm}|{table.tile_key(tile)}"] = timed(fns, device)
 
 
 def whole_calls(session: Session, shapes: dict, weights: dict, device) -> None:
@@ -366,60 +395,12 @@ def to_moe_config(best: dict):
 
 # ---- report ----
 
-def _us(value) -> str:
-    return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
-
-
-def _lookup(per_bm: dict, cfg: dict, gemm: str, scale_bk):
-    tile = (cfg[gemm]["block_n"], cfg[gemm]["block_k"], cfg[gemm]["num_warps"],
-            cfg[gemm]["num_stages"])
-    if scale_bk:
-        tile = (tile[0], min(tile[1], scale_bk), *tile[2:])
-    return per_bm.get(cfg["block_m"], {}).get(gemm, {}).get(table.tile_key(tile))
-
-
 def summary(session: Session) -> str:
-    res = session.results
-    rates = res.get("rates", {})
-    lines = [" FP8 experts: per-GEMM tile sweep (us, CUDA graphs) ".center(132, "="),
-             f"copy {rates.get('copy_b_s', 0) / 1e9:.0f} GB/s, fp8 _scaled_mm "
-             f"{rates.get('fp8_mm_flop_s', 0) / 1e12:.0f} TFLOP/s; before = the bf16 table's "
-             "tile on the fp8 kernel, now = fp8_moe_config's (untuned), best = this sweep's",
-             f"{'model':<15}{'scheme':<8}{'T':>5} {'gemm':<8}{'bf16':>8}{'before':>9}"
-             f"{'now':>9}{'best':>9}  {'best tile (bm; n k w s)':<26}{'w floor':>8}"
-             f"{'c floor':>8}{'floor/best':>11}"]
-    for name, model in res.get("models", {}).items():
-        for t, per_scheme in model.get("sweep", {}).items():
-            for scheme, per_bm in per_scheme.items():
-                shape = MoeShape(**model["shape"])
-                cur = current_tiles(shape, int(t), scheme)
-                bk = schemes(session.smoke)[scheme]
-                for gemm in ("gate_up", "down"):
-                    lines.append(_summary_line(name, scheme, t, gemm, model, per_bm,
-                                               {k: asdict(v) for k, v in cur.items()},
-                                               bk and bk[1]))
-    for name, model in res.get("models", {}).items():
-        for t, row in model.get("whole", {}).items():
-            lines.append(f"whole call {name} T={t}: " + ", ".join(
-                f"{k} {_us(v)}" for k, v in row.items()))
-    lines.append(" ready to paste into tllm/kernels/triton/fp8_moe_configs.py ".center(132, "-"))
-    lines.append(table.python_table(res))
-    return "\n".join(lines)
-
-
-def _summary_line(name, scheme, t, gemm, model, per_bm, cur, scale_bk) -> str:
-    best = table.best_of({f"{bm}|{k}": v for bm, g in per_bm.items()
-                          for k, v in g.get(gemm, {}).items()})
-    floor = model.get("floors", {}).get(t, {}).get(gemm, {})
-    bound = max(floor.values()) if floor else None
-    tile, best_us = (best[0].replace("|", "; "), best[1]) if best else ("-", None)
-    ratio = f"{bound / best_us:.0%}" if bound and best_us else "-"
-    return (f"{name[:14]:<15}{scheme:<8}{t:>5} {gemm:<8}"
-            f"{_us(model.get('bf16', {}).get(t, {}).get(gemm)):>8}"
-            f"{_us(_lookup(per_bm, cur['bf16_table'], gemm, scale_bk)):>9}"
-            f"{_us(_lookup(per_bm, cur['fp8_table'], gemm, scale_bk)):>9}{_us(best_us):>9}  "
-            f"{tile:<26}{_us(floor.get('weight_us')):>8}{_us(floor.get('compute_us')):>8}"
-            f"{ratio:>11}")
+    def tables(shape: dict, num_tokens: int, scheme: str) -> dict:
+        cur = current_tiles(MoeShape(**shape), num_tokens, scheme)
+        return {k: asdict(v) for k, v in cur.items()}
+    scale_bk = {k: v and v[1] for k, v in schemes(session.smoke).items()}
+    return table.report(session.results, tables, scale_bk)
 
 
 # ---- driver ----
@@ -459,18 +440,21 @@ def run(args) -> int:
     session.log(f"{len(procs)} compile workers started (cache {os.environ['TRITON_CACHE_DIR']})")
     weights = make_weights(shapes, device, args.cpu_smoke)
     session.results["models"] = {name: {"shape": asdict(shape), "sweep": {}, "bf16": {},
-                                        "floors": {}, "whole": {}}
+                                        "floors": {}, "whole": {},
+                                        "fast_accum": {}}
                                  for name, shape in shapes.items()}
     wait_workers(session, procs, session.start + args.budget * 0.45)
     session.results["rates"] = measure_rates(device)
     all_jobs = jobs(shapes, batches, args.cpu_smoke)
+    fast_jobs = fast_accum_jobs(shapes, batches)
     for num_tokens in batches:
         for name, shape in shapes.items():
             if session.remaining() < WHOLE_RESERVE_S:
                 break
             try:
                 sweep_point(session, name, shape, num_tokens, weights[name], device,
-                            [j for j in all_jobs if j[0] == name and j[1] == num_tokens])
+                            [j for j in all_jobs if j[:2] == (name, num_tokens)],
+                            [j for j in fast_jobs if j[:2] == (name, num_tokens)])
             except Exception as exc:
                 traceback.print_exc()
                 session.results["models"][name]["sweep"][num_tokens] = {

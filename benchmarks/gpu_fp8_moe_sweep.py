@@ -97,7 +97,7 @@ def routings(shape: MoeShape, num_tokens: int, num_experts: int, device) -> list
                             generator=gen)
         sets.append({"hidden": hidden.bfloat16(), "inter": inter.bfloat16(),
                      "weights": (weights / weights.sum(-1, keepdim=True)).contiguous(),
-                     "ids": ids})
+                     "ids": ids.int()})  # int32, as the routing kernel gives
     return sets
 
 

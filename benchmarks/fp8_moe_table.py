@@ -174,6 +174,10 @@ def _us(value) -> str:
     return f"{value:.1f}" if isinstance(value, (int, float)) else "-"
 
 
+def _sci(value) -> str:
+    return f"{value:.1e}" if isinstance(value, (int, float)) else "-"
+
+
 def _lookup(per_bm: dict, cfg: dict, gemm: str, scale_bk):
     tile = (cfg[gemm]["block_n"], cfg[gemm]["block_k"], cfg[gemm]["num_warps"],
             cfg[gemm]["num_stages"])
@@ -210,8 +214,10 @@ def report(res: dict, tables, scale_bks: dict) -> str:
         lines += _fast_accum_lines(name, model)
     for name, model in res.get("models", {}).items():
         for t, row in model.get("whole", {}).items():
-            lines.append(f"whole call {name} T={t}: " + ", ".join(
-                f"{k} {_us(v)}" for k, v in row.items()))
+            lines.append(f"whole call {name} T={t} (us): " + ", ".join(
+                f"{k} {_us(v)}" for k, v in row.items() if not isinstance(v, dict)))
+            lines += [f"  {k}: " + ", ".join(f"{label} {_sci(d)}" for label, d in v.items())
+                      for k, v in row.items() if isinstance(v, dict)]
     lines.append(" ready to paste into tllm/kernels/triton/fp8_moe_configs.py ".center(132, "-"))
     lines.append(python_table(res))
     return "\n".join(lines)

@@ -249,15 +249,14 @@ def compile_worker(args, index: int, count: int) -> int:
 
 
 def sort_and_sum(shape: MoeShape, num_tokens: int, block_m: int, device) -> None:
+    import torch
+
     from tllm.kernels.triton.fused_moe import align_pairs, sum_top_k
     ids = routings(shape, num_tokens, shape.experts, device)[0]["ids"]
     align_pairs(ids, shape.experts, block_m)
-    sum_top_k(torch_empty(num_tokens * shape.top_k, shape.hidden, device), ids, shape.experts)
-
-
-def torch_empty(rows: int, cols: int, device):
-    import torch
-    return torch.zeros(rows, cols, device=device, dtype=torch.bfloat16)
+    pair_out = torch.zeros(num_tokens * shape.top_k, shape.hidden, device=device,
+                           dtype=torch.bfloat16)
+    sum_top_k(pair_out, ids, shape.experts)
 
 
 def start_workers(args, count: int) -> list:
@@ -379,11 +378,33 @@ def whole_calls(session: Session, shapes: dict, weights: dict, device) -> None:
                 best = table.best_config(model["sweep"].get(num_tokens, {}).get(scheme, {}))
                 if best:
                     cfgs["best"] = to_moe_config(best)
+                outs = {}
                 for label, cfg in cfgs.items():
-                    row[f"{scheme}_{label}"] = timed([lambda s=s, c=cfg: fp8_fused_experts_triton(
+                    calls = [lambda s=s, c=cfg: fp8_fused_experts_triton(
                         s["hidden"], w["w13"], w["w13_scale"], w["w2"], w["w2_scale"], block,
-                        s["weights"], s["ids"], config=c) for s in sets], device)
+                        s["weights"], s["ids"], config=c) for s in sets]
+                    row[f"{scheme}_{label}"] = timed(calls, device)
+                    outs[label] = _output(calls[0])
+                row[f"{scheme}_rel_diff_vs_bf16_table"] = {
+                    label: _rel(out, outs["bf16_table"]) for label, out in outs.items()
+                    if label != "bf16_table"}
             session.save()
+
+
+def _output(call):
+    """The call's output in float32, or None where it fails (its time says why)."""
+    try:
+        return call().float()
+    except Exception:
+        return None
+
+
+def _rel(out, ref) -> float | None:
+    """A tile's output against another's: the same math, so ~1e-3 (a different form,
+    W8A16 against W8A8, ~4e-2); far more is a bug in a tile."""
+    if out is None or ref is None:
+        return None
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def to_moe_config(best: dict):

@@ -12,9 +12,10 @@ from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels import fp8 as ref  # noqa: E402
 from tllm.kernels import moe  # noqa: E402
 from tllm.kernels.fp8_moe import Fp8Experts, fp8_fused_experts_ref  # noqa: E402
-from tllm.kernels.triton.fp8_fused_moe import (W8A8_MIN_BLOCK_M,  # noqa: E402
-                                               fp8_fused_experts_triton)
-from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig, moe_config  # noqa: E402
+from tllm.kernels.triton.fp8_fused_moe import fp8_fused_experts_triton  # noqa: E402
+from tllm.kernels.triton.fp8_moe_configs import (FP8_CONFIGS, fp8_moe_config,  # noqa: E402
+                                                 is_w8a8)
+from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig  # noqa: E402
 
 HIDDEN, INTER = 48, 32  # hidden not a multiple of the 32-column K tiles
 BLOCK = (32, 32)  # an fp8 tl.dot needs K >= 32 on Hopper (16 failed to compile on an H100)
@@ -146,9 +147,42 @@ def test_default_configs_on_gpu(num_tokens, scheme):
     hidden = torch.randn(num_tokens, hidden_size, device="cuda", dtype=torch.bfloat16)
     weights, ids = routing(num_tokens, top_k, num_experts, "cuda")
     out = run_triton(hidden, experts, weights, ids)
-    if moe_config(num_tokens, top_k, num_experts).block_m >= W8A8_MIN_BLOCK_M:
+    scheme_name = "block" if scheme == "block" else "channel"
+    if is_w8a8(fp8_moe_config(num_tokens, top_k, num_experts, scheme_name)):
         want = fp8_fused_experts_ref(hidden.cpu(), on_cpu(experts), weights.cpu(), ids.cpu())
         assert relative_error(out.cpu(), want.float()) < TOL[torch.bfloat16, True]
     else:
         want = dequantized_ref(hidden, experts, weights, ids)
         assert relative_error(out.cpu(), want) < TOL[torch.bfloat16, False]
+
+
+TABLE_CASES = sorted({(scheme, cfg) for scheme, rows in FP8_CONFIGS.items()
+                      for _, cfg in rows}, key=str)
+
+
+@pytest.mark.parametrize("scheme,cfg", TABLE_CASES)
+def test_fp8_table_tiles_match_reference(device, scheme, cfg):
+    """Every tile of the FP8 table (128-row tiles, block_k 256 clamped to the scale block)
+    against its reference; K = 160 is not a multiple of the K tiles; 64 x 64 scale blocks."""
+    hidden_size, inter, num_tokens, top_k = 160, 64, 12, 2
+    block = (64, 64)
+    experts = fp8_experts(4, scheme, device, hidden_size, inter, block)
+    hidden = torch.randn(num_tokens, hidden_size, device=device).to(torch.bfloat16)
+    weights, ids = routing(num_tokens, top_k, 4, device)
+    out = run_triton(hidden, experts, weights, ids, config=cfg)
+    if is_w8a8(cfg):
+        want = fp8_fused_experts_ref(hidden.cpu(), on_cpu(experts), weights.cpu(), ids.cpu())
+    else:
+        want = dequantized_ref(hidden, experts, weights, ids)
+    assert relative_error(out.cpu(), want.float()) < TOL[torch.bfloat16, is_w8a8(cfg)]
+
+
+def test_fp8_moe_config_by_pairs_per_expert():
+    assert not is_w8a8(fp8_moe_config(1, 2, 8, "channel"))  # decode: weight-only
+    assert is_w8a8(fp8_moe_config(512, 2, 8, "block"))     # 128 pairs an expert
+    assert fp8_moe_config(512, 2, 8).block_m >= fp8_moe_config(64, 2, 8).block_m
+    for rows in FP8_CONFIGS.values():
+        assert rows[-1][0] == float("inf")
+        assert all(cfg.gate_up.block_k >= 32 and cfg.down.block_k >= 32 for _, cfg in rows)
+    with pytest.raises(ValueError, match="scheme"):
+        fp8_moe_config(8, 2, 8, "tensor")

@@ -1,5 +1,6 @@
 """FP8 experts in Triton: the grouped GEMMs of tllm.kernels.triton.fused_moe (its pair sort
-`align_pairs`, tile configurations `moe_config` and top-k sum) with e4m3 expert weights.
+`align_pairs` and top-k sum) with e4m3 expert weights, on tile configurations of their own
+(tllm.kernels.triton.fp8_moe_configs).
 
 Two forms of one kernel, by the tile size the step's tokens per expert choose:
   W8A8 (prefill and large batches, 32-row tiles and up): the hidden rows are quantized once
@@ -22,19 +23,19 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton import fp8_quant
+from tllm.kernels.triton.fp8_moe_configs import fp8_moe_config, is_w8a8
 from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, PairBlocks, align_pairs,
-                                           moe_config, sum_top_k)
+                                           sum_top_k)
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
-
-W8A8_MIN_BLOCK_M = 32  # smaller tiles (decode) take the weight-only form
 
 
 @triton.jit
 def _scaled_tile_dot(acc, a, a_s, w_ptrs, ws_ptrs, k_ok, EVEN_K: tl.constexpr,
                      A_FP8: tl.constexpr, PER_K_TILE: tl.constexpr, PRECISION: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, FAST_ACCUM: tl.constexpr):
     """acc + a . w for one K tile; PER_K_TILE (block scales): the product times its
-    activation and weight scales before it is added."""
+    activation and weight scales before it is added. FAST_ACCUM (per-channel W8A8, for
+    timing the promotion's cost): the tensor cores' own accumulation over all of K."""
     if EVEN_K:
         w = tl.load(w_ptrs)
     else:
@@ -48,6 +49,8 @@ def _scaled_tile_dot(acc, a, a_s, w_ptrs, ws_ptrs, k_ok, EVEN_K: tl.constexpr,
         else:
             part = tl.dot(a, w, input_precision=PRECISION)
         acc += part * ws[None, :]
+    elif A_FP8 and FAST_ACCUM:
+        acc = tl.dot(a, w, acc)
     elif A_FP8:
         # Hopper's fp8 tensor cores keep ~14 bits while they accumulate: promote each tile
         acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
@@ -78,7 +81,8 @@ def _store_pairs(out_ptr, acc, pairs, is_pair, offs_n, N, stride_om, topk_weight
              mask=is_pair[:, None] & (offs_n < N)[None, :])
 
 
-@triton.jit
+# the pair and tile counts change with every batch size: one compile serves them all
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])
 def _fp8_expert_gemm_kernel(out_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr,
                             block_expert_ptr, num_padded_ptr, topk_weights_ptr, N, K,
                             num_pairs, num_tiles_m, stride_am, stride_asm, stride_ask,
@@ -89,7 +93,7 @@ def _fp8_expert_gemm_kernel(out_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                             EVEN_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                            PRECISION: tl.constexpr):
+                            PRECISION: tl.constexpr, FAST_ACCUM: tl.constexpr = False):
     """out[pair, n] = a[pair // ROWS_PER_A] . w[expert(pair), n], scaled, for the pairs of
     one sorted tile (fused_moe._expert_gemm_kernel with fp8 weights). A_FP8: a is fp8 with
     scales as [rows, groups]; else a is unquantized. SCALE_BLOCK_N == 0: weight scales per
@@ -132,11 +136,12 @@ def _fp8_expert_gemm_kernel(out_ptr, a_ptr, as_ptr, w_ptr, ws_ptr, sorted_ptr,
                           other=0.0)
         acc = _scaled_tile_dot(acc, a, a_s, w_base + offs_k[:, None],
                                ws_base + ws_rows + group * stride_wsk, k_ok, EVEN_K, A_FP8,
-                               SCALE_BLOCK_N != 0, PRECISION, BLOCK_K)
+                               SCALE_BLOCK_N != 0, PRECISION, BLOCK_K, FAST_ACCUM)
         if GATED:
             acc_up = _scaled_tile_dot(acc_up, a, a_s, w_base + N * stride_wn + offs_k[:, None],
                                       ws_base + ws_rows_up + group * stride_wsk, k_ok, EVEN_K,
-                                      A_FP8, SCALE_BLOCK_N != 0, PRECISION, BLOCK_K)
+                                      A_FP8, SCALE_BLOCK_N != 0, PRECISION, BLOCK_K,
+                                      FAST_ACCUM)
     if SCALE_BLOCK_N == 0:  # per-channel weights: every scale at the end
         row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
         if A_FP8:
@@ -154,10 +159,12 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tens
                     w_scale: torch.Tensor, block: tuple[int, int] | None, blocks: PairBlocks,
                     tile: GemmTile, out_dtype: torch.dtype, group_m: int = 1,
                     rows_per_a: int = 1, gated: bool = False,
-                    topk_weights: torch.Tensor | None = None) -> torch.Tensor:
+                    topk_weights: torch.Tensor | None = None,
+                    fast_accum: bool = False) -> torch.Tensor:
     """One grouped GEMM over the sorted pairs: a [P / rows_per_a, K] fp8 with a_scale
     [rows, 1 or K / bk] (W8A8) or unquantized with a_scale None (W8A16); w [E, N (2N if
-    gated), K] fp8 with w_scale [E, N, 1] or block scales -> [P, N] out_dtype."""
+    gated), K] fp8 with w_scale [E, N, 1] or block scales -> [P, N] out_dtype.
+    `fast_accum` (per-channel W8A8 only; benchmarks): no promotion of each K tile."""
     n = w.shape[1] // 2 if gated else w.shape[1]
     k = w.shape[2]
     out = torch.empty(blocks.num_pairs, n, dtype=out_dtype, device=a.device)
@@ -178,7 +185,7 @@ def fp8_expert_gemm(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tens
         SCALE_BLOCK_N=scale_block[0], SCALE_BLOCK_K=scale_block[1], BLOCK_M=blocks.block_m,
         BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=group_m, EVEN_K=k % block_k == 0,
         DOT_FP32=not a_fp8 and needs_fp32_dot(_fp8_expert_gemm_kernel, a.dtype),
-        PRECISION=dot_precision(a.dtype), num_warps=tile.num_warps,
+        PRECISION=dot_precision(a.dtype), FAST_ACCUM=fast_accum, num_warps=tile.num_warps,
         num_stages=tile.num_stages)
     return out
 
@@ -201,9 +208,10 @@ def fp8_fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_scale:
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    cfg = config or moe_config(num_tokens, top_k, num_experts)
+    cfg = config or fp8_moe_config(num_tokens, top_k, num_experts,
+                                   "channel" if block is None else "block")
     if w8a8 is None:
-        w8a8 = cfg.block_m >= W8A8_MIN_BLOCK_M
+        w8a8 = is_w8a8(cfg)
     blocks = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
     gemm = dict(block=block, blocks=blocks, out_dtype=hidden.dtype, group_m=cfg.group_m)
     a, a_scale = _quantize(hidden, block) if w8a8 else (hidden, None)

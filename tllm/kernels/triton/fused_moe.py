@@ -180,7 +180,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int,
 
 # ---- the grouped GEMM ----
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_tiles_m"])  # one compile for every batch
 def _expert_gemm_kernel(out_ptr, a_ptr, w_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr,
                         topk_weights_ptr, N, K, num_pairs, num_tiles_m,
                         stride_am, stride_we, stride_wn, stride_om,

@@ -253,7 +253,8 @@ case $section in
     ;;
   today7)  # 2026-12-06 (seventh), one call: the GPU tests of the day's changes (verify and
     # draft-head graphs with hidden states, MLA's multi-query rows, the MXFP4 dequant from
-    # bits, the decode-sized pair sort), MTP's speed-up, the MXFP4 experts kernel alone
+    # bits, the decode-sized pair sort, FP8 experts' tiles), MTP's speed-up, the MXFP4
+    # experts kernel alone, the FP8 experts' tile sweep (~400 s in all)
     export PYTHONUNBUFFERED=1
     step day_tests 70 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/kernels/test_mla_decode.py tests/kernels/test_fused_moe.py \
@@ -261,10 +262,13 @@ case $section in
       tests/kernels/test_mxfp4_bits.py tests/speculative/test_mtp.py \
       tests/speculative/test_eagle3.py tests/runner/test_verify_graphs.py \
       tests/runner/test_cuda_graph.py tests/speculative/test_spec_engine.py \
-      tests/models/test_deepseek_parity.py tests/models/test_gpt_oss_parity.py
+      tests/models/test_deepseek_parity.py tests/models/test_gpt_oss_parity.py \
+      tests/kernels/test_fp8_moe_kernel.py tests/models/test_fp8_moe_models.py
     step gpu_mtp 90 python3 benchmarks/gpu_mtp.py --budget 84 --k 3 --corrupt 0,0.3 \
       --out "$OUT/gpu_mtp.json"
     step mxfp4 70 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 60
+    step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
+      --budget 110
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;

@@ -16,6 +16,8 @@ sliding-window KV capacity.
   nemotron   the same for dummy:nemotron-h-8b (Mamba-2 layers with their per-request state,
              4 attention layers), with its state bytes per request beside the KV bytes of
              an 8k-token request (its own attention layers, and all-attention of its width)
+  nemotron_bf16state  the nemotron part with KvCacheConfig(mamba_ssm_cache_dtype="bfloat16")
+             (half the state a decode step reads and writes)
   qwen3next  dummy:qwen3-next-80b-a3b-24l (24 of Qwen3-Next-80B-A3B's 48 layers, ~80 GB:
              gated DeltaNet state, 512 experts), with its state beside the KV at 8k
   llama4     dummy:llama-4-scout-24l (24 of Llama-4-Scout's 48 layers, ~111 GB: an H200
@@ -51,12 +53,14 @@ PARTS = ("floor", "kernel", "mixtral", "qwen3moe", "window")
 MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
           "gptoss": "dummy:gpt-oss-20b", "nemotron": "dummy:nemotron-h-8b",
           "mixtral_fp8": "dummy:mixtral-8x7b", "qwen3next": "dummy:qwen3-next-80b-a3b-24l",
-          "llama4": "dummy:llama-4-scout-24l"}
+          "llama4": "dummy:llama-4-scout-24l", "nemotron_bf16state": "dummy:nemotron-h-8b"}
 QUANTIZATION = {"mixtral_fp8": "fp8"}  # a part's `quantization`; None for the rest
+# a part's KvCacheConfig fields (the rest: the defaults)
+KV_OPTIONS = {"nemotron_bf16state": {"mamba_ssm_cache_dtype": "bfloat16"}}
 # each part's weight in sharing --budget (seconds at the 560 s default)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
           "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195, "qwen3next": 195,
-          "llama4": 195}
+          "llama4": 195, "nemotron_bf16state": 195}
 FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
                     "read: every non-expert parameter (LM head included; the input "
                     "embedding counted apart) plus top_k experts' weights per MoE layer")
@@ -131,8 +135,8 @@ def lean_graphs(max_batch_size: int) -> dict:
 
 def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | None,
                quantization: str | None = None, max_batch_size: int = 256,
-               full_graphs: bool = False) -> dict:
-    from tllm import LLM
+               full_graphs: bool = False, kv_options: dict | None = None) -> dict:
+    from tllm import LLM, KvCacheConfig
     from tllm.bench.offline import LatencyConfig, ThroughputConfig, run_latency, run_throughput
     from tllm.bench.offline_cli import format_report
     deadline = time.perf_counter() + budget_s
@@ -147,6 +151,9 @@ def part_model(model: str, budget_s: float, smoke: bool, copy_bw_gbs: float | No
     latency_shape, tput = ((8, 16), (16, 8, 24)) if smoke else ((128, 256), (128, 128, 1000))
     kwargs = {"dtype": dtype, "device": "cpu" if smoke else "cuda",
               "max_seq_len": 512 if not smoke else 64, "quantization": quantization}
+    if kv_options:
+        kwargs["kv_cache_config"] = KvCacheConfig(**kv_options)
+        result["kv_options"] = kv_options
     started = time.perf_counter()
     # one engine for both (a second one would need the first's weights gone first)
     result["max_batch_size"] = max_batch_size = 8 if smoke else max_batch_size
@@ -271,7 +278,7 @@ def main() -> int:
         model = _smoke_model() if args.smoke else MODELS[args.child]
         result = part_model(model, args.budget, args.smoke, args.copy_bw,
                             QUANTIZATION.get(args.child), args.max_batch_size,
-                            args.full_graphs)
+                            args.full_graphs, KV_OPTIONS.get(args.child))
         args.child_out.write_text(json.dumps(result, indent=1, default=str))
         return 0
     out_dir = Path(os.environ.get("OUT") or "/tmp/gpu_models")

@@ -29,6 +29,11 @@ class KvCacheConfig(BaseModel):
     # Models with state-space layers (hybrids): how many block-boundary states (every such
     # layer's, one request's worth each) prefix reuse keeps, LRU; None: one per batch slot.
     max_state_checkpoints: int | None = Field(None, ge=1)
+    # Hybrids: the dtype of each request's recurrent state (Mamba-2's SSM state, gated
+    # DeltaNet's); "auto": the checkpoint's `mamba_ssm_cache_dtype`, else float32. A 16-bit
+    # state halves what a decode step reads and writes of it (TensorRT-LLM's option; the
+    # update still computes in float32).
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # Secondary tiers for evicted reusable blocks (and swapped-out requests): bytes of host
     # memory, then a directory on disk.
     host_cache_size: int = Field(0, ge=0)

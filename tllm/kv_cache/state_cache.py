@@ -93,6 +93,9 @@ def build_state_cache(model, args, dtype: torch.dtype,
     if spec is None:
         return None
     check_hybrid_args(args)
+    state_dtype = args.kv_cache_config.mamba_ssm_cache_dtype
+    if state_dtype != "auto":
+        spec = spec.with_state_dtype(getattr(torch, state_dtype))
     cache = StateCache(spec, args.max_batch_size, dtype, device)
     kv_config = args.kv_cache_config
     if kv_config.enable_block_reuse:

@@ -13,7 +13,7 @@ Mamba-2 mixer: the Triton conv and delta-rule kernels (kernels/triton/gated_delt
 tensors, torch otherwise."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +73,9 @@ class DeltaNetStateSpec(LayerStateSpec):
         recurrent = torch.zeros(num_rows, d.num_v_heads, d.head_k_dim, d.head_v_dim,
                                 dtype=self.state_dtype, device=device)
         return MambaLayerState(conv, recurrent)
+
+    def with_state_dtype(self, dtype: torch.dtype) -> "DeltaNetStateSpec":
+        return replace(self, state_dtype=dtype)
 
 
 class GatedDeltaNet(nn.Module):

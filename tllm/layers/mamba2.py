@@ -10,7 +10,7 @@ admission)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -74,6 +74,11 @@ class LayerStateSpec:
                     device: torch.device | str) -> MambaLayerState:
         raise NotImplementedError
 
+    def with_state_dtype(self, dtype: torch.dtype) -> "LayerStateSpec":
+        """The same spec with its recurrent state in `dtype` (KvCacheConfig's
+        mamba_ssm_cache_dtype)."""
+        raise NotImplementedError
+
     def bytes_per_request(self, conv_dtype: torch.dtype) -> int:
         layer = self.empty_layer(1, conv_dtype, "meta")  # shapes only, no memory
         return self.num_layers * sum(t.numel() * t.element_size()
@@ -91,6 +96,9 @@ class StateSpec(LayerStateSpec):
     def empty_layer(self, num_rows: int, dtype: torch.dtype,
                     device: torch.device | str) -> MambaLayerState:
         return MambaLayerState.empty(self.dims, num_rows, dtype, device, self.ssm_dtype)
+
+    def with_state_dtype(self, dtype: torch.dtype) -> "StateSpec":
+        return replace(self, ssm_dtype=dtype)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ pytest.importorskip("transformers")
 
 def _run(path, state_dtype: str, prompts):
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    with LLM(str(path), max_num_tokens=16, max_batch_size=2,
+    with LLM(str(path), dtype="float32", max_num_tokens=16, max_batch_size=2,
              kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=512,
                                            mamba_ssm_cache_dtype=state_dtype)) as llm:
         cache = llm._engine.executor.runner.model.state_cache

@@ -43,6 +43,7 @@ FILES=(
   tests/models/test_gpu_architectures.py tests/models/test_deepseek_parity.py
   tests/models/test_nemotron_h_parity.py tests/models/test_granite_hybrid_parity.py
   tests/models/test_hybrid_prefix_reuse.py tests/models/test_gpt_oss_parity.py
+  tests/models/test_hybrid_state_dtype.py
   tests/models/test_llama4_parity.py tests/models/test_moe_parity.py
   tests/models/test_qwen3_next_parity.py tests/layers/test_gated_deltanet.py
   tests/layers/test_fp8_moe.py tests/models/test_fp8_moe_models.py tests/layers/test_moe_load.py

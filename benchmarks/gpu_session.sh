@@ -23,6 +23,7 @@
 #   bash benchmarks/gpu_session.sh models37b    # issue 37's models (an H200 call)
 #   bash benchmarks/gpu_session.sh today6       # the day's GPU tests, Nemotron-H-8B (short)
 #   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, MXFP4 (one call)
+#   bash benchmarks/gpu_session.sh suite7       # the whole GPU suite, ~560 s (one call)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -251,6 +252,10 @@ case $section in
     step visual39 580 python3 benchmarks/gpu_flux_wan.py --parts step,pipeline,teacache,fp8 \
       --out "$OUT/flux_wan_all.json"
     ;;
+  suite7)  # the whole GPU suite alone (the parallel part ran past 290 s on an H100 in the
+    # seventh session: the default limits give it 450 s)
+    bash benchmarks/gpu_suite.sh
+    ;;
   today7)  # 2026-12-06 (seventh), one call: the GPU tests of the day's changes (verify and
     # draft-head graphs with hidden states, MLA's multi-query rows, the MXFP4 dequant from
     # bits, the decode-sized pair sort, FP8 experts' tiles), MTP's speed-up, the MXFP4
@@ -272,6 +277,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -1,8 +1,12 @@
-"""Which torch device to run on (what the user asked for, else CUDA when there is one), and
-how much memory it has free."""
+"""Which torch device to run on (what the user asked for, else CUDA when there is one), how
+much memory it has free, and a CUDA graph's capture."""
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 def pick_device(requested: str | None) -> torch.device:
@@ -23,3 +27,19 @@ def available_memory(device: torch.device) -> int | None:
         import psutil
         return psutil.virtual_memory().available
     return None
+
+
+def capture_cuda_graph(forward: Callable[[], T], pool,
+                       stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`forward` run twice on `stream` (kernels compiled, the allocator settled), then
+    captured into a graph in memory pool `pool`: (the graph, what the captured call returned,
+    which each replay rewrites in place)."""
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out

@@ -130,14 +130,13 @@ class MlaAttentionBackend:
                 and cache.dtype == q.dtype):
             from tllm.kernels.triton.mla_decode import mla_decode_attention
             write_latent_cache(entry, cache, metadata.slot_mapping)
-            if metadata.is_decode_only:
-                return mla_decode_attention(q, cache, metadata.block_tables,
-                                            metadata.seq_lens, self.latent_dim, self.scale,
-                                            metadata.max_seq_len,
-                                            query_start_loc=metadata.query_start_loc)
-            row_lens, row_tables = self._query_rows(metadata, q.shape[0])
-            return mla_decode_attention(q, cache, row_tables, row_lens, self.latent_dim,
-                                        self.scale, metadata.max_seq_len)
+            if metadata.is_decode_only:  # a row per sequence already
+                tables, lens, starts = (metadata.block_tables, metadata.seq_lens,
+                                        metadata.query_start_loc)
+            else:
+                (lens, tables), starts = self._query_rows(metadata, q.shape[0]), None
+            return mla_decode_attention(q, cache, tables, lens, self.latent_dim, self.scale,
+                                        metadata.max_seq_len, query_start_loc=starts)
         if q.is_cuda and torch.cuda.is_current_stream_capturing():
             # the plan is built on the host from this step's lengths: a graph would replay
             # a stale one (the engine turns decode graphs off on this error)

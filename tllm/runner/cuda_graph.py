@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import bisect
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
 
 from tllm.attention.interface import AttentionMetadata
+from tllm.device import capture_cuda_graph
 from tllm.kv_cache.manager import KVCacheManager, cdiv
-from typing import Callable
-
 from tllm.runner.piecewise import copy_mrope_positions
 
 logger = logging.getLogger(__name__)
@@ -215,17 +215,11 @@ class CudaGraphRunner:
         self.pool = None
 
     def _capture_one(self, batch_size: int, query_len: int, pool, stream):
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: compile kernels, settle the allocator
-                self._forward(batch_size, query_len)
-            if self.collect_hidden is not None:
-                self.collect_hidden()  # the warm-ups' hidden states are dropped
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        def forward():
             logits = self._forward(batch_size, query_len)
-            hidden = self.collect_hidden() if self.collect_hidden is not None else None
+            return logits, (self.collect_hidden() if self.collect_hidden is not None
+                            else None)
+        graph, (logits, hidden) = capture_cuda_graph(forward, pool, stream)
         return graph, logits, hidden
 
     def can_run(self, num_tokens: int, num_seqs: int, max_query_len: int) -> bool:

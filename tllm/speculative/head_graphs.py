@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tllm.attention.interface import AttentionMetadata
+from tllm.device import capture_cuda_graph
 from tllm.kv_cache.manager import KVCacheManager, cdiv
 
 logger = logging.getLogger(__name__)
@@ -78,14 +79,8 @@ class HeadGraphs:
         pool = self.pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for batch_size in reversed(self.batch_sizes):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._forward(batch_size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits, prenorm = self._forward(batch_size)
+            graph, (logits, prenorm) = capture_cuda_graph(
+                lambda size=batch_size: self._forward(size), pool, stream)
             self.graphs[batch_size] = (graph, logits, prenorm)
         self.seq_lens.zero_()
         torch.cuda.synchronize(self.device)

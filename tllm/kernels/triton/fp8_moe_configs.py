@@ -13,7 +13,7 @@ sweep `benchmarks/gpu_fp8_moe_sweep.py` prints the replacement for `FP8_CONFIGS`
 here with the device and date."""
 from __future__ import annotations
 
-from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig
+from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig, config_by_load
 
 SCHEMES = ("channel", "block")
 W8A8_MIN_BLOCK_M = 32  # smaller tiles (decode) take the weight-only form (W8A16)
@@ -42,8 +42,7 @@ def fp8_moe_config(num_tokens: int, top_k: int, num_experts: int,
     per-tensor weight scales) or "block" (block scales)."""
     if scheme not in FP8_CONFIGS:
         raise ValueError(f"scheme must be one of {sorted(FP8_CONFIGS)}, got {scheme!r}")
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    return next(cfg for limit, cfg in FP8_CONFIGS[scheme] if per_expert <= limit)
+    return config_by_load(FP8_CONFIGS[scheme], num_tokens, top_k, num_experts)
 
 
 def is_w8a8(config: MoeConfig) -> bool:

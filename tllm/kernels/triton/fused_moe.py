@@ -326,8 +326,14 @@ _CONFIGS = (
 
 def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     """The tile configuration for a step, by the average pairs an expert gets."""
+    return config_by_load(_CONFIGS, num_tokens, top_k, num_experts)
+
+
+def config_by_load(table, num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
+    """The first config of `table` ((largest average pairs per expert, config), ascending)
+    whose bound the step's average pairs per expert does not pass."""
     per_expert = num_tokens * top_k / max(1, num_experts)
-    return next(cfg for limit, cfg in _CONFIGS if per_expert <= limit)
+    return next(cfg for limit, cfg in table if per_expert <= limit)
 
 
 def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4
-from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, align_pairs, moe_config,
-                                           sum_top_k)
+from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, align_pairs, config_by_load,
+                                           moe_config, sum_top_k)
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
 
 
@@ -266,9 +266,9 @@ def mxfp4_moe_config(num_tokens: int, top_k: int, num_experts: int,
                      mxfp4_dot: str = "bits") -> MoeConfig:
     """The tile configuration of an MXFP4 step (_MXFP4_CONFIGS, then moe_config); "scaled"
     has no GEMV: 16-row tiles there."""
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    cfg = next((cfg for limit, cfg in _MXFP4_CONFIGS if per_expert <= limit),
-               None) or moe_config(num_tokens, top_k, num_experts)
+    bf16_tiles = moe_config(num_tokens, top_k, num_experts)
+    cfg = config_by_load(_MXFP4_CONFIGS + ((float("inf"), bf16_tiles),), num_tokens, top_k,
+                         num_experts)
     return replace(cfg, block_m=16) if cfg.block_m == 1 and mxfp4_dot == "scaled" else cfg
 
 

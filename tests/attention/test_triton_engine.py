@@ -40,3 +40,25 @@ def test_gemma2_soft_cap_and_window_match_torch_backend(device, tmp_path):
     from tests.models.test_gemma_parity import make_tiny_gemma
     make_tiny_gemma("Gemma2", tmp_path, num_hidden_layers=2)  # one of each kind
     assert greedy_tokens(tmp_path, "triton", device) == greedy_tokens(tmp_path, "torch", device)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3", "Gemma3"])
+def test_fused_qk_norms_match_torch_backend(arch, device, tmp_path, monkeypatch):
+    """Qwen3's RMSNorm and Gemma 3's GemmaRMSNorm q/k norms run inside the rotation kernel
+    (no norm module is called) and give the torch backend's tokens."""
+    from tests.models.test_dense_parity import save_tiny
+    from tests.models.test_gemma_parity import make_tiny_gemma
+    from tllm.layers import norm
+    if arch == "Qwen3":
+        save_tiny(arch, tmp_path, num_hidden_layers=2)
+    else:
+        make_tiny_gemma(arch, tmp_path, num_hidden_layers=2)
+    want = greedy_tokens(tmp_path, "torch", device)
+    calls = {"norms on heads": 0}
+    for cls in (norm.RMSNorm, norm.GemmaRMSNorm):
+        def counting(self, x, *args, _forward=cls.forward, **kwargs):
+            calls["norms on heads"] += x.dim() == 3
+            return _forward(self, x, *args, **kwargs)
+        monkeypatch.setattr(cls, "forward", counting)
+    assert greedy_tokens(tmp_path, "triton", device) == want
+    assert calls["norms on heads"] == 0

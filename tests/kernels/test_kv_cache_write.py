@@ -156,3 +156,49 @@ def test_write_kv_rejects_mixed_cache_dtypes(device):
     k_cache = torch.zeros(1, 16, 1, 16, device=device)
     with pytest.raises(ValueError, match="fp8"):
         write_kv(k, k, k_cache, k_cache.to(FP8), slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", [1, 2], ids=["rmsnorm", "gemma"])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 2, 64), (3, 3, 96)])
+def test_rope_and_write_kv_with_qk_norm(device, dtype, kind, num_heads, num_kv_heads,
+                                        head_dim):
+    """Per-head RMSNorms of q and k in the same kernel (Qwen3's, Gemma 3's) against the
+    modules themselves, then the rotation; head_dim 96: padded halves; q and k weights
+    differ (equal head counts must not mix them up)."""
+    from tllm.kernels.triton.kv_cache import QkNorm
+    from tllm.layers.norm import GemmaRMSNorm, RMSNorm
+    num_tokens, tokens_per_block, max_pos = 9, 16, 64
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    rotary = RotaryEmbedding(inv_freq, 1.0, max_pos).to(device)
+    positions = torch.randint(0, max_pos, (num_tokens,), device=device)
+    q = 3 * torch.randn(num_tokens, num_heads, head_dim, device=device).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, device=device).to(dtype)
+    norm_cls = RMSNorm if kind == 1 else GemmaRMSNorm
+    norms = [norm_cls(head_dim, 1e-6).to(device).to(dtype) for _ in range(2)]
+    for norm in norms:
+        norm.weight.data = (1 + 0.5 * torch.randn(head_dim, device=device)).to(dtype)
+    slots = random_slots(num_tokens, 2, tokens_per_block, device, num_skipped=1)
+    got = caches(2, tokens_per_block, num_kv_heads, head_dim, dtype, device)
+    fused = QkNorm(norms[0].weight, norms[1].weight, 1e-6, kind)
+    q_out = rope_and_write_kv(positions, q, k, v, rotary.cos, rotary.sin, *got, slots,
+                              qk_norm=fused)
+    on_cpu = [norm_cls(head_dim, 1e-6).to(dtype) for _ in range(2)]
+    for mine, theirs in zip(on_cpu, norms):
+        mine.weight.data = theirs.weight.data.cpu()
+    args = (positions.cpu(), q.cpu(), k.cpu(), v.cpu(), rotary.cos.cpu(), rotary.sin.cpu())
+    # the modules, then the unfused reference
+    want = caches(2, tokens_per_block, num_kv_heads, head_dim, torch.float32, "cpu")
+    q_ref = rope_and_write_kv_ref(args[0], on_cpu[0](args[1]), on_cpu[1](args[2]), *args[3:],
+                                  *want, slots.cpu())
+    assert relative_error(q_out.cpu(), q_ref) < TOL[dtype]
+    for g, w in zip(got, want):
+        assert torch.equal(g.cpu().isnan(), w.isnan())
+        assert relative_error(g.cpu().nan_to_num(), w.nan_to_num()) < TOL[dtype]
+    # the reference's own form of the norms is the modules'
+    cpu_norm = QkNorm(on_cpu[0].weight, on_cpu[1].weight, 1e-6, kind)
+    again = caches(2, tokens_per_block, num_kv_heads, head_dim, torch.float32, "cpu")
+    q_again = rope_and_write_kv_ref(*args, *again, slots.cpu(), qk_norm=cpu_norm)
+    assert torch.equal(q_again, q_ref)
+    assert torch.equal(again[0].nan_to_num(), want[0].nan_to_num())

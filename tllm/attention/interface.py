@@ -189,9 +189,14 @@ class AttentionBackend(ABC):
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: KVCache, metadata: AttentionMetadata, rotary,
                           kv_scales: tuple[float, float] = NO_KV_SCALES,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
+                          sinks: torch.Tensor | None = None,
+                          qk_norm: tuple[Callable, Callable] | None = None) -> torch.Tensor:
         """Rotary embedding, then forward; a backend may fuse the rotation into its cache
-        write (the rotary module holds cos/sin tables [max_position, head_dim])."""
+        write (the rotary module holds cos/sin tables [max_position, head_dim]).
+        `qk_norm`: (q_norm, k_norm), per-head norms applied to q and k before the rotation
+        (Qwen3's; a backend may fuse them too)."""
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = rotary(metadata.positions, q, k)
         return self.forward(q, k, v, kv_cache, metadata, kv_scales, sinks)
 

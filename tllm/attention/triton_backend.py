@@ -15,7 +15,9 @@ from tllm.attention.causal_limits import attend_with_limits
 from tllm.attention.interface import NO_KV_SCALES, AttentionBackend, AttentionMetadata, KVCache
 from tllm.kernels.triton.context_attention import paged_context_attention
 from tllm.kernels.triton.decode_attention import MAX_DECODE_QUERIES, paged_decode_attention
-from tllm.kernels.triton.kv_cache import rope_and_write_kv, write_kv
+from tllm.kernels.triton.kv_cache import (GEMMA_NORM, LLAMA_NORM, QkNorm, rope_and_write_kv,
+                                          write_kv)
+from tllm.layers.norm import GemmaRMSNorm, RMSNorm
 
 _MAX_HEAD_DIM = 256
 
@@ -66,21 +68,29 @@ class TritonAttentionBackend(AttentionBackend):
     def forward_with_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           kv_cache: KVCache, metadata: AttentionMetadata, rotary,
                           kv_scales: tuple[float, float] = NO_KV_SCALES,
-                          sinks: torch.Tensor | None = None) -> torch.Tensor:
-        """One kernel rotates q and k and writes k and v into the cache (a rotary that
-        covers only part of each head, as GPT-NeoX's, rotates first and writes after)."""
+                          sinks: torch.Tensor | None = None,
+                          qk_norm: tuple | None = None) -> torch.Tensor:
+        """One kernel normalises q and k per head (`qk_norm`, where the norms are RMSNorm
+        or GemmaRMSNorm modules), rotates them and writes k and v into the cache (a rotary
+        that covers only part of each head, as GPT-NeoX's, rotates first and writes after)."""
         if metadata.capture is not None:  # piecewise capture: runs between the pieces
             return metadata.capture.defer(self.forward_with_rope, q, k, v, kv_cache, metadata,
-                                          rotary, kv_scales, sinks)
-        if getattr(rotary, "rotary_dim", self.head_dim) != self.head_dim:
+                                          rotary, kv_scales, sinks, qk_norm)
+        fused_norm = fusable_qk_norm(qk_norm, q.dtype)
+        partial = getattr(rotary, "rotary_dim", self.head_dim) != self.head_dim
+        compiling = torch.compiler.is_compiling()
+        if qk_norm is not None and (fused_norm is None or partial or compiling):
+            q, k = qk_norm[0](q), qk_norm[1](k)
+            fused_norm = None
+        if partial:
             return super().forward_with_rope(q, k, v, kv_cache, metadata, rotary, kv_scales,
                                              sinks)
         scales = _cache_scales(kv_cache, kv_scales)
-        if torch.compiler.is_compiling():
+        if compiling:
             return self._compiled(q, k, v, kv_cache, metadata, rotary, scales, sinks)
         q = rope_and_write_kv(metadata.positions, q, k, v, rotary.cos, rotary.sin,
                               kv_cache[0], kv_cache[1], metadata.slot_mapping,
-                              k_scale=scales[0], v_scale=scales[1])
+                              k_scale=scales[0], v_scale=scales[1], qk_norm=fused_norm)
         return self._attend(q, kv_cache, metadata, scales, sinks)
 
     def _compiled(self, q, k, v, kv_cache: KVCache, metadata: AttentionMetadata, rotary,
@@ -156,3 +166,18 @@ def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[fl
     if kv_cache[0].dtype != torch.float8_e4m3fn:
         return NO_KV_SCALES
     return float(kv_scales[0]), float(kv_scales[1])
+
+
+def fusable_qk_norm(qk_norm: tuple | None, dtype: torch.dtype) -> QkNorm | None:
+    """The kernel's form of (q_norm, k_norm) when both are plain RMSNorm (or both
+    GemmaRMSNorm) modules of one eps with weights in the activations' dtype (the modules'
+    output dtype); else None (the modules run unfused)."""
+    if qk_norm is None:
+        return None
+    q_norm, k_norm = qk_norm
+    kinds = {RMSNorm: LLAMA_NORM, GemmaRMSNorm: GEMMA_NORM}
+    kind = kinds.get(type(q_norm))
+    if (kind is None or type(k_norm) is not type(q_norm) or q_norm.eps != k_norm.eps
+            or q_norm.weight.dtype != dtype or k_norm.weight.dtype != dtype):
+        return None
+    return QkNorm(q_norm.weight, k_norm.weight, q_norm.eps, kind)

@@ -74,13 +74,13 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         # a learned logit per head (GPT-OSS's attention sinks), where the model has them
         sinks = getattr(self, "sinks", None)
-        sinks = {} if sinks is None else {"sinks": sinks}
+        extra = {} if sinks is None else {"sinks": sinks}
+        if self.qk_norm:  # the backend may fuse them into its rotation
+            extra["qk_norm"] = (self.q_norm, self.k_norm)
         out = self.attn.forward_with_rope(q, k, v, kv_cache, metadata, self.rotary,
-                                          self.kv_scales, **sinks)
+                                          self.kv_scales, **extra)
         return self.o_proj(out.flatten(1))
 
 

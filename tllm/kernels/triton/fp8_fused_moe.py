@@ -12,7 +12,8 @@ Two forms of one kernel, by the tile size the step's tokens per expert choose:
   W8A16 (decode, 16-row tiles): at a few pairs per expert the step is a stream of weight
     bytes; the fp8 weights are widened to the activation dtype in registers and multiply the
     unquantized activations, which skips two quantization launches and keeps the
-    activations' precision (as the dense FP8 path does at M = 1).
+    activations' precision (as the dense FP8 path does at M = 1). A step whose pairs rarely
+    share an expert (batch 1) skips the sort too: tllm.kernels.triton.moe_decode.
 
 References: tllm.kernels.fp8_moe.fp8_fused_experts_ref (W8A8) and tllm.kernels.moe.
 fused_experts_ref on the dequantized weights (W8A16)."""
@@ -27,6 +28,7 @@ from tllm.kernels.triton.fp8_moe_configs import fp8_moe_config, is_w8a8
 from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, PairBlocks, align_pairs,
                                            sum_top_k)
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
+from tllm.kernels.triton.moe_decode import decode_experts, use_decode_path
 
 
 @triton.jit
@@ -201,13 +203,22 @@ def fp8_fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_scale:
                              block: tuple[int, int] | None, topk_weights: torch.Tensor,
                              topk_ids: torch.Tensor, expert_start: int = 0,
                              config: MoeConfig | None = None,
-                             w8a8: bool | None = None) -> torch.Tensor:
+                             w8a8: bool | None = None,
+                             decode: bool | None = None) -> torch.Tensor:
     """tllm.kernels.fp8_moe.fp8_fused_experts on the Triton kernels (the weights as in its
-    Fp8Experts; arguments checked there). `w8a8` None: by the tile size (module docstring)."""
+    Fp8Experts; arguments checked there). `w8a8` None: by the tile size (module docstring).
+    `decode`: W8A16 on the sort-free path of tllm.kernels.triton.moe_decode (None: where
+    `use_decode_path` says, unless a tile config or W8A8 is asked for)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
+    if decode is None:
+        decode = (config is None and not w8a8
+                  and use_decode_path(num_tokens, top_k, num_experts))
+    if decode:
+        return decode_experts(hidden, w13, w2, topk_weights, topk_ids, expert_start,
+                              w13_scale=w13_scale, w2_scale=w2_scale, block=block)
     cfg = config or fp8_moe_config(num_tokens, top_k, num_experts,
                                    "channel" if block is None else "block")
     if w8a8 is None:

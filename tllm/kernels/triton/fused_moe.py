@@ -339,14 +339,24 @@ def config_by_load(table, num_tokens: int, top_k: int, num_experts: int) -> MoeC
 def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          expert_start: int = 0, config: MoeConfig | None = None,
-                         activation: str = "silu_gated") -> torch.Tensor:
+                         activation: str = "silu_gated",
+                         decode: bool | None = None) -> torch.Tensor:
     """tllm.kernels.moe.fused_experts on the Triton kernels (arguments checked there);
     `activation` "relu2": w13 is the up projection alone [E, I, H] and the intermediate is
-    relu(x W^T)^2 (tllm.kernels.moe.relu2_experts)."""
+    relu(x W^T)^2 (tllm.kernels.moe.relu2_experts). `decode`: the sort-free path of
+    tllm.kernels.triton.moe_decode (None: where `use_decode_path` says, unless a tile
+    config is given)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
+    # moe_decode imports this module's GemmTile
+    from tllm.kernels.triton.moe_decode import decode_experts, use_decode_path
+    if decode is None:
+        decode = config is None and use_decode_path(num_tokens, top_k, num_experts)
+    if decode:
+        return decode_experts(hidden, w13, w2, topk_weights, topk_ids, expert_start,
+                              activation)
     cfg = config or moe_config(num_tokens, top_k, num_experts)
     blocks = align_pairs(topk_ids, num_experts, cfg.block_m, expert_start)
     relu2 = activation == "relu2"

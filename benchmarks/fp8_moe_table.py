@@ -5,6 +5,10 @@ tllm.kernels.triton.fp8_moe_configs. Pure Python on the sweep's JSON (no GPU), s
 can be made again from a saved run:
 
     python benchmarks/fp8_moe_table.py RESULTS.json
+    python benchmarks/fp8_moe_table.py RESULTS.json --apply tllm/kernels/triton/fp8_moe_configs.py
+
+`--apply` replaces the file's FP8_CONFIGS assignment with the sweep's (so one GPU call can
+sweep, apply and measure the models on the tuned table; the file comes back through $OUT).
 """
 from __future__ import annotations
 
@@ -254,5 +258,29 @@ def _summary_line(name, scheme, t, gemm, model, per_bm, cur, scale_bk) -> str:
             f"{ratio:>11}")
 
 
+def apply_table(source: str, table: str) -> str:
+    """`source` (fp8_moe_configs.py) with its FP8_CONFIGS assignment (up to the closing
+    brace at the start of a line) replaced by `table`; ValueError where there is none."""
+    start = source.find("FP8_CONFIGS: dict[")
+    end = source.find("\n}\n", start)
+    if start < 0 or end < 0:
+        raise ValueError("no FP8_CONFIGS assignment found")
+    line_start = source.rfind("\n", 0, start) + 1
+    return source[:line_start] + table + source[end + 2:]
+
+
+def main(argv: list[str]) -> int:
+    table = python_table(json.loads(Path(argv[0]).read_text()))
+    print(table)
+    if len(argv) == 3 and argv[1] == "--apply":
+        if table.count("float(\"inf\")") != 2:  # a scheme the sweep timed nothing for
+            print("nothing to apply: the sweep chose no configuration", file=sys.stderr)
+            return 1
+        target = Path(argv[2])
+        target.write_text(apply_table(target.read_text(), table))
+        print(f"applied to {target}")
+    return 0
+
+
 if __name__ == "__main__":
-    print(python_table(json.loads(Path(sys.argv[1]).read_text())))
+    sys.exit(main(sys.argv[1:]))

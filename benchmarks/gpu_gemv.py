@@ -35,6 +35,16 @@ SHAPES = (("qkv", "plain", 6144, 4096, True), ("o", "plain", 4096, 4096, True),
           ("gate_up+silu", "silu_mul", 28672, 4096, True),
           ("down", "plain", 4096, 14336, True), ("gate_up", "plain", 28672, 4096, True),
           ("lm_head", "plain", 128256, 4096, False))
+# --models: the M = 1 linears (no bias) of issue 33's MoE models beside Llama-3.1-8B's
+MODEL_SHAPES = {
+    "qwen3-30b-a3b": (("q3moe qkv", "plain", 5120, 2048, True),
+                      ("q3moe o", "plain", 2048, 4096, True),
+                      ("q3moe router", "plain", 128, 2048, True)),
+    "mixtral-8x7b": (("mixtral router", "plain", 8, 4096, True),),
+    "qwen3-8b": (("q3 qkv", "plain", 6144, 4096, True), ("q3 o", "plain", 4096, 4096, True),
+                 ("q3 gate_up+silu", "silu_mul", 24576, 4096, True),
+                 ("q3 down", "plain", 4096, 12288, True)),
+}
 SMOKE_SHAPES = (("qkv", "plain", 48, 128, True), ("gate_up+silu", "silu_mul", 64, 96, True))
 L2_BYTES = 50 << 20
 MIN_COPIES = 4
@@ -168,8 +178,12 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="CPU, interpreter, tiny shapes")
     parser.add_argument("--budget", type=float, default=85.0, help="seconds for the sweep")
-    parser.add_argument("--write-table", metavar="PATH", help="the winners as a GEMV table")
+    parser.add_argument("--write-table", metavar="PATH",
+                        help="the winners as a GEMV table ('device': this device's table "
+                        "in tllm/kernels/triton/configs, which the dispatcher reads)")
     parser.add_argument("--json", metavar="PATH", help="all results")
+    parser.add_argument("--models", default="", help="comma-separated MODEL_SHAPES keys "
+                        "(or 'all') swept after Llama-3.1-8B's shapes")
     return parser.parse_args(argv)
 
 
@@ -183,6 +197,12 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float16 if args.smoke else torch.bfloat16
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    models = list(MODEL_SHAPES) if args.models == "all" else [
+        m for m in args.models.split(",") if m]
+    for model in models:
+        if model not in MODEL_SHAPES:
+            raise SystemExit(f"--models: unknown {model!r}; choose from {sorted(MODEL_SHAPES)}")
+        shapes = shapes + MODEL_SHAPES[model]
     results = {"device": "cpu (interpreter)" if args.smoke else torch.cuda.get_device_name(),
                "dtype": str(dtype).replace("torch.", ""), "shape_list": shapes, "shapes": {},
                "copy_TBps": copy_bandwidth(device, (16 << 20) if args.smoke else (2 << 30))
@@ -197,8 +217,12 @@ def main(argv=None) -> int:
         print(f"[{time.perf_counter() - started:5.1f} s] {name} done", flush=True)
     results["wall_s"] = time.perf_counter() - started
     if args.write_table:
-        Path(args.write_table).write_text(winners_table(results))
-        print(f"table written to {args.write_table}")
+        target = Path(args.write_table)
+        if args.write_table == "device":  # the table the dispatcher reads on this device
+            from tllm.kernels.triton.dense_gemv_configs import CONFIG_DIR, device_file_name
+            target = CONFIG_DIR / device_file_name(results["device"])
+        target.write_text(winners_table(results))
+        print(f"table written to {target}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print(summary(results))

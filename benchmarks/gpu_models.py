@@ -22,6 +22,7 @@ sliding-window KV capacity.
              gated DeltaNet state, 512 experts), with its state beside the KV at 8k
   llama4     dummy:llama-4-scout-24l (24 of Llama-4-Scout's 48 layers, ~111 GB: an H200
              only; chunked attention, top-1 experts + a shared expert)
+  qwen3next12, llama4_12  the same two models with 12 layers (~40 / ~55 GB: one H100)
   window     benchmarks/sliding_window_capacity.py on dummy:gemma-2-9b: concurrent
              requests that fit with and without window-aware KV in the same memory
 
@@ -53,14 +54,15 @@ PARTS = ("floor", "kernel", "mixtral", "qwen3moe", "window")
 MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
           "gptoss": "dummy:gpt-oss-20b", "nemotron": "dummy:nemotron-h-8b",
           "mixtral_fp8": "dummy:mixtral-8x7b", "qwen3next": "dummy:qwen3-next-80b-a3b-24l",
-          "llama4": "dummy:llama-4-scout-24l", "nemotron_bf16state": "dummy:nemotron-h-8b"}
+          "llama4": "dummy:llama-4-scout-24l", "nemotron_bf16state": "dummy:nemotron-h-8b",
+          "qwen3next12": "dummy:qwen3-next-80b-a3b-12l", "llama4_12": "dummy:llama-4-scout-12l"}
 QUANTIZATION = {"mixtral_fp8": "fp8"}  # a part's `quantization`; None for the rest
 # a part's KvCacheConfig fields (the rest: the defaults)
 KV_OPTIONS = {"nemotron_bf16state": {"mamba_ssm_cache_dtype": "bfloat16"}}
 # each part's weight in sharing --budget (seconds at the 560 s default)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
           "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195, "qwen3next": 195,
-          "llama4": 195, "nemotron_bf16state": 195}
+          "llama4": 195, "nemotron_bf16state": 195, "qwen3next12": 195, "llama4_12": 195}
 FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
                     "read: every non-expert parameter (LM head included; the input "
                     "embedding counted apart) plus top_k experts' weights per MoE layer")

@@ -24,6 +24,9 @@
 #   bash benchmarks/gpu_session.sh today6       # the day's GPU tests, Nemotron-H-8B (short)
 #   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, MXFP4 (one call)
 #   bash benchmarks/gpu_session.sh suite7       # the whole GPU suite, ~560 s (one call)
+#   bash benchmarks/gpu_session.sh tune8        # call 1: new GPU tests, MoE decode, GEMV + FP8 sweeps
+#   bash benchmarks/gpu_session.sh models8      # call 2 (warm): MTP, issue 33/37 models on the tables
+#   bash benchmarks/gpu_session.sh models37c    # issue 37's hybrids at 12 layers (one H100)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -275,8 +278,50 @@ case $section in
     step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
       --budget 110
     ;;
+  tune8)  # 2026-12-07 plan, call 1 (~500 s): the GPU tests of the eighth session's kernels
+    # (the sort-free MoE decode path, q/k norms in the rope kernel), the decode path against
+    # the tile path, the dense GEMV sweep with the MoE models' shapes (this device's table),
+    # the FP8 experts' sweep (applied to fp8_moe_configs.py). The tuned files go to $OUT and
+    # to .tuned/ (git-ignored: a machine still warm keeps it for models8)
+    export PYTHONUNBUFFERED=1
+    mkdir -p .tuned
+    step day_tests 90 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+      tests/kernels/test_moe_decode.py tests/kernels/test_fused_moe.py \
+      tests/kernels/test_fp8_moe_kernel.py tests/kernels/test_kv_cache_write.py \
+      tests/attention/test_triton_engine.py tests/models/test_gpu_architectures.py \
+      tests/kernels/test_mxfp4_bits.py tests/kernels/test_swiglu_moe_kernels.py
+    step moe_decode 110 python3 benchmarks/gpu_moe_decode.py --out "$OUT/moe_decode.json" \
+      --budget 95
+    step gemv 140 python3 benchmarks/gpu_gemv.py --models all --budget 115 \
+      --write-table device --json "$OUT/gpu_gemv.json"
+    step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
+      --budget 110
+    step fp8_apply 20 python3 benchmarks/fp8_moe_table.py "$OUT/fp8_moe_sweep.json" \
+      --apply tllm/kernels/triton/fp8_moe_configs.py
+    cp tllm/kernels/triton/configs/dense_gemv_*.json tllm/kernels/triton/fp8_moe_configs.py \
+      .tuned/ && cp .tuned/* "$OUT/"
+    ;;
+  models8)  # call 2, right after tune8 (its tables from .tuned/ while the machine is warm):
+    # MTP at a known acceptance, the MXFP4 experts alone, then issue 33's and 37's models at
+    # batch 1 against their floors and at max load (~560 s)
+    export PYTHONUNBUFFERED=1
+    if [ -d .tuned ]; then
+      cp .tuned/dense_gemv_*.json tllm/kernels/triton/configs/ 2>/dev/null
+      cp .tuned/fp8_moe_configs.py tllm/kernels/triton/ 2>/dev/null
+      echo "tables from .tuned: $(ls .tuned)"
+    fi
+    step gpu_mtp 90 python3 benchmarks/gpu_mtp.py --budget 84 --k 3 --corrupt 0,0.3 \
+      --out "$OUT/gpu_mtp.json"
+    step models8 450 python3 benchmarks/gpu_models.py --budget 440 --max-batch-size 512 \
+      --parts floor,qwen3moe,gptoss,mixtral_fp8
+    ;;
+  models37c)  # issue 37's hybrid and Llama 4 models at 12 layers (one H100 holds them)
+    export PYTHONUNBUFFERED=1
+    step models37c 560 python3 benchmarks/gpu_models.py --budget 550 --max-batch-size 256 \
+      --parts floor,qwen3next12,llama4_12,nemotron_bf16state
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|models8|models37c|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -50,3 +50,35 @@ def test_merged_config_minimises_the_summed_slowdown():
     a = {32: {"gate_up": {"x": 10.0, "y": 11.0}, "down": {"x": 5.0}}}
     b = {32: {"gate_up": {"x": 30.0, "y": 10.0}, "down": {"x": 5.0}}}
     assert table.merged_config([a, b])["gate_up"] == "y"
+
+
+def test_apply_rewrites_the_configs_module(tmp_path):
+    """--apply puts the sweep's table into fp8_moe_configs.py; the module still imports and
+    looks its configurations up from the new table."""
+    results = {"meta": {"device": "H100", "date": "2026-12-07T10:00"},
+               "models": {"a": {"shape": {"top_k": 2, "experts": 8},
+                                "sweep": {1: {"channel": sweep(16, "n32 k256 w4 s4"),
+                                              "block": sweep(16, "n16 k128 w4 s4")}}}}}
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(__import__("json").dumps(results))
+    module = Path(__file__).parents[2] / "tllm" / "kernels" / "triton" / "fp8_moe_configs.py"
+    target = tmp_path / "fp8_moe_configs.py"
+    target.write_text(module.read_text())
+    assert table.main([str(sweep_file), "--apply", str(target)]) == 0
+    spec = importlib.util.spec_from_file_location("applied_configs", target)
+    applied = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(applied)
+    assert applied.fp8_moe_config(1, 2, 8).gate_up == GemmTile(32, 256, 4, 4)
+    assert applied.fp8_moe_config(4096, 2, 8, "block").gate_up == GemmTile(16, 128, 4, 4)
+    assert "on H100, 2026-12-07" in target.read_text()
+
+
+def test_apply_keeps_the_file_when_a_scheme_has_no_rows(tmp_path):
+    results = {"meta": {}, "models": {"a": {"shape": {"top_k": 2, "experts": 8},
+                                            "sweep": {1: {"channel": sweep(16, "n32 k256 w4 s4")}}}}}
+    sweep_file = tmp_path / "sweep.json"
+    sweep_file.write_text(__import__("json").dumps(results))
+    target = tmp_path / "configs.py"
+    target.write_text("before\n")
+    assert table.main([str(sweep_file), "--apply", str(target)]) == 1
+    assert target.read_text() == "before\n"

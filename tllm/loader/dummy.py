@@ -132,6 +132,11 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                             "partial_rotary_factor": 0.25},
         tie_word_embeddings=False, dtype="bfloat16")),
 }
+# Half of those again (12 layers: ~20B / ~28B parameters, ~40 / ~55 GB): one H100 holds them
+PRESETS["qwen3-next-80b-a3b-12l"] = ("qwen3_next", {**PRESETS["qwen3-next-80b-a3b-24l"][1],
+                                                    "num_hidden_layers": 12})
+PRESETS["llama-4-scout-12l"] = ("llama4_text", {**PRESETS["llama-4-scout-24l"][1],
+                                                "num_hidden_layers": 12})
 
 
 def dummy_config(preset: str):

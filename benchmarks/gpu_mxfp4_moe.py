@@ -114,8 +114,16 @@ def make_routings(shape: Shape, num_tokens: int, device) -> list:
 # ---- timing ----
 
 def calls(experts: dict, routings: list, path: str, config=None) -> list:
-    """One zero-argument call per routing, for path "bits", "scaled" (MXFP4) or "bf16"."""
+    """One zero-argument call per routing, for path "bits", "scaled" (MXFP4) or "bf16"
+    (at a few tokens the sort-free decode path for bits and bf16), or "bits_tile" (bits on
+    the tile path always)."""
     from tllm.kernels.triton.swiglu_moe import swiglu_experts_triton
+    if path == "bits_tile":
+        w13, b13, w2, b2, s13, s2 = experts["mxfp4"]
+        return [lambda r=r: swiglu_experts_triton(r[0], w13, b13, w2, b2, r[1], r[2], ALPHA,
+                                                  LIMIT, w13_scales=s13, w2_scales=s2,
+                                                  config=config, decode=False)
+                for r in routings]
     if path == "bf16":
         w13, b13, w2, b2 = experts["bf16"]
         return [lambda r=r: swiglu_experts_triton(r[0], w13, b13, w2, b2, r[1], r[2], ALPHA,
@@ -137,10 +145,11 @@ def timed(fns: list, device) -> dict:
 
 def bench_tokens(shape: Shape, experts: dict, num_tokens: int, device, copy_b_s: float) -> dict:
     routings = make_routings(shape, num_tokens, device)
-    fns = {path: calls(experts, routings, path) for path in ("bits", "scaled", "bf16")}
+    fns = {path: calls(experts, routings, path)
+           for path in ("bits", "bits_tile", "scaled", "bf16")}
     row = {"num_tokens": num_tokens}
     want = fns["bf16"][0]().float()
-    for path in ("bits", "scaled"):
+    for path in ("bits", "bits_tile", "scaled"):
         try:
             row[f"{path}_max_abs_diff_vs_bf16"] = float((fns[path][0]().float() - want)
                                                         .abs().max())
@@ -173,7 +182,7 @@ def table(results: dict) -> str:
     lines = [" MoE experts: us per call (MXFP4 kernel vs bf16 comparator) ".center(110, "="),
              f"shape {results.get('shape')}; copy bandwidth {rate:.0f} GB/s; floor = the "
              "distinct experts' weight bytes / it",
-             f"{'T':>5}{'bits':>10}{'scaled':>10}{'bf16':>10}{'mxfp4 floor':>13}"
+             f"{'T':>5}{'bits':>10}{'bits tile':>10}{'scaled':>10}{'bf16':>10}{'mxfp4 floor':>13}"
              f"{'bf16 floor':>12}{'bits/floor':>12}{'bits|diff|':>12}{'scaled|diff|':>14}"]
     for t, row in results.get("rows", {}).items():
         if "bits" not in row:
@@ -181,7 +190,8 @@ def table(results: dict) -> str:
             continue
         ratio = row["bits"].get("us", float("nan")) / row["mxfp4_floor_us"]
         diffs = [row[f"{p}_max_abs_diff_vs_bf16"] for p in ("bits", "scaled")]
-        lines.append(f"{t:>5}{_us(row['bits'])}{_us(row['scaled'])}{_us(row['bf16'])}"
+        lines.append(f"{t:>5}{_us(row['bits'])}{_us(row.get('bits_tile', {}))}"
+                     f"{_us(row['scaled'])}{_us(row['bf16'])}"
                      f"{row['mxfp4_floor_us']:>13.1f}{row['bf16_floor_us']:>12.1f}"
                      f"{ratio:>12.1f}" + "".join(f"{d:>12.2e}" if isinstance(d, float)
                                                  else f"{'error':>12}" for d in diffs))

@@ -278,9 +278,9 @@ case $section in
     step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
       --budget 110
     ;;
-  tune8)  # 2026-12-07 plan, call 1 (~500 s): the GPU tests of the eighth session's kernels
-    # (the sort-free MoE decode path, q/k norms in the rope kernel), the decode path against
-    # the tile path, the dense GEMV sweep with the MoE models' shapes (this device's table),
+  tune8)  # 2026-12-07 plan, call 1 (~560 s): the GPU tests of the eighth session's kernels
+    # (the sort-free MoE decode paths, q/k norms in the rope kernel), the decode path against
+    # the tile path (bf16 / FP8 experts; GPT-OSS's MXFP4 ones), the dense GEMV sweep with the MoE models' shapes (this device's table),
     # the FP8 experts' sweep (applied to fp8_moe_configs.py). The tuned files go to $OUT and
     # to .tuned/ (git-ignored: a machine still warm keeps it for models8)
     export PYTHONUNBUFFERED=1
@@ -289,9 +289,11 @@ case $section in
       tests/kernels/test_moe_decode.py tests/kernels/test_fused_moe.py \
       tests/kernels/test_fp8_moe_kernel.py tests/kernels/test_kv_cache_write.py \
       tests/attention/test_triton_engine.py tests/models/test_gpu_architectures.py \
-      tests/kernels/test_mxfp4_bits.py tests/kernels/test_swiglu_moe_kernels.py
-    step moe_decode 110 python3 benchmarks/gpu_moe_decode.py --out "$OUT/moe_decode.json" \
-      --budget 95
+      tests/kernels/test_mxfp4_bits.py tests/kernels/test_swiglu_moe_kernels.py \
+      tests/kernels/test_swiglu_moe_decode.py
+    step moe_decode 100 python3 benchmarks/gpu_moe_decode.py --out "$OUT/moe_decode.json" \
+      --budget 85
+    step mxfp4 60 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 50
     step gemv 140 python3 benchmarks/gpu_gemv.py --models all --budget 115 \
       --write-table device --json "$OUT/gpu_gemv.json"
     step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \

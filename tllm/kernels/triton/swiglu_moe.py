@@ -34,6 +34,7 @@ from tllm.kernels.mxfp4 import BLOCK_SIZE, check_mxfp4
 from tllm.kernels.triton.fused_moe import (GemmTile, MoeConfig, align_pairs, config_by_load,
                                            moe_config, sum_top_k)
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot
+from tllm.kernels.triton.moe_decode import use_decode_path
 
 
 @triton.jit
@@ -328,13 +329,15 @@ def swiglu_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: tor
                           w13_scales: torch.Tensor | None = None,
                           w2_scales: torch.Tensor | None = None,
                           config: MoeConfig | None = None,
-                          mxfp4_dot: str = "bits") -> torch.Tensor:
+                          mxfp4_dot: str = "bits", decode: bool | None = None) -> torch.Tensor:
     """hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] in hidden's
     dtype, or with the scales MXFP4 blocks [E, 2I, H/32, 16] and [E, H, I/32, 16]; biases
     [E, 2I] and [E, H] (w2_bias None: not added, as on all tensor-parallel ranks but one);
     topk_* [T, k] (global ids; this rank holds experts expert_start .. + E - 1). Returns
     [T, H] in hidden's dtype. MXFP4 weights take mxfp4_moe_config's tiles by default and
-    `mxfp4_dot`'s dequantization (MXFP4_DOTS)."""
+    `mxfp4_dot`'s dequantization (MXFP4_DOTS). `decode`: the sort-free path of
+    tllm.kernels.triton.swiglu_moe_decode (None: where moe_decode.use_decode_path says,
+    unless a tile config or the "scaled" dot is asked for)."""
     k13 = w13.shape[2] * (BLOCK_SIZE if w13_scales is not None else 1)
     if hidden.dim() != 2 or hidden.shape[1] != k13:
         raise ValueError(f"hidden must be [tokens, {k13}], got {tuple(hidden.shape)}")
@@ -347,6 +350,15 @@ def swiglu_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: tor
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
+    if decode is None:  # (one GEMM in MXFP4 and the other not: the tile path has it)
+        decode = (config is None and mxfp4_dot == "bits"
+                  and (w13_scales is None) == (w2_scales is None)
+                  and use_decode_path(num_tokens, top_k, num_experts))
+    if decode:
+        from tllm.kernels.triton.swiglu_moe_decode import swiglu_decode_experts  # imports us
+        return swiglu_decode_experts(hidden, w13, w13_bias, w2, w2_bias, topk_weights,
+                                     topk_ids, alpha, limit, expert_start, w13_scales,
+                                     w2_scales)
     if w13_scales is not None and w2_scales is not None:
         _is_scaled_dot(mxfp4_dot, hidden.dtype)  # checked before any launch
         cfg = config or mxfp4_moe_config(num_tokens, top_k, num_experts, mxfp4_dot)

@@ -5,7 +5,8 @@ by time (their calls per step). A diagnosis aid, not a figure of merit: the prof
 host time; `gpu_models.py` times the same models without it.
 
     python benchmarks/gpu_profile_decode.py [--models dummy:gpt-oss-20b,...] [--batch 1,128]
-        [--osl 64] [--budget 200] [--mtp K]   # --mtp: DeepSeek-V3 models with MTP drafting
+        [--osl 64] [--budget 200] [--mtp K] [--quantization fp8]
+        # --mtp: DeepSeek-V3 models with MTP drafting
         (random weights accept ~nothing: a step is a verify of 1 + K tokens and K drafts)
     python benchmarks/gpu_profile_decode.py --smoke   # the plumbing on the CPU
 """
@@ -31,18 +32,21 @@ TOP = 12
 
 
 def profile_model(model: str, batches: list[int], osl: int, smoke: bool,
-                  mtp: int = 0) -> dict:
+                  mtp: int = 0, quantization: str | None = None) -> dict:
     from gpu_fastpath import _profiler, _trace_events, short_kernel_name, trace_summary
     from tllm import LLM, SamplingParams
     device = torch.device("cpu" if smoke else "cuda")
     started = time.perf_counter()
     options = {"dtype": "float32"} if smoke else {}
+    if quantization:
+        options["quantization"] = quantization
     if mtp:
         from tllm import MTPDecodingConfig
         options["speculative_config"] = MTPDecodingConfig(max_draft_len=mtp)
     llm = LLM(model, device=device.type, max_batch_size=max(batches),
               max_seq_len=16 + osl + 8 + mtp, **options)
-    result = {"model": model, "build_s": time.perf_counter() - started, "batches": {}}
+    result = {"model": model, "quantization": quantization,
+              "build_s": time.perf_counter() - started, "batches": {}}
     params = SamplingParams(max_tokens=osl, temperature=0.0, ignore_eos=True)
     sync = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
     for batch in batches:
@@ -97,12 +101,13 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=200.0, help="seconds, all models")
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--mtp", type=int, default=0, help="MTP drafts a step (0: none)")
+    parser.add_argument("--quantization", default=None, help="e.g. fp8 (at load)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     batches = [int(b) for b in args.batch.split(",")]
     if args.child:  # one model in its own process
         print("RESULT " + json.dumps(profile_model(args.child, batches, args.osl, args.smoke,
-                                                   args.mtp)))
+                                                   args.mtp, args.quantization)))
         return 0
     models = ["dummy:smollm2-135m"] if args.smoke else args.models.split(",")
     results, deadline = [], time.perf_counter() + args.budget
@@ -110,6 +115,7 @@ def main() -> int:
         share = (deadline - time.perf_counter()) / (len(models) - i)
         argv = [sys.executable, __file__, "--child", model, "--batch", args.batch,
                 "--osl", str(args.osl), "--mtp", str(args.mtp)]
+        argv += ["--quantization", args.quantization] if args.quantization else []
         argv += ["--smoke"] if args.smoke else []
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=share)

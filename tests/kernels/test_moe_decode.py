@@ -65,7 +65,7 @@ def test_pairs_of_other_ranks_add_nothing(device, expert_start):
 def test_the_dispatcher_takes_it_for_few_pairs(device, monkeypatch):
     taken = []
     real = moe_decode.decode_experts
-    monkeypatch.setattr(moe_decode, "decode_experts",
+    monkeypatch.setattr(fused_moe, "decode_experts",
                         lambda *a, **kw: taken.append(a[4].shape[0]) or real(*a, **kw))
     w13, w2 = experts(32, torch.float32, device)
     for num_tokens in (1, 2, 5):              # 5 tokens x 2 = 10 pairs > 32 / 4

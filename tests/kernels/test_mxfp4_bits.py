@@ -13,8 +13,8 @@ from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
 from tllm.kernels.swiglu_moe import swiglu_experts_ref  # noqa: E402
 from tllm.kernels.triton.fused_moe import GemmTile, MoeConfig  # noqa: E402
-from tllm.kernels.triton.swiglu_moe import (_e2m1_times_scale, _scale_bits,  # noqa: E402
-                                            mxfp4_moe_config, swiglu_experts_triton)
+from tllm.kernels.triton.mxfp4_dots import _e2m1_times_scale, _scale_bits  # noqa: E402
+from tllm.kernels.triton.swiglu_moe import mxfp4_moe_config, swiglu_experts_triton  # noqa: E402
 
 # exact over the scale bytes 2 .. 252: checkpoints' range (GPT-OSS: about 100-130) and more
 EXACT_SCALES = (2, 3, 64, 100, 119, 120, 122, 126, 127, 128, 130, 160, 200, 250, 252)

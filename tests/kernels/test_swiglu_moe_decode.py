@@ -11,7 +11,7 @@ from tests.kernels.test_swiglu_moe_kernels import (ALPHA, HIDDEN, INTER, LIMIT, 
 from tllm.attention.testing import relative_error  # noqa: E402
 from tllm.kernels.mxfp4 import dequantize_mxfp4  # noqa: E402
 from tllm.kernels.swiglu_moe import swiglu_experts_ref  # noqa: E402
-from tllm.kernels.triton import swiglu_moe_decode  # noqa: E402
+from tllm.kernels.triton import swiglu_moe, swiglu_moe_decode  # noqa: E402
 from tllm.kernels.triton.swiglu_moe import swiglu_experts_triton  # noqa: E402
 
 
@@ -57,7 +57,7 @@ def test_decode_path_matches_reference(device, dtype, mxfp4, num_tokens, top_k, 
 def test_the_dispatcher_takes_it_for_few_pairs(device, monkeypatch):
     taken = []
     real = swiglu_moe_decode.swiglu_decode_experts
-    monkeypatch.setattr(swiglu_moe_decode, "swiglu_decode_experts",
+    monkeypatch.setattr(swiglu_moe, "swiglu_decode_experts",
                         lambda *a, **kw: taken.append(a[0].shape[0]) or real(*a, **kw))
     g = torch.Generator().manual_seed(3)
     (w13, b13, w2, b2, s13, s2), _ = experts(8, torch.float32, True, g)

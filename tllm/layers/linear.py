@@ -8,11 +8,12 @@ scheme, as TensorRT-LLM and vLLM use it)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tllm.distributed import comm
 from tllm.layers.quant.base import (PER_OUTPUT, UNQUANTIZED, ParamLayout, QuantMethod,
-                                    add_param)
+                                    UnquantizedMethod, add_param)
 
 
 def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -54,6 +55,10 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None and type(self.quant) is UnquantizedMethod:
+            # the bias in the GEMM's epilogue, as nn.Linear: one launch, not a GEMM and an
+            # add (a wrapped method, LoRA's or the batch-invariant one, keeps its own apply)
+            return F.linear(x, self.weight, self.bias)
         out = self.quant.apply(self, x)
         return out if self.bias is None else out + self.bias
 

@@ -28,26 +28,13 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton.launch import cdiv, dot_precision, needs_fp32_dot, next_pow2
+from tllm.kernels.triton.moe_decode import decode_experts, use_decode_path
+from tllm.kernels.triton.moe_tiles import GemmTile, MoeConfig, config_by_load
+
+__all__ = ["GemmTile", "MoeConfig", "PairBlocks", "align_pairs", "config_by_load",
+           "expert_gemm", "fused_experts_triton", "moe_config", "sum_top_k"]
 
 _ONE_HOT_ELEMENTS = 8192  # [pairs, experts] tile of the sort kernels (32 registers a thread)
-
-
-@dataclass(frozen=True)
-class GemmTile:
-    """One GEMM's tile: block_n output columns (for gate_up: of each of gate and up, so a
-    program reads 2 * block_n weight rows), block_k of the reduction per step."""
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-@dataclass(frozen=True)
-class MoeConfig:
-    block_m: int          # rows of a tile; each expert's pairs padded to a multiple of it
-    gate_up: GemmTile
-    down: GemmTile
-    group_m: int = 1      # m tiles that walk the n tiles together (weight reuse in L2)
 
 
 @dataclass(frozen=True)
@@ -329,13 +316,6 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
     return config_by_load(_CONFIGS, num_tokens, top_k, num_experts)
 
 
-def config_by_load(table, num_tokens: int, top_k: int, num_experts: int) -> MoeConfig:
-    """The first config of `table` ((largest average pairs per expert, config), ascending)
-    whose bound the step's average pairs per expert does not pass."""
-    per_expert = num_tokens * top_k / max(1, num_experts)
-    return next(cfg for limit, cfg in table if per_expert <= limit)
-
-
 def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                          expert_start: int = 0, config: MoeConfig | None = None,
@@ -350,8 +330,6 @@ def fused_experts_triton(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     num_experts = w13.shape[0]
     if num_tokens == 0:
         return torch.empty_like(hidden)
-    # moe_decode imports this module's GemmTile
-    from tllm.kernels.triton.moe_decode import decode_experts, use_decode_path
     if decode is None:
         decode = config is None and use_decode_path(num_tokens, top_k, num_experts)
     if decode:

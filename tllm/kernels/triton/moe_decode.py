@@ -35,8 +35,8 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.triton.dense_gemv import _load_tile
-from tllm.kernels.triton.fused_moe import GemmTile
 from tllm.kernels.triton.launch import cdiv, next_pow2
+from tllm.kernels.triton.moe_tiles import GemmTile
 
 # A pair's expert is rarely another's when the step's pairs are at most this share of the
 # experts (expected distinct experts of P uniform draws from E: E (1 - (1 - 1/E)^P), 89% of

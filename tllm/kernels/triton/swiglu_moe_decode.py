@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from tllm.kernels.mxfp4 import BLOCK_SIZE
-from tllm.kernels.triton.fused_moe import GemmTile
 from tllm.kernels.triton.launch import cdiv, next_pow2
 from tllm.kernels.triton.moe_decode import _rows_dot
-from tllm.kernels.triton.swiglu_moe import MXFP4_MIN_BLOCK_K, _gemv_mxfp4
+from tllm.kernels.triton.moe_tiles import GemmTile
+from tllm.kernels.triton.mxfp4_dots import MXFP4_MIN_BLOCK_K, _gemv_mxfp4
 
 # UNTUNED: swiglu_moe's one-row MXFP4 tile (_MXFP4_CONFIGS' first row); the dense GEMV's
 # defaults for weights in the activations' dtype

@@ -9,6 +9,8 @@ v / v_scale (the layer's per-tensor scales, fixed after loading: plain float ker
 so captured CUDA graphs keep them). torch_ref.py is the reference."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tllm.attention.causal_limits import attend_with_limits
@@ -171,13 +173,19 @@ def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[fl
 def fusable_qk_norm(qk_norm: tuple | None, dtype: torch.dtype) -> QkNorm | None:
     """The kernel's form of (q_norm, k_norm) when both are plain RMSNorm (or both
     GemmaRMSNorm) modules of one eps with weights in the activations' dtype (the modules'
-    output dtype); else None (the modules run unfused)."""
+    output dtype); else None (the modules run unfused). Made once per layer and weights:
+    an eager step asks every layer."""
     if qk_norm is None:
         return None
     q_norm, k_norm = qk_norm
+    return _fusable(q_norm, k_norm, q_norm.weight, k_norm.weight, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _fusable(q_norm, k_norm, q_weight, k_weight, dtype) -> QkNorm | None:
     kinds = {RMSNorm: LLAMA_NORM, GemmaRMSNorm: GEMMA_NORM}
     kind = kinds.get(type(q_norm))
     if (kind is None or type(k_norm) is not type(q_norm) or q_norm.eps != k_norm.eps
-            or q_norm.weight.dtype != dtype or k_norm.weight.dtype != dtype):
+            or q_weight.dtype != dtype or k_weight.dtype != dtype):
         return None
-    return QkNorm(q_norm.weight, k_norm.weight, q_norm.eps, kind)
+    return QkNorm(q_weight, k_weight, q_norm.eps, kind)

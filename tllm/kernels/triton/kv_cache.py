@@ -56,11 +56,12 @@ def _copy_heads(dst_ptr, src_ptr, stride_dst_h, stride_src_h, scale, NUM_HEADS: 
 
 
 @triton.jit
-def _norm_halves(x1, x2, w_ptr, eps, offs_d, HALF_DIM: tl.constexpr, NORM: tl.constexpr,
-                 DTYPE: tl.constexpr):
+def _norm_halves(x1, x2, w_ptr, eps, offs_d, src_ptr, HALF_DIM: tl.constexpr,
+                 NORM: tl.constexpr):
     """Each head's (row's) RMSNorm over both halves, in float32: NORM 1 as RMSNorm (rounded
-    to DTYPE, times the weight, rounded again), 2 as GemmaRMSNorm (times 1 + weight, rounded
-    once); the halves' padding lanes hold 0."""
+    to src's dtype, times the weight, rounded again), 2 as GemmaRMSNorm (times 1 + weight,
+    rounded once); the halves' padding lanes hold 0."""
+    DTYPE = src_ptr.dtype.element_ty
     inv_rms = tl.math.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF_DIM)
                             + eps)[:, None]
     w1 = tl.load(w_ptr + offs_d, mask=offs_d < HALF_DIM, other=0.0).to(tl.float32)[None, :]
@@ -93,8 +94,7 @@ def _rotate_heads(dst_ptr, src_ptr, cos_ptr, sin_ptr, stride_dst_h, stride_src_h
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF_DIM, mask=mask, other=0.0).to(tl.float32)
     if NORM != 0:
-        x1, x2 = _norm_halves(x1, x2, norm_w_ptr, eps, offs_d, HALF_DIM, NORM,
-                              src_ptr.dtype.element_ty)
+        x1, x2 = _norm_halves(x1, x2, norm_w_ptr, eps, offs_d, src_ptr, HALF_DIM, NORM)
     dst = dst_ptr + offs_h * stride_dst_h + offs_d[None, :]
     tl.store(dst, _to_cache(x1 * cos1 - x2 * sin1, dst_ptr, scale, FP8, EMULATE), mask=mask)
     tl.store(dst + HALF_DIM, _to_cache(x2 * cos2 + x1 * sin2, dst_ptr, scale, FP8, EMULATE),

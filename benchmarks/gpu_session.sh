@@ -278,30 +278,31 @@ case $section in
     step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
       --budget 110
     ;;
-  tune8)  # 2026-12-07 plan, call 1 (~560 s): the GPU tests of the eighth session's kernels
+  tune8)  # 2026-12-07 plan, call 1 (~570 s): the GPU tests of the eighth session's kernels
     # (the sort-free MoE decode paths, q/k norms in the rope kernel), the decode path against
-    # the tile path (bf16 / FP8 experts; GPT-OSS's MXFP4 ones), the dense GEMV sweep with the MoE models' shapes (this device's table),
-    # the FP8 experts' sweep (applied to fp8_moe_configs.py). The tuned files go to $OUT and
-    # to .tuned/ (git-ignored: a machine still warm keeps it for models8)
+    # the tile path (bf16 / FP8 experts; GPT-OSS's MXFP4 ones), the dense GEMV sweep with the
+    # MoE models' shapes (this device's table), the FP8 experts' sweep (applied to
+    # fp8_moe_configs.py). Each tuned file goes to .tuned/ (git-ignored: a machine still warm
+    # keeps it for models8) and $OUT as soon as it is made
     export PYTHONUNBUFFERED=1
     mkdir -p .tuned
-    step day_tests 90 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
+    step day_tests 120 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
       tests/kernels/test_moe_decode.py tests/kernels/test_fused_moe.py \
       tests/kernels/test_fp8_moe_kernel.py tests/kernels/test_kv_cache_write.py \
       tests/attention/test_triton_engine.py tests/models/test_gpu_architectures.py \
       tests/kernels/test_mxfp4_bits.py tests/kernels/test_swiglu_moe_kernels.py \
       tests/kernels/test_swiglu_moe_decode.py
-    step moe_decode 100 python3 benchmarks/gpu_moe_decode.py --out "$OUT/moe_decode.json" \
-      --budget 85
-    step mxfp4 60 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 50
-    step gemv 140 python3 benchmarks/gpu_gemv.py --models all --budget 115 \
+    step gemv 130 python3 benchmarks/gpu_gemv.py --models all --budget 105 \
       --write-table device --json "$OUT/gpu_gemv.json"
-    step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
-      --budget 110
+    cp tllm/kernels/triton/configs/dense_gemv_*.json .tuned/ && cp .tuned/* "$OUT/"
+    step fp8_sweep 140 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
+      --budget 100
     step fp8_apply 20 python3 benchmarks/fp8_moe_table.py "$OUT/fp8_moe_sweep.json" \
       --apply tllm/kernels/triton/fp8_moe_configs.py
-    cp tllm/kernels/triton/configs/dense_gemv_*.json tllm/kernels/triton/fp8_moe_configs.py \
-      .tuned/ && cp .tuned/* "$OUT/"
+    cp tllm/kernels/triton/fp8_moe_configs.py .tuned/ && cp .tuned/* "$OUT/"
+    step moe_decode 85 python3 benchmarks/gpu_moe_decode.py --out "$OUT/moe_decode.json" \
+      --budget 75
+    step mxfp4 50 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 40
     ;;
   models8)  # call 2, right after tune8 (its tables from .tuned/ while the machine is warm):
     # MTP at a known acceptance, the MXFP4 experts alone, then issue 33's and 37's models at

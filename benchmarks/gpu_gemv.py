@@ -35,13 +35,17 @@ SHAPES = (("qkv", "plain", 6144, 4096, True), ("o", "plain", 4096, 4096, True),
           ("gate_up+silu", "silu_mul", 28672, 4096, True),
           ("down", "plain", 4096, 14336, True), ("gate_up", "plain", 28672, 4096, True),
           ("lm_head", "plain", 128256, 4096, False))
-# --models: the M = 1 linears (no bias) of issue 33's MoE models, swept before Llama-3.1-8B's
+# --models: the M = 1 linears of issue 33's and 37's MoE models, swept before Llama-3.1-8B's
 # (Mixtral's attention has Llama's qkv and o shapes)
 MODEL_SHAPES = {
     "qwen3-30b-a3b": (("q3moe qkv", "plain", 5120, 2048, True),
                       ("q3moe o", "plain", 2048, 4096, True),
                       ("q3moe router", "plain", 128, 2048, True)),
     "mixtral-8x7b": (("mixtral router", "plain", 8, 4096, True),),
+    # biased layers (the GEMV adds the bias in its epilogue; timed without it)
+    "gpt-oss-20b": (("gptoss qkv", "plain", 5120, 2880, True),
+                    ("gptoss o", "plain", 2880, 4096, True),
+                    ("gptoss router", "plain", 32, 2880, True)),
 }
 SMOKE_SHAPES = (("qkv", "plain", 48, 128, True), ("gate_up+silu", "silu_mul", 64, 96, True))
 L2_BYTES = 50 << 20

@@ -54,6 +54,17 @@ def test_default_launch_matches_the_references(device, dtype, m, n, k):
     assert relative_error(gated, dense_gemv_silu_mul_ref(x, w)) < silu_mul_tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 36, 200), (3, 20, 96)])
+def test_bias_in_the_epilogue(device, dtype, m, n, k):
+    x, w = inputs(m, n, k, dtype, device)
+    bias = torch.randn(n, device=device).to(dtype)
+    out = dense_gemv(x, w, DenseGemvConfig(8, 64, 2, 2), bias)   # a partial last n tile
+    assert relative_error(out, dense_gemv_ref(x, w, bias)) < TOL[dtype]
+    with pytest.raises(ValueError, match="bias"):
+        dense_gemv(x, w, bias=bias[:-1])
+
+
 @pytest.mark.parametrize("cfg", [DenseGemvConfig(1, 32, 1, 1), DenseGemvConfig(8, 16, 2, 3),
                                  DenseGemvConfig(2, 64, 4, 2), DenseGemvConfig(16, 512, 4, 1)])
 @pytest.mark.parametrize("m", [1, 3])
@@ -182,7 +193,10 @@ def test_linear_takes_the_gemv_only_when_eligible(device, tmp_path, monkeypatch,
     assert dispatch.dense_linear(layer, torch.randn(2, 64, device=device).half()) is None
     assert dispatch.dense_linear(layer, x.float()) is None                    # fp32
     biased = plain_linear(24, 64, torch.float16, device, bias=True)
-    assert dispatch.dense_linear(biased, x) is None
+    calls.clear()   # a biased layer: the GEMV adds its bias in the epilogue
+    out = biased(x)
+    assert calls and relative_error(out, dense_gemv_ref(x, biased.weight, biased.bias)) < 1e-2
+    assert dispatch.dense_linear(biased, x, biased.bias.float()) is None      # bias dtype
     assert dispatch.dense_linear(plain_linear(24, 32, torch.float16, device),
                                  x[:, :32]) is None                           # not in table
 
@@ -234,14 +248,16 @@ def test_mlp_fuses_gate_up_and_silu_only_when_eligible(device, tmp_path, monkeyp
 
 def test_compile_keeps_the_gemv_whole(device, tmp_path, monkeypatch, gpu_like):
     monkeypatch.setenv(dispatch.TABLE_ENV, write_table(tmp_path / "t.json", [
-        table_row("plain", 24, 64, True), table_row("silu_mul", 96, 64, True)]))
+        table_row("plain", 24, 64, True), table_row("silu_mul", 96, 64, True),
+        table_row("plain", 16, 24, True)]))
     monkeypatch.setenv(dispatch.MODE_ENV, "auto")
     layer = plain_linear(24, 64, torch.float32, device)
+    biased = plain_linear(16, 24, torch.float32, device, bias=True)
     mlp = tiny_mlp(device, torch.float32)
     monkeypatch.setattr(dispatch, "_DTYPES", (torch.float32,))  # the interpreter's exact math
 
     def block(x):
-        return layer(mlp(x))
+        return biased(layer(mlp(x)))
 
     x = torch.randn(1, 64, device=device)
     explanation = torch._dynamo.explain(block)(x)

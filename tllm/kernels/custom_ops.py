@@ -104,14 +104,14 @@ def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_seq_len,
 
 @custom_op("tllm::dense_gemv", mutates_args=())
 def dense_gemv_op(x: Tensor, weight: Tensor, block_n: int, block_k: int, num_warps: int,
-                  num_stages: int) -> Tensor:
-    """x @ weight.T by the small-M GEMV (tllm/kernels/triton/dense_gemv.py)."""
+                  num_stages: int, bias: Optional[Tensor] = None) -> Tensor:
+    """x @ weight.T (+ bias) by the small-M GEMV (tllm/kernels/triton/dense_gemv.py)."""
     return dense_gemv.dense_gemv(x, weight, DenseGemvConfig(block_n, block_k, num_warps,
-                                                            num_stages))
+                                                            num_stages), bias)
 
 
 @dense_gemv_op.register_fake
-def _(x, weight, block_n, block_k, num_warps, num_stages) -> Tensor:
+def _(x, weight, block_n, block_k, num_warps, num_stages, bias=None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 

@@ -1,6 +1,7 @@
 """When a layer multiplies by the dense small-M GEMV (tllm.kernels.triton.dense_gemv) instead
-of cuBLAS: batch-1 decode (one flattened token), CUDA, bf16/fp16, a plain row-major weight,
-no bias, and a shape the device's table says the GEMV wins (`"use": true`). The two
+of cuBLAS: batch-1 decode (one flattened token), CUDA, bf16/fp16, a plain row-major weight
+(with a bias: the plain GEMV adds it; the gated one takes none), and a shape the device's
+table says the GEMV wins (`"use": true`). The two
 environment switches are read here and nowhere else:
 
   TLLM_DENSE_GEMV=auto (default) | 1 | 0   auto: the table decides; 1: every eligible call
@@ -79,22 +80,28 @@ def _runs_kernels(x) -> bool:
     return isinstance(x, torch.Tensor) and x.is_cuda
 
 
-def eligible(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
-    """One flattened token, the GEMV's dtypes, a plain row-major weight, no bias."""
-    return (_runs_kernels(x) and bias is None and x.dtype in _DTYPES
+def eligible(x: torch.Tensor, weight: torch.Tensor, bias, bias_ok: bool = False) -> bool:
+    """One flattened token, the GEMV's dtypes, a plain row-major weight; no bias, or with
+    `bias_ok` (the plain GEMV adds it) a contiguous one in x's dtype."""
+    if bias is not None and not (bias_ok and isinstance(bias, torch.Tensor)
+                                 and bias.dtype == x.dtype and bias.dim() == 1
+                                 and bias.stride(0) == 1):
+        return False
+    return (_runs_kernels(x) and x.dtype in _DTYPES
             and x.numel() == x.shape[-1] and isinstance(weight, torch.Tensor)
             and weight.dtype == x.dtype and weight.dim() == 2 and weight.stride(1) == 1)
 
 
-def dense_linear(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """x @ layer.weight.T by the GEMV where it is eligible and enabled; None: the caller
-    runs F.linear."""
+def dense_linear(layer: nn.Module, x: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x @ layer.weight.T (+ bias, in the epilogue) by the GEMV where it is eligible and
+    enabled; None: the caller runs F.linear."""
     if not _runs_kernels(x):  # first: the CPU path pays one check
         return None
     weight = layer.weight
-    if not eligible(x, weight, getattr(layer, "bias", None)):
+    if not eligible(x, weight, bias, bias_ok=True):
         return None
-    return _multiply("plain", x, weight)
+    return _multiply("plain", x, weight, bias)
 
 
 def gate_up_silu_mul(gate_up: nn.Module, act: nn.Module, down: nn.Module,
@@ -109,20 +116,22 @@ def gate_up_silu_mul(gate_up: nn.Module, act: nn.Module, down: nn.Module,
     return _multiply("silu_mul", x, gate_up.weight)
 
 
-def _multiply(kind: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """The GEMV of `kind` where the table enables it (None: the caller's cuBLAS path); the
-    custom op while torch.compile traces, the kernel otherwise."""
+def _multiply(kind: str, x: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The GEMV of `kind` (bias: "plain" only) where the table enables it (None: the
+    caller's cuBLAS path); the custom op while torch.compile traces, the kernel otherwise."""
     config = decide(kind, weight.shape[0], weight.shape[1], x.device)
     if config is None:
         return None
     if torch.compiler.is_compiling():
         from tllm.kernels import custom_ops
-        op = (custom_ops.dense_gemv_op if kind == "plain"
-              else custom_ops.dense_gemv_silu_mul_op)
-        return op(x, weight, *_launch_args(config))
+        if kind == "plain":
+            return custom_ops.dense_gemv_op(x, weight, *_launch_args(config), bias)
+        return custom_ops.dense_gemv_silu_mul_op(x, weight, *_launch_args(config))
     from tllm.kernels.triton import dense_gemv as kernels
-    run = kernels.dense_gemv if kind == "plain" else kernels.dense_gemv_silu_mul
-    return run(x, weight, config)
+    if kind == "plain":
+        return kernels.dense_gemv(x, weight, config, bias)
+    return kernels.dense_gemv_silu_mul(x, weight, config)
 
 
 def _wants_fp8_input(down: nn.Module, x: torch.Tensor) -> bool:

@@ -8,7 +8,6 @@ scheme, as TensorRT-LLM and vLLM use it)."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tllm.distributed import comm
@@ -56,9 +55,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.bias is not None and type(self.quant) is UnquantizedMethod:
-            # the bias in the GEMM's epilogue, as nn.Linear: one launch, not a GEMM and an
-            # add (a wrapped method, LoRA's or the batch-invariant one, keeps its own apply)
-            return F.linear(x, self.weight, self.bias)
+            # the bias in the GEMM's epilogue: one launch, not a GEMM and an add (a wrapped
+            # method, LoRA's or the batch-invariant one, keeps its own apply)
+            return self.quant.apply_with_bias(self, x, self.bias)
         out = self.quant.apply(self, x)
         return out if self.bias is None else out + self.bias
 

@@ -12,7 +12,8 @@ summed across K once, at the end (no shuffles in the loop). x is loaded in the t
 layout, so a thread's x values serve all its rows. At M > 1 (up to 4 rows a program) the
 weight tile is loaded once and each x row's products are summed along K every iteration.
 Rows past N are computed from row N - 1 (a clamped index) and not stored: no masked weight
-loads; K that is not a multiple of BLOCK_K takes masked loads."""
+loads; K that is not a multiple of BLOCK_K takes masked loads. `dense_gemv` adds a bias in
+its epilogue (GPT-OSS's and Qwen2's attention projections)."""
 from __future__ import annotations
 
 import torch
@@ -77,11 +78,13 @@ def _dots_rows(x_ptr, first_row, M, stride_xm, w_ptrs, up_step, offs_k, K,
 
 
 @triton.jit
-def _dense_gemv_kernel(out_ptr, x_ptr, w_ptr, M, N_OUT, K, stride_xm, stride_wn, stride_om,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GATED: tl.constexpr, EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Program (n tile, m tile): out[m tile, n tile] = x @ W.T, or with GATED silu(g) * u of
-    gate rows n and up rows N_OUT + n (g, u rounded to the output dtype first)."""
+def _dense_gemv_kernel(out_ptr, x_ptr, w_ptr, bias_ptr, M, N_OUT, K, stride_xm, stride_wn,
+                       stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """Program (n tile, m tile): out[m tile, n tile] = x @ W.T (+ bias[n], in fp32 before
+    the rounding, as cuBLAS's epilogue), or with GATED silu(g) * u of gate rows n and up
+    rows N_OUT + n (g, u rounded to the output dtype first)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,6 +101,8 @@ def _dense_gemv_kernel(out_ptr, x_ptr, w_ptr, M, N_OUT, K, stride_xm, stride_wn,
         g, u = _dots_rows(x_ptr, pid_m * BLOCK_M, M, stride_xm, w_ptrs, up_step, offs_k, K,
                           BLOCK_M, BLOCK_N, BLOCK_K, GATED, EVEN_K, NUM_STAGES)
     out_ty = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        g += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
     if GATED:
         g = g.to(out_ty).to(tl.float32)
         u = u.to(out_ty).to(tl.float32)
@@ -117,7 +122,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, name: str) -> None:
 
 
 def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, gated: bool,
-            config: DenseGemvConfig | None) -> torch.Tensor:
+            config: DenseGemvConfig | None, bias: torch.Tensor | None = None) -> torch.Tensor:
     cfg = config or DEFAULT_CONFIGS["silu_mul" if gated else "plain"]
     k = w.shape[1]
     x2 = x.reshape(-1, k)
@@ -130,18 +135,23 @@ def _launch(x: torch.Tensor, w: torch.Tensor, n_out: int, gated: bool,
         block_k = min(cfg.block_k, triton.next_power_of_2(k))
         grid = (triton.cdiv(n_out, cfg.block_n), triton.cdiv(m, block_m))
         _dense_gemv_kernel[grid](
-            out, x2, w, m, n_out, k, x2.stride(0), w.stride(0), out.stride(0),
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GATED=gated,
-            EVEN_K=k % block_k == 0, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+            out, x2, w, w if bias is None else bias, m, n_out, k, x2.stride(0), w.stride(0),
+            out.stride(0), BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            GATED=gated, HAS_BIAS=bias is not None, EVEN_K=k % block_k == 0, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
             num_stages=cfg.num_stages)
     return out.view(*x.shape[:-1], n_out)
 
 
-def dense_gemv(x: torch.Tensor, w: torch.Tensor,
-               config: DenseGemvConfig | None = None) -> torch.Tensor:
-    """x [..., K] @ w.T for w [N, K]: [..., N] in x's dtype (fp32 accumulation)."""
+def dense_gemv(x: torch.Tensor, w: torch.Tensor, config: DenseGemvConfig | None = None,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ w.T (+ bias [N]) for w [N, K]: [..., N] in x's dtype (fp32
+    accumulation, the bias added before the rounding)."""
     _check(x, w, "dense_gemv")
-    return _launch(x, w, w.shape[0], False, config)
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.stride(0) != 1
+                             or bias.dtype != x.dtype):
+        raise ValueError(f"dense_gemv: bias must be a contiguous [{w.shape[0]}] {x.dtype} "
+                         f"tensor, got {bias.dtype} {tuple(bias.shape)}")
+    return _launch(x, w, w.shape[0], False, config, bias)
 
 
 def dense_gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor,
@@ -155,9 +165,10 @@ def dense_gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor,
     return _launch(x, w_gate_up, w_gate_up.shape[0] // 2, True, config)
 
 
-def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float32 x @ w.T."""
-    return F.linear(x.float(), w.float())
+def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 x @ w.T (+ bias)."""
+    return F.linear(x.float(), w.float(), None if bias is None else bias.float())
 
 
 def dense_gemv_silu_mul_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:

@@ -79,8 +79,14 @@ class UnquantizedMethod(QuantMethod):
         add_param(layer, "weight", torch.empty(out_features, in_features), WEIGHT)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        out = dense_gemv_dispatch.dense_linear(layer, x)   # batch-1 decode, where it wins
-        return F.linear(x, layer.weight) if out is None else out
+        return self.apply_with_bias(layer, x, None)
+
+    def apply_with_bias(self, layer: nn.Module, x: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias in one launch: the GEMV (batch-1 decode, where it wins) or
+        F.linear with the bias in cuBLAS's epilogue, as nn.Linear."""
+        out = dense_gemv_dispatch.dense_linear(layer, x, bias)
+        return F.linear(x, layer.weight, bias) if out is None else out
 
 
 UNQUANTIZED = UnquantizedMethod()

@@ -42,8 +42,8 @@ ROUTINGS = 4
 # (block_n, block_k, num_warps, num_stages)
 GATE_UP_GRID = ((1, 1024, 4, 2), (2, 512, 4, 3), (2, 1024, 4, 2), (2, 2048, 8, 2),
                 (4, 512, 4, 2), (4, 1024, 8, 2), (8, 256, 4, 3))
-DOWN_GRID = ((2, 1024, 4, 2), (4, 512, 4, 3), (4, 1024, 4, 2), (8, 512, 4, 2),
-             (8, 1024, 8, 2), (16, 256, 4, 3))
+DOWN_GRID = ((2, 1024, 4, 2), (4, 512, 4, 3), (4, 1024, 4, 2), (4, 2048, 4, 2),
+             (8, 512, 4, 2), (8, 1024, 8, 2), (16, 256, 4, 3))
 
 
 def make_experts(spec, device):
@@ -107,7 +107,8 @@ def rel_error(out, x, weights, ids, deq) -> float:
 def bench(name, spec, device, bandwidth, deadline, sweep: bool) -> dict:
     from gpu_fp8 import time_calls
     from tllm.kernels.triton.fused_moe import GemmTile
-    from tllm.kernels.triton.moe_decode import DEFAULT_DECODE_CONFIG, MoeDecodeConfig
+    from tllm.kernels.triton.moe_decode import (DEFAULT_DECODE_CONFIG, FP8_DECODE_CONFIG,
+                                                MoeDecodeConfig)
     w13, w2, scales, deq = make_experts(spec, device)
     expert_bytes = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
     rows = {}
@@ -123,7 +124,7 @@ def bench(name, spec, device, bandwidth, deadline, sweep: bool) -> dict:
             row[f"{path}_us"] = time_calls([lambda s=s, p=path: call(p, w13, w2, scales, s)
                                             for s in sets], device)[0]
         if sweep and num_tokens == 1:
-            best = DEFAULT_DECODE_CONFIG
+            best = FP8_DECODE_CONFIG if scales else DEFAULT_DECODE_CONFIG
             for stage, grid in (("gate_up", GATE_UP_GRID), ("down", DOWN_GRID)):
                 for tile in (GemmTile(*t) for t in grid):
                     if time.perf_counter() > deadline:

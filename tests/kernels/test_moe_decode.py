@@ -84,9 +84,9 @@ def test_use_decode_path():
     assert not moe_decode.use_decode_path(0, 8, 128)
 
 
-@pytest.mark.parametrize("scheme", ["channel", "tensor", "block"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("expert_start", [0, 2])
+@pytest.mark.parametrize("scheme,expert_start", [("channel", 0), ("tensor", 2), ("block", 0),
+                                                 ("block", 2)])
 def test_fp8_experts_on_the_decode_path(device, scheme, dtype, expert_start):
     """W8A16 against fused_experts_ref on the dequantized weights; 32 x 32 scale blocks over
     K = 48 (a ragged second block) and 16-column K tiles: two tiles a scale block."""

@@ -52,9 +52,12 @@ class MoeDecodeConfig:
     down: GemmTile = GemmTile(4, 1024, 4, 2)
 
 
-# Not timed yet: the dense GEMV's defaults for its silu_mul and plain kinds (2 and 4 rows x
-# 1024 columns on 4 warps; benchmarks/gpu_moe_kernel.py --decode times them on a GPU).
+# Not timed yet (benchmarks/gpu_moe_decode.py sweeps them on a GPU): the dense GEMV's
+# defaults for its silu_mul and plain kinds (2 and 4 rows x 1024 columns on 4 warps: 16
+# bytes a thread a row of a bf16 tile); fp8 weights take twice the columns for the same
+# bytes in flight.
 DEFAULT_DECODE_CONFIG = MoeDecodeConfig()
+FP8_DECODE_CONFIG = MoeDecodeConfig(GemmTile(2, 2048, 4, 2), GemmTile(4, 2048, 4, 2))
 
 
 def use_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
@@ -194,7 +197,7 @@ def decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tllm.kernels.moe / fp8_moe): w13 [E, 2I, H] (relu2: [E, I, H]), w2 [E, H, I] -> [T, H].
     FP8 weights come with their scales (Fp8Experts' layouts; `block` (bn, bk) for block
     scales, None for per-channel)."""
-    cfg = config or DEFAULT_DECODE_CONFIG
+    cfg = config or (FP8_DECODE_CONFIG if w13.element_size() == 1 else DEFAULT_DECODE_CONFIG)
     num_tokens, top_k = topk_ids.shape
     num_experts, hidden_size, inter_size = w2.shape
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)

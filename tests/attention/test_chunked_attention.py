@@ -1,6 +1,7 @@
 """Chunked local attention (Llama 4's `attention_chunk_size`): the torch backend's batched
 path against the per-sequence reference, the reference's mask against a direct statement of
-the rule, and the Triton backend's refusal."""
+the rule, and the Triton backend in an engine against HF (its kernels are tested against the
+reference in tests/kernels/test_{decode,context}_attention.py)."""
 import random
 
 import pytest
@@ -40,7 +41,25 @@ def test_reference_mask_is_the_chunk_rule():
         assert mask[row].tolist() == expected
 
 
-def test_triton_backend_refuses_chunked_attention():
-    from tllm.attention.triton_backend import TritonAttentionBackend
-    with pytest.raises(ValueError, match="chunked local attention"):
-        TritonAttentionBackend(4, 2, 16, 0.25, attention_chunk_size=8)
+def test_triton_backend_gives_hf_tokens_for_llama4(device, tmp_path):
+    """The Triton kernels' chunk masks in the engine: a tiny Llama 4 (chunk 6, shorter than
+    most prompts and not a multiple of the 4-token KV blocks; chunked prefill over 16-token
+    steps; decode steps across chunk boundaries) gives HF's greedy tokens."""
+    import transformers
+
+    from tests.models.test_hf_parity import hf_greedy, make_prompts
+    from tests.models.test_llama4_parity import tiny_llama4_config
+    from tllm import LLM, KvCacheConfig, SamplingParams
+    torch.manual_seed(0)
+    model = transformers.Llama4ForCausalLM(tiny_llama4_config()).eval()
+    model.save_pretrained(tmp_path)
+    prompts = [make_prompts(model.config.vocab_size)[i] for i in (1, 2, 5)]  # 17, 40, 25
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(str(tmp_path), attn_backend="triton", device=str(device), dtype="float32",
+             max_num_tokens=16, max_batch_size=3, max_seq_len=64,
+             kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=512)) as llm:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                               use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        ref, _ = hf_greedy(model, prompt, 8)
+        assert list(output.outputs[0].token_ids)[:len(ref)] == ref

@@ -24,7 +24,7 @@ def fp8_caches(kv_cache, kv_scales):
 
 def check(device, query_lens, prefix_lens, num_heads=8, num_kv_heads=2, head_dim=64,
           tokens_per_block=16, dtype=torch.bfloat16, sliding_window=None, q=None,
-          kv_scales=None, logits_soft_cap=None):
+          kv_scales=None, logits_soft_cap=None, chunk=None):
     batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
                              tokens_per_block, dtype, device)
     m = batch.metadata
@@ -36,9 +36,9 @@ def check(device, query_lens, prefix_lens, num_heads=8, num_kv_heads=2, head_dim
     out = torch.full_like(batch.q, float("nan"))
     paged_context_attention(q, *args, m.max_query_len, scale, sliding_window, out=out,
                             k_scale=scales[0], v_scale=scales[1],
-                            logits_soft_cap=logits_soft_cap)
+                            logits_soft_cap=logits_soft_cap, attention_chunk_size=chunk)
     ref = paged_attention_ref(q, *args, scale, sliding_window, kv_scales=scales,
-                              logits_soft_cap=logits_soft_cap)
+                              logits_soft_cap=logits_soft_cap, chunk_size=chunk)
     err = relative_error(out, ref)
     assert err < TOL[dtype], err
     if logits_soft_cap is not None:  # the cap changes the result far beyond the tolerance
@@ -134,3 +134,10 @@ def test_fp8_cache_sliding_window(device):
 def test_fp8_cache_large_on_gpu(device):
     check(device, [1000, 517, 1, 2048], [0, 3000, 4095, 37], num_heads=32, num_kv_heads=8,
           head_dim=128, kv_scales=(0.02, 0.01))
+
+
+@pytest.mark.parametrize("chunk,window", [(8, None), (50, 50), (300, None)])
+def test_chunked_attention(device, chunk, window):
+    """Llama 4's chunked local attention: a query sees its own chunk's keys only; prompts
+    that cross several chunks, after a prefix and within one."""
+    check(device, [45, 2, 70], [30, 90, 0], chunk=chunk, sliding_window=window)

@@ -24,7 +24,7 @@ def fp8_caches(kv_cache, kv_scales):
 
 def check(device, prefix_lens, query_lens=None, num_heads=8, num_kv_heads=2, head_dim=64,
           tokens_per_block=16, dtype=torch.bfloat16, num_splits=None, sliding_window=None,
-          kv_scales=None, logits_soft_cap=None):
+          kv_scales=None, logits_soft_cap=None, chunk=None):
     query_lens = query_lens or [1] * len(prefix_lens)
     batch = make_paged_batch(query_lens, prefix_lens, num_heads, num_kv_heads, head_dim,
                              tokens_per_block, dtype, device)
@@ -36,8 +36,10 @@ def check(device, prefix_lens, query_lens=None, num_heads=8, num_kv_heads=2, hea
     out = torch.full_like(batch.q, float("nan"))
     paged_decode_attention(batch.q, *args, m.max_seq_len, scale, m.max_query_len,
                            sliding_window, num_splits, out=out, k_scale=scales[0],
-                           v_scale=scales[1], logits_soft_cap=logits_soft_cap)
-    ref = paged_attention_ref(batch.q, *args, scale, sliding_window, scales, logits_soft_cap)
+                           v_scale=scales[1], logits_soft_cap=logits_soft_cap,
+                           attention_chunk_size=chunk)
+    ref = paged_attention_ref(batch.q, *args, scale, sliding_window, scales, logits_soft_cap,
+                              chunk_size=chunk)
     err = relative_error(out, ref)
     assert err < TOL[dtype], err
     if logits_soft_cap is not None:  # the cap changes the result far beyond the tolerance
@@ -147,3 +149,12 @@ def test_fp8_cache_large_on_gpu(device):
     prefix_lens = [int(x) for x in torch.randint(1, 8192, (33,))] + [16383]
     check(device, prefix_lens, num_heads=32, num_kv_heads=8, head_dim=128,
           kv_scales=(0.02, 0.01))
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("chunk,window", [(16, None), (37, 37), (200, None)])
+def test_chunked_attention(device, num_splits, chunk, window):
+    """Llama 4's chunked local attention: a query sees its own chunk's keys only; the
+    verify rows of one request may straddle a chunk boundary (150..153 across 148)."""
+    check(device, [250, 20, 150, 63], query_lens=[1, 2, 4, 1], chunk=chunk,
+          sliding_window=window, num_splits=num_splits)

@@ -131,25 +131,20 @@ def test_dummy_preset_has_scout_width():
     assert chunks[:4] == [8192, 8192, 8192, None] and chunks.count(None) == 6
 
 
-def test_triton_backend_is_refused_and_auto_picks_torch():
-    from tllm.attention.triton_backend import TritonAttentionBackend
-    from tllm.models.llama4 import Llama4ForCausalLM
+def test_auto_picks_triton_on_a_gpu():
+    """The Triton kernels mask chunks (tests/attention/test_chunked_attention.py), so a
+    chunked model takes them on a GPU as any other does."""
     from tllm.attention import has_attention_backend
     from tllm.runner.build import pick_backend
-    with pytest.raises(ValueError, match="attn_backend='torch'"):
-        Llama4ForCausalLM(tiny_llama4_config(), TritonAttentionBackend, 64)
-    cuda = torch.device("cuda")
-    assert pick_backend("auto", cuda, tiny_llama4_config()) == "torch"
-    unchunked = tiny_llama4_config(attention_chunk_size=None)   # (older transformers still
-    assert pick_backend("auto", torch.device("cpu"), unchunked) == "torch"  # name the layers)
+    assert pick_backend("auto", torch.device("cpu"), tiny_llama4_config()) == "torch"
     if has_attention_backend("triton"):
-        assert pick_backend("auto", cuda, unchunked) == "triton"
+        assert pick_backend("auto", torch.device("cuda"), tiny_llama4_config()) == "triton"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_greedy_matches_hf(tiny_llama4):
-    """The CUDA path (the fused MoE kernel; the torch attention backend, which "auto" picks
-    for chunked layers) against HF on the CPU, fp32."""
+    """The CUDA path (the fused MoE kernel, the Triton attention kernels with their chunk
+    masks, CUDA graphs) against HF on the CPU, fp32."""
     path, hf_model = tiny_llama4
     prompts = make_prompts(hf_model.config.vocab_size)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

@@ -30,11 +30,7 @@ class TritonAttentionBackend(AttentionBackend):
                  logits_soft_cap: float | None = None, causal: bool = True,
                  attention_chunk_size: int | None = None) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window,
-                         logits_soft_cap, causal)
-        if attention_chunk_size is not None:  # the kernels mask by window, not by chunk
-            raise ValueError("the triton attention backend does not support chunked local "
-                             "attention (attention_chunk_size, Llama 4); use "
-                             "attn_backend='torch'")
+                         logits_soft_cap, causal, attention_chunk_size)
         # A non-causal window (ModernBERT's local layers, both sides) is not in the
         # kernels: such a layer attends on the torch path, which has it.
         self._windowed_encoder = None
@@ -113,7 +109,8 @@ class TritonAttentionBackend(AttentionBackend):
         return custom_ops.paged_decode_attention(
             q, k_cache, v_cache, metadata.block_tables, metadata.query_start_loc,
             metadata.seq_lens, metadata.max_seq_len, self.scale, metadata.max_query_len,
-            self.sliding_window, scales[0], scales[1], self.logits_soft_cap, sinks)
+            self.sliding_window, scales[0], scales[1], self.logits_soft_cap, sinks,
+            self.attention_chunk_size)
 
     def _attend(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                 scales: tuple[float, float], sinks: torch.Tensor | None) -> torch.Tensor:
@@ -151,7 +148,8 @@ class TritonAttentionBackend(AttentionBackend):
                                       max_query_len=max_query_len,
                                       sliding_window=self.sliding_window, out=out,
                                       k_scale=scales[0], v_scale=scales[1],
-                                      logits_soft_cap=self.logits_soft_cap, sinks=sinks)
+                                      logits_soft_cap=self.logits_soft_cap, sinks=sinks,
+                                      attention_chunk_size=self.attention_chunk_size)
 
     def _context(self, q, kv_cache, tables, starts, seq_lens, max_query_len, out, scales,
                  sinks):
@@ -160,7 +158,8 @@ class TritonAttentionBackend(AttentionBackend):
                                        sliding_window=self.sliding_window, out=out,
                                        k_scale=scales[0], v_scale=scales[1],
                                        logits_soft_cap=self.logits_soft_cap, sinks=sinks,
-                                       causal=self.causal)
+                                       causal=self.causal,
+                                       attention_chunk_size=self.attention_chunk_size)
 
 
 def _cache_scales(kv_cache: KVCache, kv_scales: tuple[float, float]) -> tuple[float, float]:

@@ -87,18 +87,20 @@ def paged_decode_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_ta
                            sliding_window: Optional[int] = None, k_scale: float = 1.0,
                            v_scale: float = 1.0,
                            logits_soft_cap: Optional[float] = None,
-                           sinks: Optional[Tensor] = None) -> Tensor:
+                           sinks: Optional[Tensor] = None,
+                           attention_chunk_size: Optional[int] = None) -> Tensor:
     """Decode attention over the paged cache, [T, Hq, D] like q."""
     return decode_attention.paged_decode_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_seq_len, scale,
         max_query_len=max_query_len, sliding_window=sliding_window, k_scale=k_scale,
-        v_scale=v_scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
+        v_scale=v_scale, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        attention_chunk_size=attention_chunk_size)
 
 
 @paged_decode_attention.register_fake
 def _(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, max_seq_len, scale,
       max_query_len=1, sliding_window=None, k_scale=1.0, v_scale=1.0,
-      logits_soft_cap=None, sinks=None) -> Tensor:
+      logits_soft_cap=None, sinks=None, attention_chunk_size=None) -> Tensor:
     return torch.empty_like(q)
 
 

@@ -52,13 +52,10 @@ def pick_dtype(name: str, config, device: torch.device, is_gguf: bool) -> torch.
 
 
 def pick_backend(name: str, device: torch.device, config=None) -> str:
-    """"auto": Triton on a GPU, unless the model (`config`) attends in chunks (Llama 4),
-    which only the torch backend does."""
+    """"auto": Triton on a GPU (its kernels mask windows and Llama 4's chunks), else torch."""
     if name == "auto":
-        chunked = ("chunked_attention" in (getattr(config, "layer_types", None) or ())
-                   and getattr(config, "attention_chunk_size", None) is not None)
         return ("triton" if device.type == "cuda" and has_attention_backend("triton")
-                and not chunked else "torch")
+                else "torch")
     return name
 
 

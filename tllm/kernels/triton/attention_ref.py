@@ -13,12 +13,14 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         sliding_window: int | None = None,
                         kv_scales: tuple[float, float] = (1.0, 1.0),
                         logits_soft_cap: float | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None,
+                        chunk_size: int | None = None) -> torch.Tensor:
     """Causal attention of each sequence's queries (the last query_len positions of its
     seq_len-token context) over its cached keys and values; float32 [T, Hq, D]. An fp8
     cache's values are dequantized with `kv_scales` (real = fp8 * scale); with
     `logits_soft_cap` the scores are capped (cap * tanh(scores / cap)) before the mask; `sinks`
-    [Hq]: a logit per head in the softmax's denominator (GPT-OSS's attention sinks)."""
+    [Hq]: a logit per head in the softmax's denominator (GPT-OSS's attention sinks);
+    `chunk_size`: chunked local attention (Llama 4: keys of the query's own chunk only)."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     tokens_per_block = k_cache.shape[1]
@@ -32,7 +34,7 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         k = k.transpose(0, 1).repeat_interleave(group, dim=0)             # [Hq, s, D]
         v = v.transpose(0, 1).repeat_interleave(group, dim=0)
         scores = soft_cap((qi @ k.transpose(1, 2)) * scale, logits_soft_cap)
-        mask = causal_mask(qi.shape[1], seq_len, sliding_window, q.device)
+        mask = causal_mask(qi.shape[1], seq_len, sliding_window, q.device, chunk_size)
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is None:
             probs = scores.softmax(dim=-1)

@@ -52,13 +52,14 @@ def _find_seq(query_start_loc_ptr, slot, num_seqs, BLOCK_M: tl.constexpr):
                                             "seq_lens_ptr"])
 def _context_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr,
-        seq_lens_ptr, sinks_ptr, qk_scale, soft_cap, window, num_seqs, k_scale, v_scale,
+        seq_lens_ptr, sinks_ptr, qk_scale, soft_cap, window, chunk, num_seqs, k_scale, v_scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_cb, stride_ct, stride_ch, stride_table,
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         USE_WINDOW: tl.constexpr, PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
-        SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CAUSAL: tl.constexpr = True):
+        SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr, CAUSAL: tl.constexpr = True,
+        USE_CHUNK: tl.constexpr = False):
     head = tl.program_id(0)
     # Later causal tiles do more work: launch them first, so short ones fill the tail.
     slot = tl.num_programs(1) - 1 - tl.program_id(1)
@@ -92,9 +93,15 @@ def _context_attention_kernel(
     table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_table
     acc, l_i, m_i = init_softmax_state(BLOCK_M, BLOCK_D)
 
-    # Keys before `mid` are visible to every row of the tile: no mask needed there.
-    if USE_WINDOW:
-        lo = tl.maximum(first_pos - window + 1, 0) // BLOCK_N * BLOCK_N
+    # Keys before `mid` are visible to every row of the tile: no mask needed there. A
+    # window or chunks (the first row's chunk starts the keys any row sees) mask all.
+    if USE_WINDOW or USE_CHUNK:
+        first_key = 0
+        if USE_WINDOW:
+            first_key = tl.maximum(first_pos - window + 1, 0)
+        if USE_CHUNK:
+            first_key = tl.maximum(first_key, first_pos // chunk * chunk)
+        lo = first_key // BLOCK_N * BLOCK_N
         mid = lo
     else:
         lo = 0
@@ -102,14 +109,14 @@ def _context_attention_kernel(
     hi = tl.minimum(seq_len, first_pos + BLOCK_M)
     for start_n in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, 0, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, chunk, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, False, USE_WINDOW, False, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, False, USE_WINDOW, USE_CHUNK, PRECISION, SOFT_CAP)
     for start_n in range(mid, hi, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, 0, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, seq_len, window, chunk, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, USE_WINDOW, False, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, USE_CHUNK, PRECISION, SOFT_CAP)
 
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2(e)
@@ -153,13 +160,15 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             v_scale: float = 1.0,
                             logits_soft_cap: float | None = None,
                             sinks: torch.Tensor | None = None,
-                            causal: bool = True) -> torch.Tensor:
+                            causal: bool = True,
+                            attention_chunk_size: int | None = None) -> torch.Tensor:
     """q [T, Hq, D]; caches [num_blocks, tokens_per_block, Hkv, D]; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
     overrides the tile sizes (for tuning); the scales are an fp8 cache's;
     `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2);
     `sinks`: [Hq] logits added to each head's softmax denominator (GPT-OSS);
-    `causal` False: every query attends all its sequence's keys (encoders)."""
+    `causal` False: every query attends all its sequence's keys (encoders);
+    `attention_chunk_size`: a query sees the keys of its own chunk only (Llama 4)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     if out is None:
@@ -174,7 +183,8 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _context_attention_kernel[grid](
         out, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        q if sinks is None else sinks, qk_scale, soft_cap, sliding_window or 0, num_seqs,
+        q if sinks is None else sinks, qk_scale, soft_cap, sliding_window or 0,
+        attention_chunk_size or 1, num_seqs,
         float(k_scale), float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, TOKENS_PER_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
@@ -182,6 +192,7 @@ def paged_context_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         USE_WINDOW=sliding_window is not None, PRECISION=dot_precision(q.dtype),
         DOT_FP32=needs_fp32_dot(_context_attention_kernel, q.dtype),
         SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None, CAUSAL=causal,
+        USE_CHUNK=attention_chunk_size is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -45,14 +45,16 @@ _PARTIAL_STRIDES = ["stride_pt", "stride_ph", "stride_lt", "stride_lh"]
                                             "seq_lens_ptr"])
 def _decode_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        query_start_loc_ptr, seq_lens_ptr, sinks_ptr, qk_scale, soft_cap, window, partition,
+        query_start_loc_ptr, seq_lens_ptr, sinks_ptr, qk_scale, soft_cap, window, chunk,
+        partition,
         k_scale, v_scale, stride_qt, stride_qh, stride_ot, stride_oh,
         stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_cb, stride_ct, stride_ch,
         stride_table,
         GROUP: tl.constexpr, TOKENS_PER_BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-        USE_WINDOW: tl.constexpr, IS_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
-        DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+        USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr, IS_SPLIT: tl.constexpr,
+        PRECISION: tl.constexpr, DOT_FP32: tl.constexpr, SOFT_CAP: tl.constexpr,
+        HAS_SINKS: tl.constexpr):
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
     split = tl.program_id(2)
@@ -84,8 +86,14 @@ def _decode_attention_kernel(
     acc, l_i, m_i = init_softmax_state(BLOCK_H, BLOCK_D)
 
     # Keys before `mid` are visible to every query row and inside the sequence: no mask.
-    if USE_WINDOW:
-        lo = tl.maximum(part_start, (seq_len - q_len - window + 1) // BLOCK_N * BLOCK_N)
+    # A window or chunks (the first query's chunk starts the keys any row sees) mask all.
+    if USE_WINDOW or USE_CHUNK:
+        first_key = 0
+        if USE_WINDOW:
+            first_key = tl.maximum(seq_len - q_len - window + 1, 0)
+        if USE_CHUNK:
+            first_key = tl.maximum(first_key, (seq_len - q_len) // chunk * chunk)
+        lo = tl.maximum(part_start, first_key // BLOCK_N * BLOCK_N)
         mid = lo
     else:
         lo = part_start
@@ -93,14 +101,14 @@ def _decode_attention_kernel(
         mid = lo + tl.maximum(visible_end - lo, 0) // BLOCK_N * BLOCK_N
     for start_n in range(lo, mid, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, part_end, window, 0, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, part_end, window, chunk, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, False, USE_WINDOW, False, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, False, USE_WINDOW, USE_CHUNK, PRECISION, SOFT_CAP)
     for start_n in range(mid, part_end, BLOCK_N):
         acc, l_i, m_i = attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, part_end, window, 0, qk_scale, soft_cap,
+            acc, l_i, m_i, q, q_pos, start_n, part_end, window, chunk, qk_scale, soft_cap,
             k_base, v_base, table_ptr, stride_cb, stride_ct, TOKENS_PER_BLOCK, HEAD_DIM,
-            BLOCK_D, BLOCK_N, True, USE_WINDOW, False, PRECISION, SOFT_CAP)
+            BLOCK_D, BLOCK_N, True, USE_WINDOW, USE_CHUNK, PRECISION, SOFT_CAP)
 
     if IS_SPLIT:
         # A partition may hold no key a row can see (a window, an earlier draft token):
@@ -196,12 +204,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            config: DecodeConfig | None = None, k_scale: float = 1.0,
                            v_scale: float = 1.0,
                            logits_soft_cap: float | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+                           sinks: torch.Tensor | None = None,
+                           attention_chunk_size: int | None = None) -> torch.Tensor:
     """q [T, Hq, D] holding 1..MAX_DECODE_QUERIES tokens per sequence; returns [T, Hq, D].
     The keys and values of this step's tokens must already be in the cache. `config`
     overrides the tile size and pipelining (for tuning); the scales are an fp8 cache's;
     `logits_soft_cap`: scores -> cap * tanh(scores / cap) before the mask (Gemma 2);
-    `sinks`: [Hq] logits added to each head's softmax denominator (GPT-OSS)."""
+    `sinks`: [Hq] logits added to each head's softmax denominator (GPT-OSS);
+    `attention_chunk_size`: a query sees the keys of its own chunk only (Llama 4)."""
     num_tokens, num_heads, head_dim = q.shape
     num_seqs, num_kv_heads = seq_lens.shape[0], k_cache.shape[2]
     if max_query_len > MAX_DECODE_QUERIES:
@@ -225,14 +235,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     qk_scale, soft_cap = soft_cap_args(scale, logits_soft_cap)
     _decode_attention_kernel[(num_kv_heads, num_seqs, num_splits)](
         out, part_out, part_lse, q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-        sinks_arg, qk_scale, soft_cap, sliding_window or 0, partition, float(k_scale),
+        sinks_arg, qk_scale, soft_cap, sliding_window or 0, attention_chunk_size or 1,
+        partition, float(k_scale),
         float(v_scale), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, TOKENS_PER_BLOCK=k_cache.shape[1], HEAD_DIM=head_dim,
         BLOCK_D=dot_block_d(head_dim), BLOCK_H=max(16, next_pow2(group * max_query_len)),
-        BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None, IS_SPLIT=is_split,
+        BLOCK_N=cfg.block_n, USE_WINDOW=sliding_window is not None,
+        USE_CHUNK=attention_chunk_size is not None, IS_SPLIT=is_split,
         PRECISION=dot_precision(q.dtype),
         DOT_FP32=needs_fp32_dot(_decode_attention_kernel, q.dtype),
         SOFT_CAP=logits_soft_cap is not None, HAS_SINKS=sinks is not None,

@@ -74,12 +74,13 @@ class TritonAttentionBackend(AttentionBackend):
         if metadata.capture is not None:  # piecewise capture: runs between the pieces
             return metadata.capture.defer(self.forward_with_rope, q, k, v, kv_cache, metadata,
                                           rotary, kv_scales, sinks, qk_norm)
-        fused_norm = fusable_qk_norm(qk_norm, q.dtype)
         partial = getattr(rotary, "rotary_dim", self.head_dim) != self.head_dim
         compiling = torch.compiler.is_compiling()
-        if qk_norm is not None and (fused_norm is None or partial or compiling):
+        # (not traced: the compiled path's custom op takes no norms, and the cache lookup
+        # would break Dynamo's graph)
+        fused_norm = None if compiling or partial else fusable_qk_norm(qk_norm, q.dtype)
+        if qk_norm is not None and fused_norm is None:
             q, k = qk_norm[0](q), qk_norm[1](k)
-            fused_norm = None
         if partial:
             return super().forward_with_rope(q, k, v, kv_cache, metadata, rotary, kv_scales,
                                              sinks)

@@ -45,8 +45,8 @@ def attend_tile(acc, l_i, m_i, q, q_pos, start_n, seq_len, window, chunk, qk_sca
         visible = (pos[None, :] <= q_pos[:, None]) & in_seq[None, :]
         if USE_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
-        if USE_CHUNK:
-            visible = visible & (pos[None, :] // chunk == q_pos[:, None] // chunk)
+        if USE_CHUNK:  # (with pos <= q_pos: the key's chunk is the query's) a division a row
+            visible = visible & (pos[None, :] >= (q_pos // chunk * chunk)[:, None])
         s = tl.where(visible, s, float("-inf"))
     # m_i starts finite (see init_softmax_state), so a fully masked row gives exp2(-inf) = 0
     # rather than exp2(-inf - -inf) = NaN.

@@ -82,14 +82,15 @@ def swiglu_decode_cases():
         ptrs = {"inter_ptr": "*bf16", "a_ptr": "*bf16", "w_ptr": weights, "out_ptr": "*bf16",
                 "scales_ptr": "*u8" if mxfp4 else weights, "bias_ptr": "*bf16",
                 "ids_ptr": "*i32", "topk_weights_ptr": "*fp32"}
-        tile = m.MXFP4_TILE if mxfp4 else m.PLAIN_TILE
-        common = dict(NUM_EXPERTS=32, TOP_K=4, MXFP4=mxfp4, HAS_BIAS=True,
-                      BLOCK_N=tile.block_n, BLOCK_K=256 if mxfp4 else 1024, EVEN_K=mxfp4)
         label = "mxfp4" if mxfp4 else "bf16"
-        yield (f"swiglu_decode gate_up {label}", m._pair_swiglu_kernel, ptrs,
-               ("alpha", "limit"), common, tile.num_warps, tile.num_stages)
-        yield (f"swiglu_decode down {label}", m._token_down_kernel, ptrs, (), common,
-               tile.num_warps, tile.num_stages)
+        for kernel, tile, floats in zip((m._pair_swiglu_kernel, m._token_down_kernel),
+                                        m.MXFP4_TILES if mxfp4 else m.PLAIN_TILES,
+                                        (("alpha", "limit"), ())):
+            common = dict(NUM_EXPERTS=32, TOP_K=4, MXFP4=mxfp4, HAS_BIAS=True,
+                          BLOCK_N=tile.block_n, BLOCK_K=256 if mxfp4 else 1024, EVEN_K=mxfp4)
+            name = "gate_up" if kernel is m._pair_swiglu_kernel else "down"
+            yield (f"swiglu_decode {name} {label}", kernel, ptrs, floats, common,
+                   tile.num_warps, tile.num_stages)
 
 
 def kv_write_cases():

@@ -22,10 +22,12 @@ from tllm.kernels.triton.moe_decode import _rows_dot
 from tllm.kernels.triton.moe_tiles import GemmTile
 from tllm.kernels.triton.mxfp4_dots import MXFP4_MIN_BLOCK_K, _gemv_mxfp4
 
-# UNTUNED: swiglu_moe's one-row MXFP4 tile (_MXFP4_CONFIGS' first row); the dense GEMV's
-# defaults for weights in the activations' dtype
-MXFP4_TILE = GemmTile(32, 256, 4, 3)
-PLAIN_TILE = GemmTile(4, 1024, 4, 2)
+# UNTUNED (gate_up, down): swiglu_moe's one-row MXFP4 tile (_MXFP4_CONFIGS' first row), the
+# down GEMV at 16 rows a program so that one token's 2880 outputs still make 180 programs
+# (32 rows: 90, fewer than an H100's 132 SMs); the dense GEMV's defaults for weights in the
+# activations' dtype
+MXFP4_TILES = (GemmTile(32, 256, 4, 3), GemmTile(16, 256, 4, 3))
+PLAIN_TILES = (GemmTile(4, 1024, 4, 2), GemmTile(4, 1024, 4, 2))
 
 
 @triton.jit
@@ -132,7 +134,7 @@ def swiglu_decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: tor
     mxfp4 = w13_scales is not None
     num_experts, hidden_size = w2.shape[0], w2.shape[1]
     inter_size = w13.shape[1] // 2
-    tile = MXFP4_TILE if mxfp4 else PLAIN_TILE
+    tile, down_tile = MXFP4_TILES if mxfp4 else PLAIN_TILES
     out = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if num_tokens == 0:
         return out
@@ -148,6 +150,7 @@ def swiglu_decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w13_bias: tor
         w13_bias.stride(0), inter.stride(0), NUM_EXPERTS=num_experts, TOP_K=top_k,
         MXFP4=mxfp4, HAS_BIAS=True, BLOCK_N=tile.block_n, BLOCK_K=block_k, EVEN_K=even_k,
         num_warps=tile.num_warps, num_stages=tile.num_stages)
+    tile = down_tile
     scales, strides, block_k, even_k = _weight_args(w2, w2_scales, inter_size, tile)
     bias = w2 if w2_bias is None else w2_bias  # unread without a bias
     _token_down_kernel[(num_tokens, cdiv(hidden_size, tile.block_n))](

@@ -23,6 +23,9 @@ sliding-window KV capacity.
   llama4     dummy:llama-4-scout-24l (24 of Llama-4-Scout's 48 layers, ~111 GB: an H200
              only; chunked attention, top-1 experts + a shared expert)
   qwen3next12, llama4_12  the same two models with 12 layers (~40 / ~55 GB: one H100)
+  qwen3moe_fp8kv, mixtral_fp8_fp8kv  qwen3moe and mixtral_fp8 with an fp8 KV cache (twice
+             the tokens in the same memory: max load where KV capacity bounds the batch, as
+             on an H100)
   window     benchmarks/sliding_window_capacity.py on dummy:gemma-2-9b: concurrent
              requests that fit with and without window-aware KV in the same memory
 
@@ -55,14 +58,18 @@ MODELS = {"mixtral": "dummy:mixtral-8x7b", "qwen3moe": "dummy:qwen3-30b-a3b",
           "gptoss": "dummy:gpt-oss-20b", "nemotron": "dummy:nemotron-h-8b",
           "mixtral_fp8": "dummy:mixtral-8x7b", "qwen3next": "dummy:qwen3-next-80b-a3b-24l",
           "llama4": "dummy:llama-4-scout-24l", "nemotron_bf16state": "dummy:nemotron-h-8b",
-          "qwen3next12": "dummy:qwen3-next-80b-a3b-12l", "llama4_12": "dummy:llama-4-scout-12l"}
-QUANTIZATION = {"mixtral_fp8": "fp8"}  # a part's `quantization`; None for the rest
+          "qwen3next12": "dummy:qwen3-next-80b-a3b-12l", "llama4_12": "dummy:llama-4-scout-12l",
+          "qwen3moe_fp8kv": "dummy:qwen3-30b-a3b", "mixtral_fp8_fp8kv": "dummy:mixtral-8x7b"}
+# a part's `quantization`; None for the rest
+QUANTIZATION = {"mixtral_fp8": "fp8", "mixtral_fp8_fp8kv": "fp8"}
 # a part's KvCacheConfig fields (the rest: the defaults)
-KV_OPTIONS = {"nemotron_bf16state": {"mamba_ssm_cache_dtype": "bfloat16"}}
+KV_OPTIONS = {"nemotron_bf16state": {"mamba_ssm_cache_dtype": "bfloat16"},
+              "qwen3moe_fp8kv": {"dtype": "fp8"}, "mixtral_fp8_fp8kv": {"dtype": "fp8"}}
 # each part's weight in sharing --budget (seconds at the 560 s default)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
           "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195, "qwen3next": 195,
-          "llama4": 195, "nemotron_bf16state": 195, "qwen3next12": 195, "llama4_12": 195}
+          "llama4": 195, "nemotron_bf16state": 195, "qwen3next12": 195, "llama4_12": 195,
+          "qwen3moe_fp8kv": 170, "mixtral_fp8_fp8kv": 195}
 FLOOR_CONVENTION = ("floor tok/s at batch 1 = copy bandwidth / bytes one decode step must "
                     "read: every non-expert parameter (LM head included; the input "
                     "embedding counted apart) plus top_k experts' weights per MoE layer")

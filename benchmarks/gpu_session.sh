@@ -319,10 +319,11 @@ case $section in
     step models8 450 python3 benchmarks/gpu_models.py --budget 440 --max-batch-size 512 \
       --parts floor,qwen3moe,gptoss,mixtral_fp8
     ;;
-  models37c)  # issue 37's hybrid and Llama 4 models at 12 layers (one H100 holds them)
+  models37c)  # issue 37's hybrid and Llama 4 models at 12 layers (one H100 holds them), and
+    # Qwen3-30B-A3B at max load with an fp8 KV cache (twice the batch the KV memory holds)
     export PYTHONUNBUFFERED=1
     step models37c 560 python3 benchmarks/gpu_models.py --budget 550 --max-batch-size 256 \
-      --parts floor,qwen3next12,llama4_12,nemotron_bf16state
+      --parts floor,qwen3next12,llama4_12,nemotron_bf16state,qwen3moe_fp8kv
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;

@@ -65,6 +65,9 @@ QUANTIZATION = {"mixtral_fp8": "fp8", "mixtral_fp8_fp8kv": "fp8"}
 # a part's KvCacheConfig fields (the rest: the defaults)
 KV_OPTIONS = {"nemotron_bf16state": {"mamba_ssm_cache_dtype": "bfloat16"},
               "qwen3moe_fp8kv": {"dtype": "fp8"}, "mixtral_fp8_fp8kv": {"dtype": "fp8"}}
+# parts whose per-request state slots (held from start-up, max_batch_size of them) must
+# stay small: Nemotron-H-8B's fp32 SSM state is ~100 MB a request
+PART_MAX_BATCH = {"nemotron": 256, "nemotron_bf16state": 256}
 # each part's weight in sharing --budget (seconds at the 560 s default)
 SHARES = {"floor": 20, "kernel": 75, "mixtral": 195, "qwen3moe": 170, "window": 160,
           "gptoss": 195, "nemotron": 195, "mixtral_fp8": 195, "qwen3next": 195,
@@ -227,6 +230,7 @@ def run_child(part: str, budget_s: float, smoke: bool, copy_bw: float | None,
             argv += ["--model", "tiny", "--isl", "600", "--osl", "16", "--kv-gib", "0.002",
                      "--requests", "12", "--max-num-tokens", "512"]
         return run_script(argv, budget_s, out_dir / "sliding_window_capacity.json")
+    max_batch_size = min(max_batch_size, PART_MAX_BATCH.get(part, max_batch_size))
     argv = [str(Path(__file__)), "--child", part, "--budget", str(budget_s),
             "--child-out", str(json_path), "--max-batch-size", str(max_batch_size)]
     argv += (["--smoke"] if smoke else []) + (["--full-graphs"] if full_graphs else [])

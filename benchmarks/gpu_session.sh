@@ -322,7 +322,7 @@ case $section in
   models37c)  # issue 37's hybrid and Llama 4 models at 12 layers (one H100 holds them), and
     # Qwen3-30B-A3B at max load with an fp8 KV cache (twice the batch the KV memory holds)
     export PYTHONUNBUFFERED=1
-    step models37c 560 python3 benchmarks/gpu_models.py --budget 550 --max-batch-size 256 \
+    step models37c 560 python3 benchmarks/gpu_models.py --budget 550 --max-batch-size 512 \
       --parts floor,qwen3next12,llama4_12,nemotron_bf16state,qwen3moe_fp8kv
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone

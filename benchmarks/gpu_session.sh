@@ -25,8 +25,8 @@
 #   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, MXFP4 (one call)
 #   bash benchmarks/gpu_session.sh suite7       # the whole GPU suite, ~560 s (one call)
 #   bash benchmarks/gpu_session.sh tune8        # call 1: new GPU tests, MoE decode, GEMV + FP8 sweeps
-#   bash benchmarks/gpu_session.sh models8      # call 2 (warm): MTP, issue 33/37 models on the tables
-#   bash benchmarks/gpu_session.sh models37c    # issue 37's hybrids at 12 layers (one H100)
+#   bash benchmarks/gpu_session.sh models8      # call 2 (warm): issue 33/37 models on the tables
+#   bash benchmarks/gpu_session.sh models37c    # MTP; issue 37's models at 12 layers (one H100)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -306,24 +306,24 @@ case $section in
     step mxfp4 50 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 40
     ;;
   models8)  # call 2, right after tune8 (its tables from .tuned/ while the machine is warm):
-    # MTP at a known acceptance, the MXFP4 experts alone, then issue 33's and 37's models at
-    # batch 1 against their floors and at max load (~560 s)
+    # issue 33's and 37's MoE models at batch 1 against their floors and at max load (~560 s)
     export PYTHONUNBUFFERED=1
     if [ -d .tuned ]; then
       cp .tuned/dense_gemv_*.json tllm/kernels/triton/configs/ 2>/dev/null
       cp .tuned/fp8_moe_configs.py tllm/kernels/triton/ 2>/dev/null
       echo "tables from .tuned: $(ls .tuned)"
     fi
-    step gpu_mtp 90 python3 benchmarks/gpu_mtp.py --budget 84 --k 3 --corrupt 0,0.3 \
-      --out "$OUT/gpu_mtp.json"
-    step models8 450 python3 benchmarks/gpu_models.py --budget 440 --max-batch-size 512 \
+    step models8 560 python3 benchmarks/gpu_models.py --budget 540 --max-batch-size 512 \
       --parts floor,qwen3moe,gptoss,mixtral_fp8
     ;;
-  models37c)  # issue 37's hybrid and Llama 4 models at 12 layers (one H100 holds them), and
-    # Qwen3-30B-A3B at max load with an fp8 KV cache (twice the batch the KV memory holds)
+  models37c)  # MTP at a known acceptance; issue 37's hybrid and Llama 4 models at 12 layers
+    # (one H100 holds them); Qwen3-30B-A3B at max load with an fp8 KV cache (twice the batch
+    # the KV memory holds). Commit the tuned tables first: this call may start a new machine
     export PYTHONUNBUFFERED=1
-    step models37c 560 python3 benchmarks/gpu_models.py --budget 550 --max-batch-size 512 \
-      --parts floor,qwen3next12,llama4_12,nemotron_bf16state,qwen3moe_fp8kv
+    step gpu_mtp 90 python3 benchmarks/gpu_mtp.py --budget 84 --k 3 --corrupt 0,0.3 \
+      --out "$OUT/gpu_mtp.json"
+    step models37c 480 python3 benchmarks/gpu_models.py --budget 470 --max-batch-size 512 \
+      --parts floor,qwen3next12,llama4_12,qwen3moe_fp8kv
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;

@@ -24,9 +24,9 @@
 #   bash benchmarks/gpu_session.sh today6       # the day's GPU tests, Nemotron-H-8B (short)
 #   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, MXFP4 (one call)
 #   bash benchmarks/gpu_session.sh suite7       # the whole GPU suite, ~560 s (one call)
-#   bash benchmarks/gpu_session.sh tune8        # call 1: new GPU tests, MoE decode, GEMV + FP8 sweeps
+#   bash benchmarks/gpu_session.sh tune8        # call 1: GEMV + FP8 sweeps, MTP, MoE decode paths
 #   bash benchmarks/gpu_session.sh models8      # call 2 (warm): issue 33/37 models on the tables
-#   bash benchmarks/gpu_session.sh models37c    # MTP; issue 37's models at 12 layers (one H100)
+#   bash benchmarks/gpu_session.sh models37c    # issue 37's models at 12 layers (one H100)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -278,21 +278,14 @@ case $section in
     step fp8_sweep 150 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
       --budget 110
     ;;
-  tune8)  # 2026-12-07 plan, call 1 (~570 s): the GPU tests of the eighth session's kernels
-    # (the sort-free MoE decode paths, q/k norms in the rope kernel), the decode path against
-    # the tile path (bf16 / FP8 experts; GPT-OSS's MXFP4 ones), the dense GEMV sweep with the
-    # MoE models' shapes (this device's table), the FP8 experts' sweep (applied to
-    # fp8_moe_configs.py). Each tuned file goes to .tuned/ (git-ignored: a machine still warm
-    # keeps it for models8) and $OUT as soon as it is made
+  tune8)  # 2026-12-07 plan, call 1 (~520 s): the dense GEMV sweep with the MoE models' shapes
+    # (this device's table), the FP8 experts' sweep (applied to fp8_moe_configs.py), MTP at a
+    # known acceptance, the sort-free MoE decode paths against the tile path (bf16 / FP8;
+    # GPT-OSS's MXFP4). Each tuned file goes to .tuned/ (git-ignored: a machine still warm
+    # keeps it for models8) and $OUT as soon as it is made. The new kernels' GPU tests run in
+    # suite7 (python benchmarks/sm90_compile_check.py: they compile for sm_90)
     export PYTHONUNBUFFERED=1
     mkdir -p .tuned
-    step day_tests 120 python3 -m pytest -q -p no:cacheprovider -n 8 --dist loadfile \
-      tests/kernels/test_moe_decode.py tests/kernels/test_fused_moe.py \
-      tests/kernels/test_fp8_moe_kernel.py tests/kernels/test_kv_cache_write.py \
-      tests/attention/test_triton_engine.py tests/models/test_gpu_architectures.py \
-      tests/kernels/test_mxfp4_bits.py tests/kernels/test_swiglu_moe_kernels.py \
-      tests/kernels/test_swiglu_moe_decode.py tests/attention/test_chunked_attention.py \
-      tests/models/test_llama4_parity.py tests/kernels/test_dense_gemv.py
     step gemv 130 python3 benchmarks/gpu_gemv.py --models all --budget 105 \
       --write-table device --json "$OUT/gpu_gemv.json"
     cp tllm/kernels/triton/configs/dense_gemv_*.json .tuned/ && cp .tuned/* "$OUT/"
@@ -301,6 +294,8 @@ case $section in
     step fp8_apply 20 python3 benchmarks/fp8_moe_table.py "$OUT/fp8_moe_sweep.json" \
       --apply tllm/kernels/triton/fp8_moe_configs.py
     cp tllm/kernels/triton/fp8_moe_configs.py .tuned/ && cp .tuned/* "$OUT/"
+    step gpu_mtp 90 python3 benchmarks/gpu_mtp.py --budget 84 --k 3 --corrupt 0,0.3 \
+      --out "$OUT/gpu_mtp.json"
     step moe_decode 85 python3 benchmarks/gpu_moe_decode.py --out "$OUT/moe_decode.json" \
       --budget 75
     step mxfp4 50 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 40
@@ -316,14 +311,13 @@ case $section in
     step models8 560 python3 benchmarks/gpu_models.py --budget 540 --max-batch-size 512 \
       --parts floor,qwen3moe,gptoss,mixtral_fp8
     ;;
-  models37c)  # MTP at a known acceptance; issue 37's hybrid and Llama 4 models at 12 layers
-    # (one H100 holds them); Qwen3-30B-A3B at max load with an fp8 KV cache (twice the batch
-    # the KV memory holds). Commit the tuned tables first: this call may start a new machine
+  models37c)  # issue 37's hybrid and Llama 4 models at 12 layers (one H100 holds them),
+    # Nemotron-H with a bf16 state, Qwen3-30B-A3B at max load with an fp8 KV cache (twice the
+    # batch the KV memory holds). Commit the tuned tables first: this call may start a new
+    # machine
     export PYTHONUNBUFFERED=1
-    step gpu_mtp 90 python3 benchmarks/gpu_mtp.py --budget 84 --k 3 --corrupt 0,0.3 \
-      --out "$OUT/gpu_mtp.json"
-    step models37c 480 python3 benchmarks/gpu_models.py --budget 470 --max-batch-size 512 \
-      --parts floor,qwen3next12,llama4_12,qwen3moe_fp8kv
+    step models37c 580 python3 benchmarks/gpu_models.py --budget 560 --max-batch-size 512 \
+      --parts floor,qwen3next12,llama4_12,qwen3moe_fp8kv,nemotron_bf16state
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;

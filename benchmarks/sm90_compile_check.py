@@ -2,7 +2,7 @@
 bundled ptxas, as mxfp4_sass_count.py): each launch form that the Triton interpreter's tests
 cannot vouch will compile (the interpreter runs Python, not the compiler), with its registers
 a thread, spilled-register instructions and shared memory. A compile error here is one fewer
-failed device call. Not a timing.
+failed device call; tests/kernels/test_sm90_compile.py runs it. Not a timing.
 
     python benchmarks/sm90_compile_check.py            # every case; exit 1 if one fails
     python benchmarks/sm90_compile_check.py moe_decode  # cases whose label starts so
@@ -136,7 +136,22 @@ def chunk_cases():
                 SOFT_CAP=False, HAS_SINKS=False, CAUSAL=True, USE_CHUNK=True), 8, 3)
 
 
-CASES = (moe_decode_cases, swiglu_decode_cases, kv_write_cases, gemv_cases, chunk_cases)
+def pair_sort_cases():
+    """align_pairs' decode-sized launch (one chunk of 16 pairs, its own tile loop) and the
+    counted form of a prefill's many chunks."""
+    from tllm.kernels.triton import fused_moe as m
+    ptrs = {n: "*i32" for n in ("sorted_ptr", "block_expert_ptr", "num_padded_ptr",
+                                "chunk_counts_ptr", "topk_ids_ptr")}
+    for chunk, tiles, counted in ((16, 16, False), (64, 64, True)):
+        yield (f"place_pairs chunk {chunk}", m._place_pairs_kernel, ptrs, (),
+               dict(NUM_EXPERTS=128, E_PAD=128, CHUNK=chunk, BLOCK_M=16, TILES=tiles,
+                    COUNTED=counted), 4, 2)
+    yield ("count_pairs", m._count_pairs_kernel, ptrs, (),
+           dict(NUM_EXPERTS=128, E_PAD=128, CHUNK=64), 4, 2)
+
+
+CASES = (moe_decode_cases, swiglu_decode_cases, kv_write_cases, gemv_cases, chunk_cases,
+         pair_sort_cases)
 NO_TOOLCHAIN = 3  # exit status: not even a trivial kernel compiles here (no verdict)
 
 

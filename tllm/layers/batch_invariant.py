@@ -95,6 +95,12 @@ class _InvariantMatmulMethod:
         return invariant_matmul(x.reshape(-1, x.shape[-1]), layer.weight).view(
             *x.shape[:-1], -1)
 
+    def apply_with_bias(self, layer: nn.Module, x: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        # its own: __getattr__ would hand over the inner method's fused one
+        out = self.apply(layer, x)
+        return out if bias is None else out + bias
+
 
 def _use_invariant_matmul(module: nn.Module) -> None:
     if isinstance(module, Linear) and getattr(module.quant, "plain_weight", False):

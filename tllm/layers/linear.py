@@ -12,7 +12,7 @@ from torch import nn
 
 from tllm.distributed import comm
 from tllm.layers.quant.base import (PER_OUTPUT, UNQUANTIZED, ParamLayout, QuantMethod,
-                                    UnquantizedMethod, add_param)
+                                    add_param)
 
 
 def _copy_checked(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
@@ -54,12 +54,7 @@ class Linear(nn.Module):
             self.bias = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None and type(self.quant) is UnquantizedMethod:
-            # the bias in the GEMM's epilogue: one launch, not a GEMM and an add (a wrapped
-            # method, LoRA's or the batch-invariant one, keeps its own apply)
-            return self.quant.apply_with_bias(self, x, self.bias)
-        out = self.quant.apply(self, x)
-        return out if self.bias is None else out + self.bias
+        return self.quant.apply_with_bias(self, x, self.bias)
 
     def load_weight(self, param_name: str, tensor: torch.Tensor) -> None:
         """Copy this rank's part of a full (unsplit) checkpoint tensor into a parameter."""

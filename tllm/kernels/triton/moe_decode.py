@@ -170,20 +170,18 @@ def _token_down_kernel(out_ptr, inter_ptr, w_ptr, ws_ptr, topk_ids_ptr, topk_wei
 
 
 def _scale_args(w: torch.Tensor, w_scale: torch.Tensor | None,
-                block: tuple[int, int] | None, block_k: int) -> tuple[torch.Tensor, dict, int]:
-    """(the scale tensor to pass, its strides and kind as kernel arguments, BLOCK_K): no
-    scales pass w itself (never read); block scales cap BLOCK_K at bk."""
+                block: tuple[int, int] | None, block_k: int
+                ) -> tuple[torch.Tensor, tuple[int, int, int], dict, int]:
+    """(the scale tensor to pass, its strides, the SCALES* constexprs, BLOCK_K): no scales
+    pass w itself (never read); block scales cap BLOCK_K at bk."""
     if w_scale is None:
-        strides = (0, 0, 0)
-        kind = dict(SCALES=NO_SCALES, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1)
-        return w, dict(strides=strides, **kind), block_k
+        return w, (0, 0, 0), dict(SCALES=NO_SCALES, SCALE_BLOCK_N=1, SCALE_BLOCK_K=1), block_k
     strides = (w_scale.stride(0), w_scale.stride(1), w_scale.stride(2))
     if block is None:
-        return w_scale, dict(strides=strides, SCALES=ROW_SCALES, SCALE_BLOCK_N=1,
-                             SCALE_BLOCK_K=1), block_k
-    block_k = min(block_k, block[1])
-    return w_scale, dict(strides=strides, SCALES=BLOCK_SCALES, SCALE_BLOCK_N=block[0],
-                         SCALE_BLOCK_K=block[1]), block_k
+        return w_scale, strides, dict(SCALES=ROW_SCALES, SCALE_BLOCK_N=1,
+                                      SCALE_BLOCK_K=1), block_k
+    return w_scale, strides, dict(SCALES=BLOCK_SCALES, SCALE_BLOCK_N=block[0],
+                                  SCALE_BLOCK_K=block[1]), min(block_k, block[1])
 
 
 def decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -208,9 +206,8 @@ def decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         device=hidden.device)
     x = hidden if hidden.stride(-1) == 1 else hidden.contiguous()
     tile = cfg.gate_up
-    scale, kind, block_k = _scale_args(w13, w13_scale, block,
-                                       min(tile.block_k, next_pow2(hidden_size)))
-    strides = kind.pop("strides")
+    scale, strides, kind, block_k = _scale_args(w13, w13_scale, block,
+                                                min(tile.block_k, next_pow2(hidden_size)))
     _pair_gate_up_kernel[(num_tokens * top_k, cdiv(inter_size, tile.block_n))](
         inter, x, w13, scale, ids, expert_start, inter_size, hidden_size, x.stride(0),
         w13.stride(0), w13.stride(1), *strides, inter.stride(0), NUM_EXPERTS=num_experts,
@@ -218,9 +215,8 @@ def decode_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         EVEN_K=hidden_size % block_k == 0, NUM_STAGES=tile.num_stages,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **kind)
     tile = cfg.down
-    scale, kind, block_k = _scale_args(w2, w2_scale, block,
-                                       min(tile.block_k, next_pow2(inter_size)))
-    strides = kind.pop("strides")
+    scale, strides, kind, block_k = _scale_args(w2, w2_scale, block,
+                                                min(tile.block_k, next_pow2(inter_size)))
     _token_down_kernel[(num_tokens, cdiv(hidden_size, tile.block_n))](
         out, inter, w2, scale, ids, topk_weights.float().contiguous(), expert_start,
         hidden_size, inter_size, out.stride(0), inter.stride(0), w2.stride(0), w2.stride(1),

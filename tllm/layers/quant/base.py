@@ -64,6 +64,13 @@ class QuantMethod(ABC):
         """x [tokens, in_features] times the weight: [tokens, out_features] in x's dtype,
         without bias (the layer adds it, after the all-reduce when row-parallel)."""
 
+    def apply_with_bias(self, layer: nn.Module, x: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+        """`apply` plus the bias; a method whose kernel can add it in its epilogue (one
+        launch, not a product and an add) overrides this."""
+        out = self.apply(layer, x)
+        return out if bias is None else out + bias
+
     def dequantized_weight(self, layer: nn.Module) -> torch.Tensor:
         """The weight as the compute dtype sees it [out, in] (for references and tests)."""
         return layer.weight

@@ -28,6 +28,7 @@ References: tllm.kernels.moe.fused_experts_ref / relu2_experts_ref, and for FP8 
 the dequantized weights."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,9 @@ from tllm.kernels.triton.moe_tiles import GemmTile
 # experts (expected distinct experts of P uniform draws from E: E (1 - (1 - 1/E)^P), 89% of
 # P at P = E / 4); one token's top-k experts are always distinct.
 _PAIRS_PER_EXPERT = 0.25
+# TLLM_MOE_DECODE_PATH=0 sends every step to the tile path (a diagnostic switch: A/B timing,
+# or a device where the decode kernels misbehave)
+_DECODE_PATH_ON = os.environ.get("TLLM_MOE_DECODE_PATH", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,8 @@ FP8_DECODE_CONFIG = MoeDecodeConfig(GemmTile(2, 2048, 4, 2), GemmTile(4, 2048, 4
 def use_decode_path(num_tokens: int, top_k: int, num_experts: int) -> bool:
     """Whether a step of num_tokens takes the sort-free decode path: one token, or pairs at
     most a quarter of the experts (few pairs share an expert's weight read)."""
-    return num_tokens == 1 or (0 < num_tokens * top_k <= _PAIRS_PER_EXPERT * num_experts)
+    return _DECODE_PATH_ON and (
+        num_tokens == 1 or 0 < num_tokens * top_k <= _PAIRS_PER_EXPERT * num_experts)
 
 
 # weight scales: none (bf16 / fp16 / fp32 experts), one per output row, or one per block

@@ -129,10 +129,14 @@ def sweep_shape(kind, n, k, device, dtype, smoke, deadline) -> dict:
     return out
 
 
-def winners_table(results: dict) -> str:
+def winners_table(results: dict, old_rows: list[dict] = ()) -> str:
+    """This run's winners over old_rows (a table file's rows: the shapes not swept again
+    keep their entries)."""
     from tllm.kernels.triton.dense_gemv_configs import (DenseGemvConfig, TableEntry,
-                                                        table_to_json)
-    table, extra = {}, {}
+                                                        parse_table, table_to_json)
+    table = parse_table(list(old_rows))
+    extra = {(r["kind"], r["n"], r["k"]): {x: r[x] for x in ("us", "cublas_us", "device")
+                                           if x in r} for r in old_rows}
     for name, kind, n, k, in_table in results["shape_list"]:
         row = results["shapes"].get(name, {})
         if not in_table or "best" not in row:
@@ -223,7 +227,8 @@ def main(argv=None) -> int:
         if args.write_table == "device":  # the table the dispatcher reads on this device
             from tllm.kernels.triton.dense_gemv_configs import CONFIG_DIR, device_file_name
             target = CONFIG_DIR / device_file_name(results["device"])
-        target.write_text(winners_table(results))
+        old_rows = json.loads(target.read_text()) if target.exists() else []
+        target.write_text(winners_table(results, old_rows))
         print(f"table written to {target}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))

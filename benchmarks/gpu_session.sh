@@ -25,6 +25,7 @@
 #   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, MXFP4 (one call)
 #   bash benchmarks/gpu_session.sh suite7       # the whole GPU suite, ~560 s (one call)
 #   bash benchmarks/gpu_session.sh tune8        # call 1: GEMV + FP8 sweeps, MTP, MoE decode paths
+#   bash benchmarks/gpu_session.sh tune9        # tune8 less the FP8 sweep, MoE decode and MXFP4 timings
 #   bash benchmarks/gpu_session.sh models8      # call 2 (warm): issue 33/37 models on the tables
 #   bash benchmarks/gpu_session.sh models37c    # issue 37's models at 12 layers (one H100)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
@@ -306,6 +307,20 @@ case $section in
       --budget 65
     step mxfp4 50 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 40
     ;;
+  tune9)  # tune8 cut to what models8 uses, for a session that lost device time to failed
+    # starts (~270 s): the decode kernels' GPU tests, the dense GEMV table, MTP's speed-up
+    export PYTHONUNBUFFERED=1
+    mkdir -p .tuned
+    timeout 75 python3 -m pytest -q -x -p no:cacheprovider -n 4 tests/kernels/test_moe_decode.py \
+      tests/kernels/test_swiglu_moe_decode.py >"$OUT/pre_moe.log" 2>&1
+    echo $? >.tuned/pre_moe_rc; echo "=== pre_moe rc=$(cat .tuned/pre_moe_rc)"
+    tail -n 15 "$OUT/pre_moe.log"
+    step gemv 110 python3 benchmarks/gpu_gemv.py --models all --budget 88 \
+      --write-table device --json "$OUT/gpu_gemv.json"
+    cp tllm/kernels/triton/configs/dense_gemv_*.json .tuned/ && cp .tuned/* "$OUT/"
+    step gpu_mtp 80 python3 benchmarks/gpu_mtp.py --budget 72 --k 3 --corrupt 0,0.3 \
+      --out "$OUT/gpu_mtp.json"
+    ;;
   models8)  # call 2, right after tune8 (its tables from .tuned/ while the machine is warm):
     # issue 33's and 37's MoE models at batch 1 against their floors and at max load (~560 s)
     export PYTHONUNBUFFERED=1
@@ -329,6 +344,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|models8|models37c|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|tune9|models8|models37c|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -26,6 +26,7 @@
 #   bash benchmarks/gpu_session.sh suite7       # the whole GPU suite, ~560 s (one call)
 #   bash benchmarks/gpu_session.sh tune8        # call 1: GEMV + FP8 sweeps, MTP, MoE decode paths
 #   bash benchmarks/gpu_session.sh tune9        # tune8 less the FP8 sweep, MoE decode and MXFP4 timings
+#   bash benchmarks/gpu_session.sh all9         # tune9 + models8 in one call (~590 s)
 #   bash benchmarks/gpu_session.sh models8      # call 2 (warm): issue 33/37 models on the tables
 #   bash benchmarks/gpu_session.sh models37c    # issue 37's models at 12 layers (one H100)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
@@ -321,6 +322,26 @@ case $section in
     step gpu_mtp 80 python3 benchmarks/gpu_mtp.py --budget 72 --k 3 --corrupt 0,0.3 \
       --out "$OUT/gpu_mtp.json"
     ;;
+  all9)  # tune9 and models8 in one call (~590 s) for a session left ~1,400 s by failed
+    # starts: the decode kernels' GPU tests, the GEMV table, MTP, then the MoE models on
+    # whatever time the call has left (the parts that finish early leave theirs to the rest)
+    export PYTHONUNBUFFERED=1
+    started=$(date +%s)
+    mkdir -p .tuned
+    timeout 60 python3 -m pytest -q -x -p no:cacheprovider -n 4 tests/kernels/test_moe_decode.py \
+      tests/kernels/test_swiglu_moe_decode.py >"$OUT/pre_moe.log" 2>&1
+    rc=$?; echo "=== pre_moe rc=$rc"; tail -n 8 "$OUT/pre_moe.log"
+    [ "$rc" = 0 ] || export TLLM_MOE_DECODE_PATH=0
+    step gemv 95 python3 benchmarks/gpu_gemv.py --models all --budget 75 \
+      --write-table device --json "$OUT/gpu_gemv.json"
+    cp tllm/kernels/triton/configs/dense_gemv_*.json "$OUT/"
+    step gpu_mtp 75 python3 benchmarks/gpu_mtp.py --budget 68 --k 3 --corrupt 0,0.3 \
+      --out "$OUT/gpu_mtp.json"
+    left=$((580 - $(date +%s) + started))
+    echo "TLLM_MOE_DECODE_PATH=${TLLM_MOE_DECODE_PATH:-1}; models budget $((left - 35)) s"
+    step models9 "$left" python3 benchmarks/gpu_models.py --budget $((left - 35)) \
+      --max-batch-size 512 --parts floor,qwen3moe,mixtral_fp8,gptoss
+    ;;
   models8)  # call 2, right after tune8 (its tables from .tuned/ while the machine is warm):
     # issue 33's and 37's MoE models at batch 1 against their floors and at max load (~560 s)
     export PYTHONUNBUFFERED=1
@@ -344,6 +365,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|tune9|models8|models37c|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|tune9|all9|models8|models37c|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

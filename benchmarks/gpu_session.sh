@@ -337,7 +337,7 @@ case $section in
     cp tllm/kernels/triton/configs/dense_gemv_*.json "$OUT/"
     step gpu_mtp 75 python3 benchmarks/gpu_mtp.py --budget 68 --k 3 --corrupt 0,0.3 \
       --out "$OUT/gpu_mtp.json"
-    left=$((580 - $(date +%s) + started))
+    left=$((${ALL9_SECONDS:-580} - $(date +%s) + started))
     echo "TLLM_MOE_DECODE_PATH=${TLLM_MOE_DECODE_PATH:-1}; models budget $((left - 35)) s"
     step models9 "$left" python3 benchmarks/gpu_models.py --budget $((left - 35)) \
       --max-batch-size 512 --parts floor,qwen3moe,mixtral_fp8,gptoss

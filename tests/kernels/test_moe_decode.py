@@ -84,6 +84,13 @@ def test_use_decode_path():
     assert not moe_decode.use_decode_path(0, 8, 128)
 
 
+def test_the_switch_sends_every_step_to_the_tile_path(monkeypatch):
+    # TLLM_MOE_DECODE_PATH=0, read at import
+    monkeypatch.setattr(moe_decode, "_DECODE_PATH_ON", False)
+    assert not moe_decode.use_decode_path(1, 2, 8)
+    assert not moe_decode.use_decode_path(4, 8, 128)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("scheme,expert_start", [("channel", 0), ("tensor", 2), ("block", 0),
                                                  ("block", 2)])

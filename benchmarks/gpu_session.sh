@@ -25,9 +25,8 @@
 #   bash benchmarks/gpu_session.sh today7       # the day's GPU tests, MTP, MXFP4 (one call)
 #   bash benchmarks/gpu_session.sh suite7       # the whole GPU suite, ~560 s (one call)
 #   bash benchmarks/gpu_session.sh tune8        # call 1: GEMV + FP8 sweeps, MTP, MoE decode paths
-#   bash benchmarks/gpu_session.sh tune9        # tune8 less the FP8 sweep, MoE decode and MXFP4 timings
-#   bash benchmarks/gpu_session.sh all9         # tune9 + models8 in one call (~590 s)
 #   bash benchmarks/gpu_session.sh models8      # call 2 (warm): issue 33/37 models on the tables
+#   bash benchmarks/gpu_session.sh after37      # GPT-OSS's profile, FP8 sweep applied, issue 33's models again
 #   bash benchmarks/gpu_session.sh models37c    # issue 37's models at 12 layers (one H100)
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
@@ -308,40 +307,6 @@ case $section in
       --budget 65
     step mxfp4 50 python3 benchmarks/gpu_mxfp4_moe.py --out "$OUT/mxfp4_moe.json" --budget 40
     ;;
-  tune9)  # tune8 cut to what models8 uses, for a session that lost device time to failed
-    # starts (~270 s): the decode kernels' GPU tests, the dense GEMV table, MTP's speed-up
-    export PYTHONUNBUFFERED=1
-    mkdir -p .tuned
-    timeout 75 python3 -m pytest -q -x -p no:cacheprovider -n 4 tests/kernels/test_moe_decode.py \
-      tests/kernels/test_swiglu_moe_decode.py >"$OUT/pre_moe.log" 2>&1
-    echo $? >.tuned/pre_moe_rc; echo "=== pre_moe rc=$(cat .tuned/pre_moe_rc)"
-    tail -n 15 "$OUT/pre_moe.log"
-    step gemv 110 python3 benchmarks/gpu_gemv.py --models all --budget 88 \
-      --write-table device --json "$OUT/gpu_gemv.json"
-    cp tllm/kernels/triton/configs/dense_gemv_*.json .tuned/ && cp .tuned/* "$OUT/"
-    step gpu_mtp 80 python3 benchmarks/gpu_mtp.py --budget 72 --k 3 --corrupt 0,0.3 \
-      --out "$OUT/gpu_mtp.json"
-    ;;
-  all9)  # tune9 and models8 in one call (~590 s) for a session left ~1,400 s by failed
-    # starts: the decode kernels' GPU tests, the GEMV table, MTP, then the MoE models on
-    # whatever time the call has left (the parts that finish early leave theirs to the rest)
-    export PYTHONUNBUFFERED=1
-    started=$(date +%s)
-    mkdir -p .tuned
-    timeout 60 python3 -m pytest -q -x -p no:cacheprovider -n 4 tests/kernels/test_moe_decode.py \
-      tests/kernels/test_swiglu_moe_decode.py >"$OUT/pre_moe.log" 2>&1
-    rc=$?; echo "=== pre_moe rc=$rc"; tail -n 8 "$OUT/pre_moe.log"
-    [ "$rc" = 0 ] || export TLLM_MOE_DECODE_PATH=0
-    step gemv 95 python3 benchmarks/gpu_gemv.py --models all --budget 75 \
-      --write-table device --json "$OUT/gpu_gemv.json"
-    cp tllm/kernels/triton/configs/dense_gemv_*.json "$OUT/"
-    step gpu_mtp 75 python3 benchmarks/gpu_mtp.py --budget 68 --k 3 --corrupt 0,0.3 \
-      --out "$OUT/gpu_mtp.json"
-    left=$((${ALL9_SECONDS:-580} - $(date +%s) + started))
-    echo "TLLM_MOE_DECODE_PATH=${TLLM_MOE_DECODE_PATH:-1}; models budget $((left - 35)) s"
-    step models9 "$left" python3 benchmarks/gpu_models.py --budget $((left - 35)) \
-      --max-batch-size 512 --parts floor,qwen3moe,mixtral_fp8,gptoss
-    ;;
   models8)  # call 2, right after tune8 (its tables from .tuned/ while the machine is warm):
     # issue 33's and 37's MoE models at batch 1 against their floors and at max load (~560 s)
     export PYTHONUNBUFFERED=1
@@ -363,8 +328,22 @@ case $section in
     step models37c 580 python3 benchmarks/gpu_models.py --budget 560 --max-batch-size 512 \
       --parts floor,qwen3next12,llama4_12,qwen3moe_fp8kv,nemotron_bf16state
     ;;
+  after37)  # the call after models37c (~560 s): where GPT-OSS's batch-1 step goes (the ninth
+    # session left it at 33.8% of its floor), the FP8 experts' tiles swept and applied, then
+    # Mixtral FP8 and Qwen3-30B-A3B again on the applied FP8 table and the H100's GEMV table
+    export PYTHONUNBUFFERED=1
+    step profile_gptoss 110 python3 benchmarks/gpu_profile_decode.py \
+      --models dummy:gpt-oss-20b,dummy:qwen3-30b-a3b --batch 1 --osl 32 --budget 100
+    step fp8_sweep 120 python3 benchmarks/gpu_fp8_moe_sweep.py --out "$OUT/fp8_moe_sweep.json" \
+      --budget 85
+    step fp8_apply 20 python3 benchmarks/fp8_moe_table.py "$OUT/fp8_moe_sweep.json" \
+      --apply tllm/kernels/triton/fp8_moe_configs.py
+    cp tllm/kernels/triton/fp8_moe_configs.py "$OUT/"
+    step models10 290 python3 benchmarks/gpu_models.py --budget 255 --max-batch-size 512 \
+      --parts floor,qwen3moe,mixtral_fp8
+    ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|tune9|all9|models8|models37c|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|models8|models37c|after37|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

@@ -237,9 +237,32 @@ def test_oversized_headers_are_refused_and_the_connection_closed(fake):
         received, _ = _raw_exchange(server.port, big + b"\r\n\r\n", wait_s=5)  # whole
         assert received.startswith(b"HTTP/1.1 431") and b"headers_too_large" in received
         received, _ = _raw_exchange(server.port, big, wait_s=5)   # never ends
-        assert received.startswith(b"HTTP/1.1 400"), received
+        assert received.startswith(b"HTTP/1.1 431"), received
+        assert b"headers_too_large" in received
+        received, _ = _raw_exchange(server.port, b"NOT HTTP\r\n\r\n", wait_s=5)
+        assert received.startswith(b"HTTP/1.1 400") and b"invalid_http" in received
         with httpx.Client(base_url=server.base_url) as client:
             assert client.get("/health", headers={"X-Small": "a" * 1000}).status_code == 200
+
+
+_BIG_HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 5000
+
+
+@pytest.mark.parametrize("first,rest", [
+    (_BIG_HEAD, b"a" * 200_000 + b"\r\n\r\n"),                 # refused by h11, incomplete
+    (_BIG_HEAD + b"\r\nContent-Length: 200000\r\n\r\n", b"{" * 200_000)])  # by the app
+def test_a_refused_request_still_arriving_reads_its_answer(fake, first, rest):
+    # The client goes on sending after the server refused its request: a lingering close
+    # (answer, FIN, the rest read and dropped), not a reset, which could destroy the answer
+    # before the client read it (the soak script's "huge header" saw a ReadError).
+    with _serve(fake, max_header_bytes=4096) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(first)
+            received = sock.recv(65536)        # the answer, while the request is arriving
+            sock.sendall(rest)
+            while chunk := sock.recv(65536):   # then the end of the answer: no reset
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 431") and b"headers_too_large" in received
 
 
 def test_limit_flags_reach_the_server_config():

@@ -44,9 +44,8 @@ def add_http_limit_args(group) -> None:
                        help="seconds a connection without a request stays open, before its "
                             "first request as between requests (default 5)")
     group.add_argument("--max-header-bytes", type=positive_int, default=16 << 10,
-                       help="largest request line + headers: larger ones get a 431 (a 400 "
-                            "while still incomplete) and the connection is closed "
-                            "(default 16 KiB)")
+                       help="largest request line + headers: larger ones get a 431 and the "
+                            "connection is closed (default 16 KiB)")
     group.add_argument("--body-read-timeout", type=positive_float, default=10.0,
                        help="seconds a request body may take to arrive after its headers; "
                             "then 408 and the connection is closed (default 10)")

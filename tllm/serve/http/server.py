@@ -12,6 +12,11 @@ against slow and idle clients:
   clients out; when every connection has a request in progress the new one gets a 503.
   (uvicorn's own limit_concurrency answers 503 to every new request once idle sockets fill
   it, which is the lock-out itself);
+- refusals the client can read: a request h11 cannot parse (a 431 for a head past
+  --max-header-bytes, else a 400) and the 503 get an OpenAI-shaped error, then a lingering
+  close (our side shut, the client's further bytes read and dropped until it hangs up or
+  LINGER_S pass). uvicorn closed at once, and a client still sending its head then got a
+  reset that could destroy the answer before it read it;
 - access-log lines with query secrets (api_key, signature, ...) redacted;
 - a shutdown (Ctrl-C, SIGTERM) that lets open requests finish for the graceful timeout and
   then ends the rest with an error (a stream: an error event, then [DONE]) instead of
@@ -38,6 +43,7 @@ from tllm.log import RedactSecrets, active_settings, redact  # noqa: F401
 from tllm.serve.http.limits import HttpLimits
 
 logger = logging.getLogger(__name__)
+LINGER_S = 2.0          # a refused connection's lingering close waits this long at most
 WARN_EVERY_S = 10.0     # the cap's warning, at most this often (a flood would fill the log)
 
 
@@ -201,6 +207,8 @@ class LimitedH11Protocol(H11Protocol):
         self.guard = guard
         self.idle_since = 0.0
         self._head_timer: asyncio.TimerHandle | None = None
+        self._linger_timer: asyncio.TimerHandle | None = None
+        self._raw_transport: asyncio.Transport | None = None
 
     @property
     def is_idle(self) -> bool:
@@ -209,16 +217,19 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         self.idle_since = self.loop.time()
+        self._raw_transport = transport
         if not self.guard.make_room(self.connections, self.idle_since):
             self.transport = transport
             transport.write(_SERVICE_UNAVAILABLE)
-            transport.close()
+            self.linger()
             return
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler)
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return      # answered: dropped until the client hangs up
         super().data_received(data)
         if not self.is_idle or self.transport.is_closing():
             self._cancel_head_timer()
@@ -232,7 +243,41 @@ class LimitedH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request h11 cannot parse (its message stays in uvicorn's
+        log): an OpenAI-shaped 431 for a head past --max-header-bytes, else a 400; then a
+        lingering close."""
+        head_bytes = len(self.conn.trailing_data[0])
+        too_large = head_bytes > self.guard.limits.max_header_bytes
+        self.transport.write(_HEAD_TOO_LARGE if too_large else _BAD_REQUEST)
+        self.linger()
+
+    @property
+    def lingering(self) -> bool:
+        return self._linger_timer is not None
+
+    def request_still_arriving(self) -> bool:
+        """Whether the client may still be sending: a body not all read (an answer sent
+        before it, as a 431 or 413 is), or part of a head."""
+        their_state = self.conn.their_state
+        return their_state is h11.SEND_BODY or (their_state is h11.IDLE
+                                                and bool(self.conn.trailing_data[0]))
+
+    def linger(self) -> None:
+        """Close after an answer without a reset: shut our side (the answer, then FIN),
+        drop what the client still sends, close when it hangs up or after LINGER_S."""
+        transport = self._raw_transport
+        if self.lingering or transport.is_closing():
+            return
+        self._cancel_head_timer()
+        if transport.can_write_eof():
+            transport.write_eof()
+        transport.resume_reading()      # uvicorn's flow control may have paused it
+        self._linger_timer = self.loop.call_later(LINGER_S, transport.close)
 
     def close_idle(self) -> None:
         """Close a connection without a request in progress (to make room)."""
@@ -254,6 +299,28 @@ class LimitedH11Protocol(H11Protocol):
             self._head_timer = None
 
 
+class _LingeringTransport:
+    """A connection's transport as uvicorn's protocol sees it: a close() while the client
+    may still be sending (an answer sent before its body was read) becomes the protocol's
+    lingering close; everything else is the transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: LimitedH11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        if self._protocol.request_still_arriving():
+            self._protocol.linger()
+        else:
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing() or self._protocol.lingering
+
+
 def _raw_error(status: str, message: str, code: str, type_: str) -> bytes:
     """A whole HTTP response with an OpenAI-shaped error, for a connection without a request
     that h11 could answer."""
@@ -270,6 +337,11 @@ def _raw_error(status: str, message: str, code: str, type_: str) -> bytes:
 _REQUEST_TIMEOUT = _raw_error("408 Request Timeout", "the request line and headers did not "
                               "arrive within --header-read-timeout", "request_timeout",
                               "invalid_request_error")
+_BAD_REQUEST = _raw_error("400 Bad Request", "the request is not valid HTTP/1.1",
+                          "invalid_http", "invalid_request_error")
+_HEAD_TOO_LARGE = _raw_error("431 Request Header Fields Too Large", "the request line and "
+                             "headers are larger than --max-header-bytes", "headers_too_large",
+                             "invalid_request_error")
 _SERVICE_UNAVAILABLE = _raw_error("503 Service Unavailable", "too many open connections "
                                   "(--max-connections), each with a request in progress",
                                   "too_many_connections", "service_unavailable")

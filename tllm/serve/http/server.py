@@ -200,7 +200,8 @@ class ConnectionGuard:
 
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the keep-alive timeout applied before a connection's
-    first request, a header-read timeout, and the connection cap (ConnectionGuard)."""
+    first request, a header-read timeout, the connection cap (ConnectionGuard) and
+    lingering closes (module docstring)."""
 
     def __init__(self, *args, guard: ConnectionGuard, **kwargs) -> None:
         super().__init__(*args, **kwargs)

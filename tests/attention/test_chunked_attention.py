@@ -47,7 +47,7 @@ def test_triton_backend_gives_hf_tokens_for_llama4(device, tmp_path):
     steps; decode steps across chunk boundaries) gives HF's greedy tokens."""
     import transformers
 
-    from tests.models.test_hf_parity import hf_greedy, make_prompts
+    from tests.models.hf_reference import hf_greedy, make_prompts
     from tests.models.test_llama4_parity import tiny_llama4_config
     from tllm import LLM, KvCacheConfig, SamplingParams
     torch.manual_seed(0)

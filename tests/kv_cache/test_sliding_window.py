@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY
-from tests.models.test_hf_parity import check_logprobs, hf_greedy, make_prompts
+from tests.models.hf_reference import assert_greedy_matches_hf, make_prompts
 from tllm import LLM, KvCacheConfig, SamplingParams
 from tllm.attention.testing import setup_triton_for_tests
 from tllm.kv_cache.groups import first_live_block, plan_layout
@@ -328,10 +328,7 @@ def run_parity(path, hf_model, savings=True, **kwargs):
                                use_tqdm=False)
         stats = llm.get_kv_cache_stats()
         assert stats["blocks_free"] == stats["blocks_total"]
-    for prompt, output in zip(prompts, outputs):
-        tokens, logprobs = hf_greedy(hf_model, prompt)
-        assert output.outputs[0].token_ids == tokens
-        check_logprobs(output.outputs[0].logprobs, logprobs, tokens)
+    assert_greedy_matches_hf(hf_model, prompts, outputs)
     return stats
 
 

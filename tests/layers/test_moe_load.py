@@ -56,7 +56,7 @@ def _check_mixtral(stats: dict, model, prompts) -> None:
 
 
 def _model_and_prompts(tmp_path):
-    from tests.models.test_hf_parity import make_prompts
+    from tests.models.hf_reference import make_prompts
     from tests.models.test_moe_parity import make_tiny_moe
     model = make_tiny_moe("Mixtral", tmp_path)
     return model, make_prompts(model.config.vocab_size)[:5]
@@ -69,7 +69,7 @@ def test_counts_add_up_to_the_tokens_run(tmp_path):
 
 def test_nemotron_h_experts_count_too(tmp_path):
     """Nemotron 3's MoE blocks (their own squared-ReLU experts, not a FusedMoE)."""
-    from tests.models.test_hf_parity import make_prompts
+    from tests.models.hf_reference import make_prompts
     from tests.models.test_nemotron_h_parity import TINY, save_tiny
     save_tiny(tmp_path, layers_block_type=["mamba", "moe", "attention", "moe"],
               n_routed_experts=8, moe_intermediate_size=32,

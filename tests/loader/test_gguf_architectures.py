@@ -16,7 +16,7 @@ import torch
 from tests.loader.gguf_writer import write_gguf
 from tests.models.test_dense_parity import save_tiny
 from tests.models.test_gemma_parity import make_tiny_gemma
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, check_logprobs, hf_greedy
 from tests.models.test_moe_parity import make_tiny_moe
 from tllm import LLM, KvCacheConfig, SamplingParams
 from tllm.layers.quant.gguf import GgufLinearMethod
@@ -83,10 +83,7 @@ def test_f32_gguf_matches_hf(written, name):
     hf_model, path = written(name)
     prompts = make_prompts()
     completions, _ = generate(path, prompts)
-    for prompt, completion in zip(prompts, completions):
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
-        assert completion.token_ids == ref_tokens
-        check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
+    assert_greedy_matches_hf(hf_model, prompts, completions, NUM_NEW)
 
 
 def transformers_from_gguf(hf_model, path):

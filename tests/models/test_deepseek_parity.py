@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_hf_parity import check_logprobs, generate_batch, hf_greedy, make_prompts
+from tests.models.hf_reference import (assert_greedy_matches_hf, generate_batch, hf_greedy,
+                                       make_prompts)
 
 NUM_NEW = 12
 COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
@@ -60,12 +61,7 @@ def tiny_deepseek(request, tmp_path_factory):
 def test_greedy_matches_hf_in_continuous_batch(tiny_deepseek):
     path, hf_model = tiny_deepseek
     prompts = make_prompts(hf_model.config.vocab_size)
-    outputs = generate_batch(path, prompts, NUM_NEW)
-    for prompt, output in zip(prompts, outputs):
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
+    assert_greedy_matches_hf(hf_model, prompts, generate_batch(path, prompts, NUM_NEW), NUM_NEW)
 
 
 def test_cached_latents_are_reused(tiny_deepseek):

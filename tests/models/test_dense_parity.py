@@ -17,8 +17,7 @@ import torch
 from tests.conftest import TINY
 from tests.layers.test_rotary import (ORIGINAL, PositionTableRotary, hf_newest_token_tables,
                                       phi3_longrope_config)
-from tests.models.test_hf_parity import (TOP, check_logprobs, generate_batch, hf_greedy,
-                                         make_prompts)
+from tests.models.hf_reference import assert_greedy_matches_hf, generate_batch, make_prompts
 from tllm import LLM, KvCacheConfig, SamplingParams
 
 NUM_NEW = 16
@@ -65,10 +64,8 @@ def run_batch(path, prompts: list[list[int]]):
 
 
 def check_against(hf_model, prompt: list[int], completion) -> None:
-    ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
-    assert len(ref_tokens) == NUM_NEW
-    assert completion.token_ids == ref_tokens
-    check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
+    assert len(completion.token_ids) == NUM_NEW
+    assert_greedy_matches_hf(hf_model, [prompt], [completion], NUM_NEW)
 
 
 @pytest.mark.parametrize("arch,extra", [

@@ -15,7 +15,7 @@ import types
 import pytest
 import torch
 
-from tests.models.test_hf_parity import hf_greedy
+from tests.models.hf_reference import hf_greedy
 from tests.models.test_moe_parity import make_tiny_moe
 from tests.loader.test_fp8_checkpoints import fake_quant_tokens
 from tllm import LLM, KvCacheConfig, SamplingParams

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, make_prompts
 from tllm import LLM, KvCacheConfig, SamplingParams
 
 NUM_NEW = 16
@@ -70,11 +70,7 @@ def test_greedy_matches_hf_in_continuous_batch(tiny_gemma):
                                use_tqdm=False)
         stats = llm._engine.kv_cache
         assert stats.num_free_blocks == stats.num_blocks
-    for prompt, output in zip(prompts, outputs):
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
+    assert_greedy_matches_hf(hf_model, prompts, outputs, NUM_NEW)
 
 
 @pytest.mark.parametrize("change", [dict(attn_logit_softcapping=None),

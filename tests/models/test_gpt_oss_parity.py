@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, make_prompts
 from tllm import (LLM, CapacitySchedulerPolicy, KvCacheConfig, SamplingParams,
                   SchedulerConfig)
 from tllm.kernels.mxfp4 import quantize_mxfp4
@@ -73,10 +73,7 @@ def run(path, prompts, num_new, inspect=None, **llm_args):
 
 
 def check_against_hf(hf_model, prompts, completions, num_new):
-    for prompt, completion, n in zip(prompts, completions, num_new):
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, n)
-        assert completion.token_ids == ref_tokens
-        check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
+    assert_greedy_matches_hf(hf_model, prompts, completions, num_new)
 
 
 @pytest.fixture(scope="module")
@@ -215,5 +212,4 @@ def test_cuda_greedy_matches_hf(tmp_path, quantized):
     prompts = make_prompts(hf_model.config.vocab_size)
     completions, _ = run(path, prompts, NUM_NEW, device="cuda", dtype="float32",
                          max_seq_len=128)
-    for prompt, completion, n in zip(prompts, completions, NUM_NEW):
-        assert completion.token_ids == hf_greedy(hf_model, prompt, n)[0]
+    assert_greedy_matches_hf(hf_model, prompts, completions, NUM_NEW, logprobs=False)

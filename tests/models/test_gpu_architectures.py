@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_hf_parity import hf_greedy, make_prompts
+from tests.models.hf_reference import hf_greedy, make_prompts
 from tllm import LLM, KvCacheConfig, SamplingParams
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

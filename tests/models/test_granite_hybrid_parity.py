@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, make_prompts
 from tllm import LLM, KvCacheConfig, SamplingParams
 
 transformers = pytest.importorskip("transformers")
@@ -59,7 +59,4 @@ def test_greedy_matches_hf_in_continuous_batch(tmp_path, rope, experts):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(max_tokens=NUM_NEW, temperature=0,
                                               ignore_eos=True, logprobs=TOP), use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        want, want_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
-        assert output.outputs[0].token_ids == want
-        check_logprobs(output.outputs[0].logprobs, want_logprobs, want)
+    assert_greedy_matches_hf(hf_model, prompts, outputs, NUM_NEW)

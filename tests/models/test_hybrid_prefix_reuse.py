@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, check_logprobs, hf_greedy
 from tests.models.test_nemotron_h_parity import TINY, save_tiny
 from tllm import LLM, CapacitySchedulerPolicy, KvCacheConfig, SamplingParams, SchedulerConfig
 
@@ -84,8 +84,7 @@ def test_checkpoint_pool_stays_bounded(tmp_path):
         assert checkpoints.pool.num_evictions > 0
         assert checkpoints.num_restored > 0
         assert checkpoints.num_rows_held == 0
-    for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NUM_NEW)[0]
+    assert_greedy_matches_hf(hf_model, prompts, outputs, NUM_NEW, logprobs=False)
 
 
 def test_preemption_with_recompute_restores_state(tmp_path):
@@ -104,5 +103,4 @@ def test_preemption_with_recompute_restores_state(tmp_path):
         assert llm.get_kv_cache_stats()["preemptions"] > 0
         assert _checkpoints(llm).num_restored > 0
         assert _checkpoints(llm).num_rows_held == 0
-    for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NUM_NEW)[0]
+    assert_greedy_matches_hf(hf_model, prompts, outputs, NUM_NEW, logprobs=False)

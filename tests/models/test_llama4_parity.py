@@ -11,7 +11,7 @@ import torch
 
 from tests.conftest import TINY
 from tests.kv_cache.test_reuse_and_preemption import kv, run, shared_prefix_prompts
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, hf_greedy, make_prompts
 from tllm import (LLM, CapacitySchedulerPolicy, KvCacheConfig, SamplingParams,
                   SchedulerConfig)
 
@@ -60,11 +60,7 @@ def test_greedy_matches_hf_in_continuous_batch(tiny_llama4):
         stats = llm.get_kv_cache_stats()
         assert stats["blocks_free"] == stats["blocks_total"]
         assert stats["blocks_reused"] > 0  # prompts 8 and 9 share prompt 2's blocks
-    for prompt, num_new, output in zip(prompts, max_new, outputs):
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, num_new)
-        completion = output.outputs[0]
-        assert completion.token_ids == ref_tokens
-        check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
+    assert_greedy_matches_hf(hf_model, prompts, outputs, max_new)
 
 
 def test_prefix_reuse_gives_hf_tokens(tiny_llama4):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, make_prompts
 from tllm import LLM, CapacitySchedulerPolicy, KvCacheConfig, SamplingParams, SchedulerConfig
 
 transformers = pytest.importorskip("transformers")
@@ -55,10 +55,7 @@ def test_greedy_matches_hf_in_continuous_batch(tmp_path):
             [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, logprobs=TOP)
              for n in max_tokens],
             use_tqdm=False)
-    for prompt, n, output in zip(prompts, max_tokens, outputs):
-        want, want_logprobs = hf_greedy(hf_model, prompt, n)
-        assert output.outputs[0].token_ids == want
-        check_logprobs(output.outputs[0].logprobs, want_logprobs, want)
+    assert_greedy_matches_hf(hf_model, prompts, outputs, max_tokens)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -81,8 +78,7 @@ def test_preemption_keeps_answers(tmp_path, mode):
         if mode == "swap":
             stats = llm.get_stats()
             assert stats["state_swapped_in"] == stats["state_swapped_out"] > 0
-    for prompt, output in zip(prompts, outputs):
-        assert output.outputs[0].token_ids == hf_greedy(hf_model, prompt, NUM_NEW)[0]
+    assert_greedy_matches_hf(hf_model, prompts, outputs, NUM_NEW, logprobs=False)
 
 
 def test_beam_search_refused(tmp_path):
@@ -113,7 +109,4 @@ def test_moe_blocks_match_hf(tmp_path, latent):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                                SamplingParams(max_tokens=NUM_NEW, temperature=0,
                                               ignore_eos=True, logprobs=TOP), use_tqdm=False)
-    for prompt, output in zip(prompts, outputs):
-        want, want_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
-        assert output.outputs[0].token_ids == want
-        check_logprobs(output.outputs[0].logprobs, want_logprobs, want)
+    assert_greedy_matches_hf(hf_model, prompts, outputs, NUM_NEW)

@@ -10,7 +10,7 @@ import torch
 import transformers
 
 from tests.conftest import TINY
-from tests.models.test_hf_parity import TOP, check_logprobs, hf_greedy, make_prompts
+from tests.models.hf_reference import TOP, assert_greedy_matches_hf, hf_greedy, make_prompts
 from tllm import LLM, KvCacheConfig, SamplingParams, loader
 from tllm.distributed.mapping import Mapping
 from tllm.models.transformers_impl import TransformersCausalLM
@@ -64,10 +64,7 @@ def test_fallback_matches_hf_in_continuous_batch(arch, tmp_path):
     assert isinstance(model, TransformersCausalLM)
     # window layers gave back the blocks behind their window (prompts up to 60 tokens)
     assert (freed > 0) == ("sliding_window" in ARCH_EXTRAS[arch])
-    for prompt, completion in zip(prompts, completions):
-        ref_tokens, ref_logprobs = hf_greedy(hf_model, prompt, NUM_NEW)
-        assert completion.token_ids == ref_tokens
-        check_logprobs(completion.logprobs, ref_logprobs, ref_tokens)
+    assert_greedy_matches_hf(hf_model, prompts, completions, NUM_NEW)
 
 
 def test_transformers_impl_on_llama_equals_native(tiny_llama):

@@ -28,6 +28,7 @@
 #   bash benchmarks/gpu_session.sh models8      # call 2 (warm): issue 33/37 models on the tables
 #   bash benchmarks/gpu_session.sh after37      # GPT-OSS's profile, FP8 sweep applied, issue 33's models again
 #   bash benchmarks/gpu_session.sh models37c    # issue 37's models at 12 layers (one H100)
+#   bash benchmarks/gpu_session.sh models37d    # issue 37's two missing models + GPT-OSS's profile
 # (round3 and round3_vlm import tests/ and sentence-transformers: build .whl with
 #  ../shared/gpu/wheels.sh pytest sentence-transformers pillow)
 # Each step has its own time limit so that one slow step cannot eat the call; output goes to
@@ -328,6 +329,14 @@ case $section in
     step models37c 580 python3 benchmarks/gpu_models.py --budget 560 --max-batch-size 512 \
       --parts floor,qwen3next12,llama4_12,qwen3moe_fp8kv,nemotron_bf16state
     ;;
+  models37d)  # issue 37's must-haves in one call (~560 s): Qwen3-Next and Llama 4 at 12
+    # layers, then where GPT-OSS's batch-1 step goes (models37c's extras left for a later call)
+    export PYTHONUNBUFFERED=1
+    step models37d 430 python3 benchmarks/gpu_models.py --budget 410 --max-batch-size 512 \
+      --parts floor,qwen3next12,llama4_12
+    step profile_gptoss 110 python3 benchmarks/gpu_profile_decode.py \
+      --models dummy:gpt-oss-20b,dummy:qwen3-30b-a3b --batch 1 --osl 32 --budget 100
+    ;;
   after37)  # the call after models37c (~560 s): where GPT-OSS's batch-1 step goes (the ninth
     # session left it at 33.8% of its floor), the FP8 experts' tiles swept and applied, then
     # Mixtral FP8 and Qwen3-30B-A3B again on the applied FP8 table and the H100's GEMV table
@@ -344,6 +353,6 @@ case $section in
     ;;
   stage)  # the first half of the SmolLM2 GGUF, carried alone
     cp .smol/a/part /tmp/smol_a && ls -la /tmp/smol_a ;;
-  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|models8|models37c|after37|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
+  *) echo "usage: $0 quant|serving|spec|kernels|window|video_serve|load|gemv|after|stalls|suite|scale|round3|round3_vlm|verify|next|fp8moe|models37|models_h200|round4|round4b|round5|today6|today7|suite7|tune8|models8|models37c|models37d|after37|models33|models37b|visual39|stage|smollm2 ..."; exit 2 ;;
 esac
 done

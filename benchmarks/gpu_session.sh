@@ -332,10 +332,13 @@ case $section in
   models37d)  # issue 37's must-haves in one call (~560 s): Qwen3-Next and Llama 4 at 12
     # layers, then where GPT-OSS's batch-1 step goes (models37c's extras left for a later call)
     export PYTHONUNBUFFERED=1
-    step models37d 430 python3 benchmarks/gpu_models.py --budget 410 --max-batch-size 512 \
-      --parts floor,qwen3next12,llama4_12
-    step profile_gptoss 110 python3 benchmarks/gpu_profile_decode.py \
-      --models dummy:gpt-oss-20b,dummy:qwen3-30b-a3b --batch 1 --osl 32 --budget 100
+    # (M37_BUDGET shortens the models; M37_PROFILE=0 leaves the profile out: a short budget)
+    budget=${M37_BUDGET:-410}
+    step models37d $((budget + 20)) python3 benchmarks/gpu_models.py --budget "$budget" \
+      --max-batch-size 512 --parts floor,qwen3next12,llama4_12
+    [ "${M37_PROFILE:-1}" = 1 ] && step profile_gptoss 110 python3 \
+      benchmarks/gpu_profile_decode.py --models dummy:gpt-oss-20b,dummy:qwen3-30b-a3b \
+      --batch 1 --osl 32 --budget 100
     ;;
   after37)  # the call after models37c (~560 s): where GPT-OSS's batch-1 step goes (the ninth
     # session left it at 33.8% of its floor), the FP8 experts' tiles swept and applied, then

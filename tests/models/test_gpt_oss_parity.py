@@ -72,10 +72,6 @@ def run(path, prompts, num_new, inspect=None, **llm_args):
     return [o.outputs[0] for o in outputs], stats
 
 
-def check_against_hf(hf_model, prompts, completions, num_new):
-    assert_greedy_matches_hf(hf_model, prompts, completions, num_new)
-
-
 @pytest.fixture(scope="module")
 def tiny_gpt_oss(tmp_path_factory):
     path = tmp_path_factory.mktemp("gpt_oss")
@@ -87,7 +83,7 @@ def test_greedy_matches_hf_in_continuous_batch(tiny_gpt_oss):
     prompts = make_prompts(hf_model.config.vocab_size)
     completions, stats = run(path, prompts, NUM_NEW)
     assert stats["blocks_reused"] > 0  # prompts 8 and 9 share prompt 2's prefix
-    check_against_hf(hf_model, prompts, completions, NUM_NEW)
+    assert_greedy_matches_hf(hf_model, prompts, completions, NUM_NEW)
 
 
 def test_preemption_with_recompute_keeps_hf_answers(tiny_gpt_oss):
@@ -103,7 +99,7 @@ def test_preemption_with_recompute_keeps_hf_answers(tiny_gpt_oss):
                              kv_cache_config=KvCacheConfig(tokens_per_block=4, max_tokens=64,
                                                            enable_block_reuse=False))
     assert stats["preemptions"] > 0
-    check_against_hf(hf_model, prompts, completions, num_new)
+    assert_greedy_matches_hf(hf_model, prompts, completions, num_new)
 
 
 def save_mxfp4(hf_model, path):
@@ -140,7 +136,7 @@ def test_mxfp4_checkpoint_matches_hf_on_its_dequantized_experts(tmp_path):
         assert experts.quant.name == "mxfp4" and experts.w13_blocks.dtype == torch.uint8
 
     completions, _ = run(tmp_path / "mxfp4", prompts, NUM_NEW[:6], inspect=kept_packed)
-    check_against_hf(hf_model, prompts, completions, NUM_NEW[:6])
+    assert_greedy_matches_hf(hf_model, prompts, completions, NUM_NEW[:6])
 
 
 def test_dummy_preset_has_the_real_shapes():
